@@ -1,0 +1,284 @@
+//! FILEIO and BLOCKIO: a regular file or a block device as a LUN.
+//!
+//! * Buffered (default): I/O goes through the page cache (the target-side cache that made
+//!   small-file workloads several times faster in the classic studies). Reads try
+//!   `preadv2(RWF_NOWAIT)` inline first and only go to an I/O thread on a cache miss.
+//! * Direct (`direct: true`): the file is opened `O_DIRECT`, bypassing the page cache (BLOCKIO
+//!   semantics); buffers are aligned to 4096 bytes.
+//!
+//! Durable writes use `pwritev2(RWF_DSYNC)` (with O_DIRECT this also reaches through the
+//! device's volatile cache via FUA/flush); `flush()` is `fdatasync`.
+
+use crate::pool::IoPool;
+use crate::{sys, BackendError, BlockDevice, Capabilities, IoFuture, WriteMode};
+use bytes::Bytes;
+use std::fs::{File, OpenOptions};
+use std::io::{Seek, SeekFrom};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const DIRECT_ALIGN: usize = 4096;
+
+/// How to open a file backend.
+#[derive(Debug, Clone)]
+pub struct FileOptions {
+    /// Bypass the page cache (O_DIRECT).
+    pub direct: bool,
+    /// Create the file sparse with this size if it does not exist; extend a smaller regular
+    /// file to this size. `None`: the file must exist and its size is the LUN size.
+    pub size: Option<u64>,
+    /// Open read-only.
+    pub read_only: bool,
+    /// Number of I/O threads.
+    pub io_threads: usize,
+}
+
+impl Default for FileOptions {
+    fn default() -> Self {
+        FileOptions {
+            direct: false,
+            size: None,
+            read_only: false,
+            io_threads: 16,
+        }
+    }
+}
+
+/// A file or block device backend.
+#[derive(Debug)]
+pub struct FileBackend {
+    file: Arc<File>,
+    path: PathBuf,
+    size: u64,
+    direct: bool,
+    punch: bool,
+    pool: IoPool,
+}
+
+/// A buffer whose usable window starts at a 4096-byte boundary, made without `unsafe` by
+/// over-allocating and skipping to the first aligned byte.
+fn aligned_vec(len: usize) -> (Vec<u8>, usize) {
+    let v = vec![0u8; len + DIRECT_ALIGN];
+    let start = v.as_ptr().align_offset(DIRECT_ALIGN);
+    (v, start)
+}
+
+impl FileBackend {
+    /// Open (or create) the backing file.
+    pub fn open(path: &Path, opts: &FileOptions) -> std::io::Result<Self> {
+        let exists = path.exists();
+        if !exists && opts.size.is_none() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!(
+                    "{} does not exist (give a size to create it)",
+                    path.display()
+                ),
+            ));
+        }
+        let mut oo = OpenOptions::new();
+        oo.read(true).write(!opts.read_only);
+        if opts.size.is_some() && !opts.read_only {
+            oo.create(true);
+        }
+        if opts.direct {
+            oo.custom_flags(libc::O_DIRECT);
+        }
+        let mut file = oo.open(path)?;
+        let meta = file.metadata()?;
+        let is_block = meta.file_type().is_block_device();
+        let size = if is_block {
+            file.seek(SeekFrom::End(0))?
+        } else {
+            let cur = meta.len();
+            match opts.size {
+                Some(want) if want > cur && !opts.read_only => {
+                    file.set_len(want)?;
+                    want
+                }
+                Some(want) => want.min(cur.max(want)),
+                None => cur,
+            }
+        };
+        if size == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{} has size 0", path.display()),
+            ));
+        }
+        let pool = IoPool::new("file", opts.io_threads)?;
+        Ok(FileBackend {
+            file: Arc::new(file),
+            path: path.to_owned(),
+            size,
+            direct: opts.direct,
+            punch: !is_block,
+            pool,
+        })
+    }
+
+    /// Path of the backing file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl BlockDevice for FileBackend {
+    fn kind(&self) -> &'static str {
+        if self.direct {
+            "file-direct"
+        } else {
+            "file"
+        }
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            volatile: false,
+            unmap: self.punch,
+            alignment: if self.direct { DIRECT_ALIGN as u32 } else { 1 },
+            discards_writes: false,
+        }
+    }
+
+    fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+        Box::pin(async move {
+            if self.direct {
+                let file = Arc::clone(&self.file);
+                return self
+                    .pool
+                    .run(move || {
+                        let (mut v, start) = aligned_vec(len);
+                        sys::read_exact_at(&*file, &mut v[start..start + len], offset)
+                            .map_err(|e| BackendError::from_io(&e, offset, false))?;
+                        Ok(Bytes::from(v).slice(start..start + len))
+                    })
+                    .await;
+            }
+            let mut buf = vec![0u8; len];
+            // Page-cache hit: no thread hop.
+            let got = sys::read_nowait(&*self.file, &mut buf, offset).unwrap_or(0);
+            if got == len {
+                return Ok(Bytes::from(buf));
+            }
+            let file = Arc::clone(&self.file);
+            self.pool
+                .run(move || {
+                    sys::read_exact_at(&*file, &mut buf[got..], offset + got as u64)
+                        .map_err(|e| BackendError::from_io(&e, offset, false))?;
+                    Ok(Bytes::from(buf))
+                })
+                .await
+        })
+    }
+
+    fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()> {
+        let file = Arc::clone(&self.file);
+        let direct = self.direct;
+        let dsync = mode == WriteMode::Durable;
+        Box::pin(self.pool.run(move || {
+            let res = if direct {
+                let (mut v, start) = aligned_vec(data.len());
+                v[start..start + data.len()].copy_from_slice(&data);
+                sys::write_all_at(&*file, &v[start..start + data.len()], offset, dsync)
+            } else {
+                sys::write_all_at(&*file, &data, offset, dsync)
+            };
+            match res {
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) && dsync => {
+                    // Kernel without RWF_DSYNC for this file: write, then fdatasync.
+                    sys::write_all_at(&*file, &data, offset, false)
+                        .and_then(|_| file.sync_data())
+                        .map_err(|e| BackendError::from_io(&e, offset, true))
+                }
+                other => other.map_err(|e| BackendError::from_io(&e, offset, true)),
+            }
+        }))
+    }
+
+    fn flush(&self) -> IoFuture<'_, ()> {
+        let file = Arc::clone(&self.file);
+        Box::pin(self.pool.run(move || {
+            file.sync_data()
+                .map_err(|e| BackendError::Io(e.to_string()))
+        }))
+    }
+
+    fn unmap(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
+        if !self.punch {
+            return Box::pin(async { Err(BackendError::Unsupported) });
+        }
+        let file = Arc::clone(&self.file);
+        Box::pin(self.pool.run(move || {
+            sys::punch_hole(&*file, offset, len).map_err(|e| match e.raw_os_error() {
+                Some(libc::EOPNOTSUPP) => BackendError::Unsupported,
+                _ => BackendError::Io(e.to_string()),
+            })
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn creates_sparse_file_and_round_trips_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lun0.img");
+        let opts = FileOptions {
+            size: Some(1 << 30),
+            ..Default::default()
+        };
+        let be = FileBackend::open(&path, &opts).unwrap();
+        assert_eq!(be.size(), 1 << 30);
+        // Sparse: almost nothing allocated on disk.
+        use std::os::unix::fs::MetadataExt;
+        assert!(std::fs::metadata(&path).unwrap().blocks() < 64);
+        let data = Bytes::from((0..8192u32).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
+        be.write(4096, data.clone(), WriteMode::Durable)
+            .await
+            .unwrap();
+        assert_eq!(be.read(4096, 8192).await.unwrap(), data);
+        be.flush().await.unwrap();
+        drop(be);
+        // Reopen without a size: size comes from the file, data persisted.
+        let be = FileBackend::open(&path, &FileOptions::default()).unwrap();
+        assert_eq!(be.size(), 1 << 30);
+        assert_eq!(be.read(4096, 8192).await.unwrap(), data);
+        be.unmap(0, 1 << 20).await.unwrap();
+        assert!(be.read(4096, 8192).await.unwrap().iter().all(|&b| b == 0));
+    }
+
+    #[tokio::test]
+    async fn missing_file_without_size_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = FileBackend::open(&dir.path().join("nope"), &FileOptions::default()).unwrap_err();
+        assert!(err.to_string().contains("does not exist"));
+    }
+
+    #[tokio::test]
+    async fn direct_mode_round_trips_when_the_filesystem_supports_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("direct.img");
+        let opts = FileOptions {
+            size: Some(1 << 20),
+            direct: true,
+            ..Default::default()
+        };
+        match FileBackend::open(&path, &opts) {
+            Ok(be) => {
+                let data = Bytes::from(vec![0x5au8; 4096]);
+                be.write(8192, data.clone(), WriteMode::Durable)
+                    .await
+                    .unwrap();
+                assert_eq!(be.read(8192, 4096).await.unwrap(), data);
+            }
+            // tmpfs on older kernels refuses O_DIRECT at open.
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL)),
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Block storage backends for ironsan.
+//!
+//! The contract is deliberately tiny (after LIO's backend ops): read, write (optionally FUA),
+//! flush, unmap/write-zeroes, plus geometry and honest capabilities. Backends never see a CDB or
+//! a PDU; they see byte offsets into a flat device. The SCSI layer converts LBAs, checks ranges
+//! and turns [`BackendError`] into sense data in one place.
+//!
+//! # Buffers
+//! Reads hand back an owned [`Bytes`] (the null backend returns a shared zero page, the RAM
+//! backend one copy, the file backend the buffer it read into), writes take an owned [`Bytes`],
+//! so an io_uring or zero-copy backend can be added without changing callers.
+//!
+//! # Durability contract
+//! * `write(.., WriteMode::Durable)` returns only when the data is on stable storage
+//!   (for files: `pwritev2(RWF_DSYNC)` or write + `fdatasync`).
+//! * `write(.., WriteMode::Cached)` may return while data is still in a volatile cache;
+//!   a later successful `flush()` makes every write that completed before it durable.
+//! * Backends that cannot be durable (null, ram) say so in [`Capabilities::volatile`]; the SCSI
+//!   layer reports that honestly (e.g. in the caching mode page) rather than pretending.
+//!
+//! # Blocking
+//! Methods are `async`: in-memory backends complete inline, file backends hand the syscall to a
+//! small pool of I/O threads ([`pool::IoPool`]) so the network side never blocks.
+
+use bytes::Bytes;
+use std::future::Future;
+use std::pin::Pin;
+
+pub mod file;
+pub mod null;
+pub mod pool;
+pub mod ram;
+mod sys;
+
+pub use file::{FileBackend, FileOptions};
+pub use null::NullBackend;
+pub use ram::RamBackend;
+
+/// A boxed future returned by backend operations (object-safe async).
+pub type IoFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;
+
+/// What went wrong in a backend, small enough to map to sense data in one table.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// The request reaches past the end of the device (the SCSI layer checks first; this is a
+    /// second line of defence).
+    #[error("request beyond end of device")]
+    OutOfRange,
+    /// The operation is not supported by this backend.
+    #[error("operation not supported by backend")]
+    Unsupported,
+    /// The device is full (thin provisioning).
+    #[error("no space left on backing store")]
+    NoSpace,
+    /// A read failed at the given byte offset (maps to MEDIUM ERROR / UNRECOVERED READ ERROR).
+    #[error("read error at byte offset {offset}")]
+    ReadError { offset: u64 },
+    /// A write failed at the given byte offset (maps to MEDIUM ERROR / WRITE ERROR).
+    #[error("write error at byte offset {offset}")]
+    WriteError { offset: u64 },
+    /// Any other I/O error (maps to HARDWARE ERROR / INTERNAL TARGET FAILURE).
+    #[error("I/O error: {0}")]
+    Io(String),
+}
+
+impl BackendError {
+    /// Classify an `std::io::Error` from a read or write at `offset`.
+    pub fn from_io(e: &std::io::Error, offset: u64, is_write: bool) -> Self {
+        match e.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => BackendError::NoSpace,
+            Some(libc::EIO) if is_write => BackendError::WriteError { offset },
+            Some(libc::EIO) => BackendError::ReadError { offset },
+            _ => BackendError::Io(e.to_string()),
+        }
+    }
+}
+
+/// Whether a write must be durable before it completes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteMode {
+    /// Complete only when on stable storage (WCE=0, or FUA).
+    Durable,
+    /// May complete while still in a volatile cache (WCE=1 without FUA).
+    Cached,
+}
+
+/// What a backend is and can do; reported honestly to the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Data does not survive a restart of the process (null, ram).
+    pub volatile: bool,
+    /// Unmap (deallocate) is supported, and deallocated ranges read back as zeros.
+    pub unmap: bool,
+    /// Preferred alignment of I/O in bytes (O_DIRECT needs the device's logical block size).
+    pub alignment: u32,
+    /// The backend discards writes (NULLIO).
+    pub discards_writes: bool,
+}
+
+/// The backend contract. Offsets and lengths are in bytes; the caller guarantees
+/// `offset + len <= size()`.
+pub trait BlockDevice: Send + Sync + 'static {
+    /// Short kind name for logs and admin output (`null`, `ram`, `file`, `file-direct`).
+    fn kind(&self) -> &'static str;
+    /// Size of the device in bytes.
+    fn size(&self) -> u64;
+    /// What this backend can do.
+    fn capabilities(&self) -> Capabilities;
+    /// Read `len` bytes at `offset`.
+    fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes>;
+    /// Write `data` at `offset`.
+    fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()>;
+    /// Make every completed write durable.
+    fn flush(&self) -> IoFuture<'_, ()>;
+    /// Deallocate `len` bytes at `offset`; afterwards the range reads as zeros.
+    fn unmap(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
+        let _ = (offset, len);
+        Box::pin(async { Err(BackendError::Unsupported) })
+    }
+}
+
+/// Parse a size such as `1G`, `512M`, `16T`, `4096` (bytes) or `100K`.
+/// Binary multiples (K = 1024). Returns `None` on garbage or overflow.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    if s.is_empty() {
+        return None;
+    }
+    let (num, mult) = match s.as_bytes()[s.len() - 1].to_ascii_uppercase() {
+        b'K' => (&s[..s.len() - 1], 1u64 << 10),
+        b'M' => (&s[..s.len() - 1], 1u64 << 20),
+        b'G' => (&s[..s.len() - 1], 1u64 << 30),
+        b'T' => (&s[..s.len() - 1], 1u64 << 40),
+        b'P' => (&s[..s.len() - 1], 1u64 << 50),
+        b'B' => (&s[..s.len() - 1], 1),
+        _ => (s, 1),
+    };
+    let n: u64 = num.trim().parse().ok()?;
+    n.checked_mul(mult)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn parses_sizes_with_suffixes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("1K"), Some(1024));
+        assert_eq!(parse_size("1g"), Some(1 << 30));
+        assert_eq!(parse_size("16T"), Some(16 << 40));
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("G"), None);
+        assert_eq!(parse_size("12x"), None);
+        assert_eq!(parse_size("99999999999P"), None);
+    }
+}

@@ -1,0 +1,54 @@
+//! NULLIO: reads return zeros, writes are discarded. Measures protocol cost.
+
+use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
+use bytes::Bytes;
+
+/// Largest read served from the shared zero buffer without allocating.
+const ZERO_LEN: usize = 1 << 20;
+static ZEROS: [u8; ZERO_LEN] = [0; ZERO_LEN];
+
+/// A device of a given size that stores nothing.
+#[derive(Debug)]
+pub struct NullBackend {
+    size: u64,
+}
+
+impl NullBackend {
+    pub fn new(size: u64) -> Self {
+        NullBackend { size }
+    }
+}
+
+impl BlockDevice for NullBackend {
+    fn kind(&self) -> &'static str {
+        "null"
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            volatile: true,
+            unmap: true,
+            alignment: 1,
+            discards_writes: true,
+        }
+    }
+    fn read(&self, _offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+        let data = if len <= ZERO_LEN {
+            Bytes::from_static(&ZEROS[..len])
+        } else {
+            Bytes::from(vec![0u8; len])
+        };
+        Box::pin(async move { Ok(data) })
+    }
+    fn write(&self, _offset: u64, _data: Bytes, _mode: WriteMode) -> IoFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+    fn flush(&self) -> IoFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+    fn unmap(&self, _offset: u64, _len: u64) -> IoFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+}

@@ -1,0 +1,188 @@
+//! RAM: a sparse in-memory device. Memory is allocated per chunk on first write, so a large
+//! RAM LUN costs only what is written; unmapping a whole chunk frees it. Volatile by nature,
+//! and says so.
+
+use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
+use bytes::{Bytes, BytesMut};
+use std::collections::HashMap;
+use std::sync::RwLock;
+
+const CHUNK_SHIFT: u32 = 20; // 1 MiB chunks
+const CHUNK: u64 = 1 << CHUNK_SHIFT;
+const SHARDS: usize = 64;
+
+type Chunk = Box<[u8]>;
+
+/// A sparse RAM disk.
+pub struct RamBackend {
+    size: u64,
+    shards: Vec<RwLock<HashMap<u64, Chunk>>>,
+}
+
+impl std::fmt::Debug for RamBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RamBackend")
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+/// Split `[offset, offset+len)` into per-chunk pieces: (chunk index, offset in chunk, length).
+fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize)> {
+    let mut pos = offset;
+    let end = offset.saturating_add(len);
+    std::iter::from_fn(move || {
+        if pos >= end {
+            return None;
+        }
+        let idx = pos >> CHUNK_SHIFT;
+        let within = pos & (CHUNK - 1);
+        let n = (CHUNK - within).min(end - pos);
+        pos += n;
+        Some((idx, within as usize, n as usize))
+    })
+}
+
+impl RamBackend {
+    pub fn new(size: u64) -> Self {
+        RamBackend {
+            size,
+            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
+        }
+    }
+
+    fn shard(&self, idx: u64) -> &RwLock<HashMap<u64, Chunk>> {
+        &self.shards[(idx as usize) % SHARDS]
+    }
+
+    /// Bytes of memory currently allocated for data.
+    pub fn allocated(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.read().map(|m| m.len() as u64).unwrap_or(0) * CHUNK)
+            .sum()
+    }
+
+    fn read_sync(&self, offset: u64, len: usize) -> Bytes {
+        let mut out = BytesMut::zeroed(len);
+        let mut at = 0usize;
+        for (idx, within, n) in pieces(offset, len as u64) {
+            let shard = self.shard(idx).read().unwrap_or_else(|p| p.into_inner());
+            if let Some(chunk) = shard.get(&idx) {
+                out[at..at + n].copy_from_slice(&chunk[within..within + n]);
+            }
+            at += n;
+        }
+        out.freeze()
+    }
+
+    fn write_sync(&self, offset: u64, data: &[u8]) {
+        let mut at = 0usize;
+        for (idx, within, n) in pieces(offset, data.len() as u64) {
+            let mut shard = self.shard(idx).write().unwrap_or_else(|p| p.into_inner());
+            let src = &data[at..at + n];
+            match shard.get_mut(&idx) {
+                Some(chunk) => chunk[within..within + n].copy_from_slice(src),
+                None => {
+                    if src.iter().all(|&b| b == 0) {
+                        // Writing zeros to an unallocated chunk changes nothing observable.
+                    } else {
+                        let mut chunk = vec![0u8; CHUNK as usize].into_boxed_slice();
+                        chunk[within..within + n].copy_from_slice(src);
+                        shard.insert(idx, chunk);
+                    }
+                }
+            }
+            at += n;
+        }
+    }
+
+    fn unmap_sync(&self, offset: u64, len: u64) {
+        for (idx, within, n) in pieces(offset, len) {
+            let mut shard = self.shard(idx).write().unwrap_or_else(|p| p.into_inner());
+            if within == 0 && n as u64 == CHUNK {
+                shard.remove(&idx);
+            } else if let Some(chunk) = shard.get_mut(&idx) {
+                chunk[within..within + n].fill(0);
+            }
+        }
+    }
+}
+
+impl BlockDevice for RamBackend {
+    fn kind(&self) -> &'static str {
+        "ram"
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            volatile: true,
+            unmap: true,
+            alignment: 1,
+            discards_writes: false,
+        }
+    }
+    fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+        let data = self.read_sync(offset, len);
+        Box::pin(async move { Ok(data) })
+    }
+    fn write(&self, offset: u64, data: Bytes, _mode: WriteMode) -> IoFuture<'_, ()> {
+        self.write_sync(offset, &data);
+        Box::pin(async { Ok(()) })
+    }
+    fn flush(&self) -> IoFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+    fn unmap(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
+        self.unmap_sync(offset, len);
+        Box::pin(async { Ok(()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn reads_back_writes_across_chunks_and_zeros_elsewhere() {
+        let ram = RamBackend::new(8 * CHUNK);
+        let data: Vec<u8> = (0..3 * CHUNK as usize)
+            .map(|i| (i % 251) as u8 + 1)
+            .collect();
+        ram.write(CHUNK / 2, Bytes::from(data.clone()), WriteMode::Durable)
+            .await
+            .unwrap();
+        let back = ram.read(CHUNK / 2, data.len()).await.unwrap();
+        assert_eq!(&back[..], &data[..]);
+        let zeros = ram.read(6 * CHUNK, 4096).await.unwrap();
+        assert!(zeros.iter().all(|&b| b == 0));
+        assert_eq!(ram.allocated(), 4 * CHUNK);
+        ram.unmap(0, 8 * CHUNK).await.unwrap();
+        assert_eq!(ram.allocated(), 0);
+        assert!(ram
+            .read(CHUNK / 2, 100)
+            .await
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0));
+    }
+
+    #[tokio::test]
+    async fn huge_sparse_device_costs_nothing_until_written() {
+        let ram = RamBackend::new(16 << 40);
+        ram.write(
+            (16 << 40) - 512,
+            Bytes::from(vec![7u8; 512]),
+            WriteMode::Durable,
+        )
+        .await
+        .unwrap();
+        assert_eq!(ram.allocated(), CHUNK);
+        assert_eq!(
+            &ram.read((16 << 40) - 512, 512).await.unwrap()[..],
+            &[7u8; 512][..]
+        );
+    }
+}

@@ -1,0 +1,116 @@
+//! The thin syscall layer: the only place in the backends with `unsafe`.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::AsRawFd;
+
+fn check(ret: isize) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// `pwritev2(fd, [buf], offset, flags)`.
+fn pwritev2(file: &impl AsRawFd, buf: &[u8], offset: u64, flags: libc::c_int) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: buf.as_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: `iov` points at `buf`, which stays borrowed (and so alive and unmoved) for the
+    // duration of the call; the kernel only reads from it. `fd` is a valid open descriptor
+    // owned by `file`, which is borrowed for the call.
+    let ret = unsafe { libc::pwritev2(file.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+    check(ret)
+}
+
+/// `preadv2(fd, [buf], offset, flags)`.
+fn preadv2(
+    file: &impl AsRawFd,
+    buf: &mut [u8],
+    offset: u64,
+    flags: libc::c_int,
+) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: `iov` points at `buf`, exclusively borrowed for the call, so the kernel may write
+    // up to `buf.len()` bytes into it; `fd` is a valid descriptor owned by `file`.
+    let ret = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+    check(ret)
+}
+
+/// Write all of `buf` at `offset`; with `dsync`, each write is durable on return
+/// (RWF_DSYNC: the data and the metadata needed to read it are on stable storage).
+pub fn write_all_at(
+    file: &impl AsRawFd,
+    mut buf: &[u8],
+    mut offset: u64,
+    dsync: bool,
+) -> io::Result<()> {
+    let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+    while !buf.is_empty() {
+        match pwritev2(file, buf, offset, flags) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "pwritev2 wrote nothing",
+                ))
+            }
+            Ok(n) => {
+                buf = &buf[n..];
+                offset += n as u64;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Read at `offset` without blocking (RWF_NOWAIT): returns how many bytes came from the page
+/// cache; `Ok(0)` or an error means "go to a worker thread".
+pub fn read_nowait(file: &impl AsRawFd, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    preadv2(file, buf, offset, libc::RWF_NOWAIT)
+}
+
+/// Read exactly `buf.len()` bytes at `offset` (blocking).
+pub fn read_exact_at(file: &impl AsRawFd, mut buf: &mut [u8], mut offset: u64) -> io::Result<()> {
+    while !buf.is_empty() {
+        match preadv2(file, buf, offset, 0) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "read past end of backing store",
+                ))
+            }
+            Ok(n) => {
+                buf = &mut buf[n..];
+                offset += n as u64;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Deallocate a byte range, keeping the file size (`fallocate(PUNCH_HOLE|KEEP_SIZE)`).
+pub fn punch_hole(file: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> {
+    // SAFETY: plain syscall on a valid descriptor owned by `file`; no memory is passed.
+    let ret = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
