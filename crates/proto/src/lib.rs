@@ -17,6 +17,8 @@
 pub mod digest;
 pub mod pdu;
 pub mod serial;
+pub mod task;
+pub mod window;
 
 pub use pdu::{Bhs, Header, Pdu};
 pub use serial::{CmdSn, DataSn, StatSn};

@@ -1,0 +1,422 @@
+//! Per-command data transfer arithmetic (RFC 7143 §3.2.4, §11.7, §11.8).
+//!
+//! * [`data_in_segments`] splits read data into Data-In PDUs: each at most the initiator's
+//!   MaxRecvDataSegmentLength, sequences (F bit) at most MaxBurstLength, DataSN counting from 0,
+//!   and the status collapsed into the last PDU (§11.7.3) when the command has no sense data.
+//! * [`WriteTransfer`] tracks a write's Data-Out: immediate data, unsolicited data up to
+//!   FirstBurstLength (when InitialR2T=No), and R2Ts for the rest (at most MaxOutstandingR2T at
+//!   a time, each at most MaxBurstLength), validating every Data-Out header before its payload
+//!   is read so the payload can go straight to its place in the command's buffer.
+
+use crate::pdu::{DataOut, Ttt};
+use crate::serial::DataSn;
+
+/// One Data-In PDU of a read: its place in the data and its flags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataInSegment {
+    pub data_sn: DataSn,
+    pub offset: u32,
+    pub len: u32,
+    /// Last PDU of a sequence (burst), F bit.
+    pub final_bit: bool,
+    /// Last PDU of the command: carries the status when phase-collapsed.
+    pub last: bool,
+}
+
+/// Split `total` bytes of read data into Data-In PDUs.
+pub fn data_in_segments(
+    total: u32,
+    max_xmit: u32,
+    max_burst: u32,
+) -> impl Iterator<Item = DataInSegment> {
+    let max_xmit = max_xmit.max(512);
+    let max_burst = max_burst.max(max_xmit);
+    let mut offset = 0u32;
+    let mut in_burst = 0u32;
+    let mut sn = 0u32;
+    std::iter::from_fn(move || {
+        if offset >= total {
+            return None;
+        }
+        let len = max_xmit.min(total - offset).min(max_burst - in_burst);
+        let seg_off = offset;
+        offset += len;
+        in_burst += len;
+        let last = offset >= total;
+        let final_bit = last || in_burst >= max_burst;
+        if final_bit {
+            in_burst = 0;
+        }
+        let s = DataInSegment {
+            data_sn: DataSn(sn),
+            offset: seg_off,
+            len,
+            final_bit,
+            last,
+        };
+        sn += 1;
+        Some(s)
+    })
+}
+
+/// Negotiated parameters that govern a write's data transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteParams {
+    pub initial_r2t: bool,
+    pub immediate_data: bool,
+    pub first_burst_length: u32,
+    pub max_burst_length: u32,
+    pub max_outstanding_r2t: u32,
+    /// Our MaxRecvDataSegmentLength (a Data-Out may not carry more).
+    pub max_recv_data_segment_length: u32,
+}
+
+/// An R2T to send.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct R2tRequest {
+    pub ttt: Ttt,
+    pub r2t_sn: DataSn,
+    pub offset: u32,
+    pub len: u32,
+}
+
+/// Why a Data-Out (or immediate data) was refused. Each maps to a Reject reason or a
+/// command failure in the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DataOutError {
+    #[error("immediate data not allowed or longer than FirstBurstLength/EDTL")]
+    BadImmediateData,
+    #[error("unsolicited Data-Out not allowed (InitialR2T=Yes or command had F=1)")]
+    UnsolicitedNotAllowed,
+    #[error("Data-Out beyond FirstBurstLength or the expected transfer length")]
+    BeyondBurst,
+    #[error("Data-Out with unknown Target Transfer Tag")]
+    UnknownTtt,
+    #[error("Data-Out outside the range its R2T asked for")]
+    OutsideR2t,
+    #[error("Data-Out with wrong DataSN")]
+    BadDataSn,
+    #[error("Data-Out with wrong BufferOffset (DataPDUInOrder=Yes)")]
+    BadOffset,
+    #[error("Data-Out segment longer than MaxRecvDataSegmentLength")]
+    TooLong,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Sequence {
+    ttt: Ttt,
+    /// Next expected offset and DataSN within the sequence.
+    next_offset: u32,
+    next_data_sn: DataSn,
+    end: u32,
+}
+
+/// Data-Out state of one write command.
+#[derive(Debug)]
+pub struct WriteTransfer {
+    edtl: u32,
+    params: WriteParams,
+    received: u32,
+    /// Unsolicited sequence, if one is expected.
+    unsolicited: Option<Sequence>,
+    /// Where R2Ts start and how far they have been issued.
+    next_r2t_offset: u32,
+    next_r2t_sn: DataSn,
+    outstanding: Vec<Sequence>,
+}
+
+impl WriteTransfer {
+    /// Start tracking a write of `edtl` bytes whose command PDU carried `immediate_len` bytes
+    /// and had the F bit `cmd_final` (F=0 announces unsolicited Data-Out to follow).
+    pub fn new(
+        edtl: u32,
+        immediate_len: u32,
+        cmd_final: bool,
+        params: WriteParams,
+    ) -> Result<Self, DataOutError> {
+        let first_burst = params.first_burst_length.min(edtl);
+        if immediate_len > 0 && (!params.immediate_data || immediate_len > first_burst) {
+            return Err(DataOutError::BadImmediateData);
+        }
+        let unsolicited_end = if !cmd_final && !params.initial_r2t {
+            first_burst
+        } else {
+            immediate_len
+        };
+        let unsolicited = (unsolicited_end > immediate_len).then_some(Sequence {
+            ttt: Ttt::RESERVED,
+            next_offset: immediate_len,
+            next_data_sn: DataSn(0),
+            end: unsolicited_end,
+        });
+        if !cmd_final && params.initial_r2t {
+            // F=0 with InitialR2T=Yes announces data the target never allowed.
+            return Err(DataOutError::UnsolicitedNotAllowed);
+        }
+        Ok(WriteTransfer {
+            edtl,
+            params,
+            received: immediate_len,
+            unsolicited,
+            next_r2t_offset: unsolicited_end,
+            next_r2t_sn: DataSn(0),
+            outstanding: Vec::new(),
+        })
+    }
+
+    /// All bytes of the expected transfer have arrived.
+    pub fn is_complete(&self) -> bool {
+        self.received >= self.edtl
+    }
+
+    /// Bytes received so far.
+    pub fn received(&self) -> u32 {
+        self.received
+    }
+
+    /// R2Ts to send now, with TTTs from `alloc_ttt`. R2Ts are only issued once the
+    /// unsolicited burst is over, so DataSequenceInOrder holds.
+    pub fn next_r2ts(&mut self, mut alloc_ttt: impl FnMut() -> Ttt) -> Vec<R2tRequest> {
+        let mut out = Vec::new();
+        if self.unsolicited.is_some() {
+            return out;
+        }
+        while self.next_r2t_offset < self.edtl
+            && (self.outstanding.len() as u32) < self.params.max_outstanding_r2t.max(1)
+        {
+            let len = (self.edtl - self.next_r2t_offset).min(self.params.max_burst_length.max(512));
+            let ttt = alloc_ttt();
+            let r = R2tRequest {
+                ttt,
+                r2t_sn: self.next_r2t_sn,
+                offset: self.next_r2t_offset,
+                len,
+            };
+            self.outstanding.push(Sequence {
+                ttt,
+                next_offset: r.offset,
+                next_data_sn: DataSn(0),
+                end: r.offset + len,
+            });
+            self.next_r2t_sn = self.next_r2t_sn.next();
+            self.next_r2t_offset += len;
+            out.push(r);
+        }
+        out
+    }
+
+    /// The R2TSN the next R2T will use (for the SCSI Response's ExpDataSN on writes).
+    pub fn r2t_count(&self) -> DataSn {
+        self.next_r2t_sn
+    }
+
+    /// Validate a Data-Out header carrying `len` bytes. On success the caller reads the payload
+    /// into `[buffer_offset, buffer_offset + len)` of the command's buffer.
+    pub fn accept(&mut self, h: &DataOut, len: u32) -> Result<(), DataOutError> {
+        if len > self.params.max_recv_data_segment_length {
+            return Err(DataOutError::TooLong);
+        }
+        let seq = if h.ttt == Ttt::RESERVED {
+            self.unsolicited
+                .as_mut()
+                .ok_or(DataOutError::UnsolicitedNotAllowed)?
+        } else {
+            self.outstanding
+                .iter_mut()
+                .find(|s| s.ttt == h.ttt)
+                .ok_or(DataOutError::UnknownTtt)?
+        };
+        if h.data_sn != seq.next_data_sn {
+            return Err(DataOutError::BadDataSn);
+        }
+        if h.buffer_offset != seq.next_offset {
+            return Err(if h.ttt == Ttt::RESERVED {
+                DataOutError::BadOffset
+            } else {
+                DataOutError::OutsideR2t
+            });
+        }
+        let end = h
+            .buffer_offset
+            .checked_add(len)
+            .ok_or(DataOutError::BeyondBurst)?;
+        if end > seq.end {
+            return Err(if h.ttt == Ttt::RESERVED {
+                DataOutError::BeyondBurst
+            } else {
+                DataOutError::OutsideR2t
+            });
+        }
+        if h.final_bit && end != seq.end {
+            // F=1 before the sequence is complete: data would be missing with no way to ask
+            // for it at ErrorRecoveryLevel 0.
+            return Err(DataOutError::BadOffset);
+        }
+        seq.next_offset = end;
+        seq.next_data_sn = seq.next_data_sn.next();
+        self.received += len;
+        let done = end == seq.end;
+        if done {
+            if h.ttt == Ttt::RESERVED {
+                self.unsolicited = None;
+            } else {
+                let ttt = h.ttt;
+                self.outstanding.retain(|s| s.ttt != ttt);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> WriteParams {
+        WriteParams {
+            initial_r2t: false,
+            immediate_data: true,
+            first_burst_length: 65536,
+            max_burst_length: 262144,
+            max_outstanding_r2t: 2,
+            max_recv_data_segment_length: 65536,
+        }
+    }
+
+    #[test]
+    fn data_in_respects_segment_and_burst_limits() {
+        let segs: Vec<_> = data_in_segments(300_000, 65536, 131072).collect();
+        assert_eq!(segs.len(), 5);
+        assert_eq!(segs.iter().map(|s| s.len).sum::<u32>(), 300_000);
+        assert!(segs.iter().all(|s| s.len <= 65536));
+        assert_eq!(segs.iter().filter(|s| s.final_bit).count(), 3);
+        assert!(segs[1].final_bit && segs[3].final_bit && segs[4].last);
+        for (i, s) in segs.iter().enumerate() {
+            assert_eq!(s.data_sn, DataSn(i as u32));
+        }
+        let mut off = 0;
+        for s in &segs {
+            assert_eq!(s.offset, off);
+            off += s.len;
+        }
+    }
+
+    #[test]
+    fn empty_read_has_no_data_in() {
+        assert_eq!(data_in_segments(0, 8192, 8192).count(), 0);
+    }
+
+    fn data_out(ttt: Ttt, sn: u32, off: u32, fin: bool) -> DataOut {
+        DataOut {
+            final_bit: fin,
+            ttt,
+            data_sn: DataSn(sn),
+            buffer_offset: off,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn immediate_then_unsolicited_then_r2ts() {
+        let mut t = WriteTransfer::new(400_000, 8192, false, params()).unwrap();
+        assert!(
+            t.next_r2ts(|| Ttt(1)).is_empty(),
+            "no R2T before the unsolicited burst ends"
+        );
+        t.accept(&data_out(Ttt::RESERVED, 0, 8192, false), 32768)
+            .unwrap();
+        t.accept(&data_out(Ttt::RESERVED, 1, 40960, true), 24576)
+            .unwrap();
+        let mut next = 100;
+        let r2ts = t.next_r2ts(|| {
+            next += 1;
+            Ttt(next)
+        });
+        assert_eq!(r2ts.len(), 2);
+        assert_eq!((r2ts[0].offset, r2ts[0].len), (65536, 262144));
+        assert_eq!((r2ts[1].offset, r2ts[1].len), (327680, 72320));
+        assert_eq!(r2ts[1].r2t_sn, DataSn(1));
+        // Out-of-order DataSN inside an R2T sequence.
+        assert_eq!(
+            t.accept(&data_out(r2ts[1].ttt, 1, 327680, false), 100),
+            Err(DataOutError::BadDataSn)
+        );
+        t.accept(&data_out(r2ts[1].ttt, 0, 327680, false), 65536)
+            .unwrap();
+        t.accept(&data_out(r2ts[1].ttt, 1, 393216, true), 6784)
+            .unwrap();
+        for i in 0..4u32 {
+            t.accept(&data_out(r2ts[0].ttt, i, 65536 + i * 65536, i == 3), 65536)
+                .unwrap();
+        }
+        assert!(t.is_complete());
+    }
+
+    #[test]
+    fn refuses_data_beyond_first_burst_and_unknown_ttt() {
+        let mut t = WriteTransfer::new(1 << 20, 0, false, params()).unwrap();
+        assert_eq!(
+            t.accept(&data_out(Ttt::RESERVED, 0, 0, false), 65537),
+            Err(DataOutError::TooLong)
+        );
+        t.accept(&data_out(Ttt::RESERVED, 0, 0, false), 65000)
+            .unwrap();
+        assert_eq!(
+            t.accept(&data_out(Ttt::RESERVED, 1, 65000, true), 1000),
+            Err(DataOutError::BeyondBurst)
+        );
+        assert_eq!(
+            t.accept(&data_out(Ttt(77), 0, 0, true), 10),
+            Err(DataOutError::UnknownTtt)
+        );
+    }
+
+    #[test]
+    fn initial_r2t_forbids_unsolicited_data() {
+        let p = WriteParams {
+            initial_r2t: true,
+            ..params()
+        };
+        assert_eq!(
+            WriteTransfer::new(8192, 0, false, p).unwrap_err(),
+            DataOutError::UnsolicitedNotAllowed
+        );
+        let mut t = WriteTransfer::new(8192, 0, true, p).unwrap();
+        assert_eq!(
+            t.accept(&data_out(Ttt::RESERVED, 0, 0, true), 8192),
+            Err(DataOutError::UnsolicitedNotAllowed)
+        );
+        let r = t.next_r2ts(|| Ttt(5));
+        assert_eq!(
+            r,
+            vec![R2tRequest {
+                ttt: Ttt(5),
+                r2t_sn: DataSn(0),
+                offset: 0,
+                len: 8192
+            }]
+        );
+    }
+
+    #[test]
+    fn immediate_data_longer_than_first_burst_is_refused() {
+        assert_eq!(
+            WriteTransfer::new(1 << 20, 65540, true, params()).unwrap_err(),
+            DataOutError::BadImmediateData
+        );
+        let p = WriteParams {
+            immediate_data: false,
+            ..params()
+        };
+        assert_eq!(
+            WriteTransfer::new(4096, 4096, true, p).unwrap_err(),
+            DataOutError::BadImmediateData
+        );
+    }
+
+    #[test]
+    fn immediate_data_alone_completes_a_small_write() {
+        let t = WriteTransfer::new(4096, 4096, true, params()).unwrap();
+        assert!(t.is_complete());
+    }
+}
