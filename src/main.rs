@@ -1,1 +1,180 @@
-fn main() {}
+//! `ironsan`: the command-line front end. `ironsan serve` runs the target.
+
+mod config;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use config::{Backing, Plan};
+use ironsan_backend::{BlockDevice, FileBackend, FileOptions, NullBackend, RamBackend};
+use ironsan_scsi::{LogicalUnit, LuConfig};
+use ironsan_server::{Server, ServerConfig, TargetDef};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(name = "ironsan", version, about = "A user-space iSCSI target (RFC 7143) for Linux storage nodes")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serve iSCSI targets. With no arguments: one target with LUN 0 backed by a 1 GiB sparse
+    /// file in ./ironsan-data, on 127.0.0.1:3260.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Portal to listen on, ADDR:PORT (repeatable; IPv6 as [::1]:3260). Default 127.0.0.1:3260.
+    #[arg(long = "listen", value_name = "ADDR:PORT")]
+    listen: Vec<String>,
+    /// Target name (IQN). Default iqn.2026-11.org.ironsan:default.
+    #[arg(long, value_name = "IQN")]
+    target: Option<String>,
+    /// LUN backing, repeatable, numbered 0,1,2...: null:SIZE | ram:SIZE | file:PATH | file:PATH:SIZE
+    /// (SIZE with K/M/G/T suffix; a file is created sparse if missing; relative paths are
+    /// under --data-dir).
+    #[arg(long = "lun", value_name = "SPEC")]
+    luns: Vec<String>,
+    /// Directory for backing files (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "./ironsan-data")]
+    data_dir: PathBuf,
+    /// TOML configuration file (targets, portals, LUNs); replaces --listen/--target/--lun.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["listen", "target", "luns"])]
+    config: Option<PathBuf>,
+    /// Open file LUNs with O_DIRECT (BLOCKIO: bypass the page cache).
+    #[arg(long)]
+    direct: bool,
+    /// Start LUNs with the write cache enabled (WCE=1): writes are durable only after FUA or
+    /// SYNCHRONIZE CACHE. Default: WCE=0, every acknowledged write is durable.
+    #[arg(long)]
+    write_cache: bool,
+    /// Log filter (error, warn, info, debug, trace, or a tracing directive).
+    #[arg(long, default_value = "info", env = "IRONSAN_LOG")]
+    log: String,
+}
+
+fn build_lu(target: &str, n: usize, l: &config::LunPlan) -> Result<(Arc<dyn BlockDevice>, LogicalUnit)> {
+    let backend: Arc<dyn BlockDevice> = match &l.backing {
+        Backing::Null { size } => Arc::new(NullBackend::new(*size)),
+        Backing::Ram { size } => Arc::new(RamBackend::new(*size)),
+        Backing::File { path, size } => {
+            if let Some(dir) = path.parent() {
+                if size.is_some() && !dir.as_os_str().is_empty() {
+                    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+                }
+            }
+            let opts = FileOptions { direct: l.direct, size: *size, read_only: l.read_only, ..Default::default() };
+            Arc::new(FileBackend::open(path, &opts).with_context(|| format!("LUN {n}: opening {}", path.display()))?)
+        }
+    };
+    if backend.size() < l.block_size as u64 {
+        anyhow::bail!("LUN {n}: size {} is smaller than one block", backend.size());
+    }
+    let seed = format!("{target}/{n}");
+    let naa = ironsan_scsi::local_naa(&seed);
+    let cfg = LuConfig {
+        block_size: l.block_size,
+        read_only: l.read_only,
+        write_cache: l.write_cache,
+        serial: l.serial.clone().unwrap_or_else(|| format!("{naa:016x}")),
+        naa,
+        ..Default::default()
+    };
+    let lu = LogicalUnit::new(Arc::clone(&backend), cfg);
+    Ok((backend, lu))
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let plan: Plan = match &args.config {
+        Some(path) => config::load_file(path).map_err(anyhow::Error::msg)?,
+        None => config::from_flags(&args.listen, args.target.as_deref(), &args.luns, &args.data_dir, args.direct, args.write_cache)
+            .map_err(anyhow::Error::msg)?,
+    };
+    let mut targets = Vec::new();
+    let mut summary = Vec::new();
+    for t in plan.targets.iter() {
+        let mut scsi = ironsan_scsi::Target::new();
+        for (n, l) in t.luns.iter().enumerate() {
+            let (backend, lu) = build_lu(&t.name, n, l)?;
+            let durability = if backend.capabilities().volatile {
+                "volatile: data is lost on exit".to_string()
+            } else if l.write_cache {
+                "WCE=1: durable after FUA/SYNCHRONIZE CACHE".to_string()
+            } else {
+                "WCE=0: every acknowledged write is durable".to_string()
+            };
+            let what = match &l.backing {
+                Backing::File { path, .. } => format!("{} {}", backend.kind(), path.display()),
+                _ => backend.kind().to_string(),
+            };
+            summary.push(format!("  {} LUN {n}: {what}, {} ({durability})", t.name, human(backend.size())));
+            scsi.add_lun(n as u64, Arc::new(lu));
+        }
+        targets.push(TargetDef { name: t.name.clone(), alias: t.alias.clone(), tpgt: 1, scsi: Arc::new(scsi) });
+    }
+    let mut cfg = ServerConfig::new(plan.listen.clone(), targets);
+    cfg.queue_depth = plan.queue_depth;
+    let server = Server::bind(cfg).await?;
+    let addrs = server.local_addrs();
+    println!("ironsan {} serving:", env!("CARGO_PKG_VERSION"));
+    for s in &summary {
+        println!("{s}");
+    }
+    for a in &addrs {
+        println!("  portal {a}");
+    }
+    if let (Some(a), Some(t)) = (addrs.first(), plan.targets.first()) {
+        println!("Connect with open-iscsi:");
+        println!("  iscsiadm -m discovery -t sendtargets -p {a} && iscsiadm -m node -T {} -p {a} --login", t.name);
+        println!("or list with libiscsi:");
+        println!("  iscsi-ls -s iscsi://{a}");
+    }
+    server
+        .run(async {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        })
+        .await;
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Serve(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| "info".into()))
+                .with_writer(std::io::stderr)
+                .init();
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            rt.block_on(serve(args))
+        }
+    }
+}

@@ -1,1 +1,494 @@
+//! # ironsan-initiator: a small iSCSI initiator on `ironsan-proto`
+//!
+//! For tests and benchmarks: things libiscsi cannot do (hostile PDUs, exact control over
+//! every field), and an in-process client for the server's tests. One command at a time per
+//! [`Client`]; raw PDU access for protocol tests.
 
+use bytes::{Bytes, BytesMut};
+use ironsan_proto::digest;
+use ironsan_proto::pdu::*;
+use ironsan_proto::{text, CmdSn, DataSn, StatSn};
+use std::net::SocketAddr;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+
+/// Errors of the test initiator.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("login failed with status {0:02x}{1:02x}")]
+    Login(u8, u8),
+    #[error("protocol: {0}")]
+    Protocol(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// What to offer at login.
+#[derive(Clone, Debug)]
+pub struct LoginOptions {
+    pub initiator_name: String,
+    /// `None` logs in to a discovery session.
+    pub target_name: Option<String>,
+    pub isid: Isid,
+    pub tsih: Tsih,
+    pub cid: Cid,
+    pub header_digest: bool,
+    pub data_digest: bool,
+    pub max_recv_data_segment_length: u32,
+    pub initial_r2t: bool,
+    pub immediate_data: bool,
+    pub first_burst_length: u32,
+    pub max_burst_length: u32,
+    /// Extra key=value pairs to send in the login.
+    pub extra: Vec<(String, String)>,
+}
+
+impl LoginOptions {
+    pub fn new(target: Option<&str>) -> Self {
+        LoginOptions {
+            initiator_name: "iqn.2026-11.org.ironsan:test-initiator".into(),
+            target_name: target.map(str::to_string),
+            isid: Isid([0x80, 0, 0x12, 0x34, 0, 1]),
+            tsih: Tsih(0),
+            cid: Cid(0),
+            header_digest: false,
+            data_digest: false,
+            max_recv_data_segment_length: 262144,
+            initial_r2t: false,
+            immediate_data: true,
+            first_burst_length: 65536,
+            max_burst_length: 262144,
+            extra: Vec::new(),
+        }
+    }
+}
+
+/// The outcome of a SCSI command.
+#[derive(Clone, Debug, Default)]
+pub struct CommandResult {
+    pub status: u8,
+    pub data: Bytes,
+    pub sense: Bytes,
+    pub residual: Residual,
+}
+
+impl CommandResult {
+    /// (sense key, ASC, ASCQ) from fixed-format sense data.
+    pub fn sense_key(&self) -> Option<(u8, u8, u8)> {
+        let s = &self.sense;
+        (s.len() >= 14).then(|| (s[2] & 0x0f, s[12], s[13]))
+    }
+}
+
+/// A logged-in connection.
+pub struct Client {
+    rd: BufReader<OwnedReadHalf>,
+    wr: OwnedWriteHalf,
+    pub cmd_sn: CmdSn,
+    pub exp_stat_sn: StatSn,
+    pub max_cmd_sn: CmdSn,
+    next_itt: u32,
+    pub header_digest: bool,
+    pub data_digest: bool,
+    /// Negotiated values as the target answered them.
+    pub negotiated: Vec<(String, String)>,
+    pub tsih: Tsih,
+    /// The target's MaxRecvDataSegmentLength (limit for our Data-Out).
+    pub target_mrdsl: u32,
+    pub first_burst: u32,
+    pub max_burst: u32,
+    pub immediate_data: bool,
+    pub initial_r2t: bool,
+    /// Async messages and other unsolicited PDUs seen while waiting.
+    pub unsolicited: Vec<Pdu>,
+}
+
+impl Client {
+    /// Connect without logging in (for raw protocol tests).
+    pub async fn connect_raw(addr: SocketAddr) -> Result<(BufReader<OwnedReadHalf>, OwnedWriteHalf)> {
+        let s = TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        let (r, w) = s.into_split();
+        Ok((BufReader::new(r), w))
+    }
+
+    /// Connect and log in (security stage skipped: CSG=1 → NSG=3).
+    pub async fn login(addr: SocketAddr, opts: &LoginOptions) -> Result<Client> {
+        let (rd, wr) = Self::connect_raw(addr).await?;
+        let mut c = Client {
+            rd,
+            wr,
+            cmd_sn: CmdSn(1),
+            exp_stat_sn: StatSn(0),
+            max_cmd_sn: CmdSn(1),
+            next_itt: 1,
+            header_digest: false,
+            data_digest: false,
+            negotiated: Vec::new(),
+            tsih: Tsih(0),
+            target_mrdsl: 8192,
+            first_burst: 65536,
+            max_burst: 262144,
+            immediate_data: true,
+            initial_r2t: true,
+            unsolicited: Vec::new(),
+        };
+        let yn = |b: bool| if b { "Yes" } else { "No" }.to_string();
+        let dg = |b: bool| if b { "CRC32C" } else { "None" }.to_string();
+        let mut keys: Vec<(String, String)> = vec![("InitiatorName".into(), opts.initiator_name.clone())];
+        match &opts.target_name {
+            Some(t) => {
+                keys.push(("TargetName".into(), t.clone()));
+                keys.push(("SessionType".into(), "Normal".into()));
+            }
+            None => keys.push(("SessionType".into(), "Discovery".into())),
+        }
+        keys.extend([
+            ("HeaderDigest".into(), dg(opts.header_digest)),
+            ("DataDigest".into(), dg(opts.data_digest)),
+            ("MaxRecvDataSegmentLength".into(), opts.max_recv_data_segment_length.to_string()),
+        ]);
+        if opts.target_name.is_some() {
+            keys.extend([
+                ("InitialR2T".into(), yn(opts.initial_r2t)),
+                ("ImmediateData".into(), yn(opts.immediate_data)),
+                ("FirstBurstLength".into(), opts.first_burst_length.to_string()),
+                ("MaxBurstLength".into(), opts.max_burst_length.to_string()),
+                ("MaxOutstandingR2T".into(), "1".into()),
+                ("ErrorRecoveryLevel".into(), "0".into()),
+                ("DefaultTime2Wait".into(), "2".into()),
+                ("DefaultTime2Retain".into(), "0".into()),
+                ("MaxConnections".into(), "1".into()),
+                ("DataPDUInOrder".into(), "Yes".into()),
+                ("DataSequenceInOrder".into(), "Yes".into()),
+            ]);
+        }
+        keys.extend(opts.extra.iter().cloned());
+        let mut data = text::encode(&keys);
+        for _round in 0..8 {
+            let req = LoginRequest {
+                transit: true,
+                csg: Stage::LOGIN_OPERATIONAL_NEGOTIATION,
+                nsg: Stage::FULL_FEATURE_PHASE,
+                isid: opts.isid,
+                tsih: opts.tsih,
+                itt: Itt(0),
+                cid: opts.cid,
+                cmd_sn: c.cmd_sn,
+                exp_stat_sn: c.exp_stat_sn,
+                ..Default::default()
+            };
+            c.send(Header::LoginRequest(req), data.clone()).await?;
+            let resp = c.recv().await?;
+            let Header::LoginResponse(lr) = resp.header else {
+                return Err(Error::Protocol(format!("expected login response, got {:?}", resp.header)));
+            };
+            if lr.status_class != 0 {
+                return Err(Error::Login(lr.status_class, lr.status_detail));
+            }
+            c.exp_stat_sn = lr.sn.stat_sn.next();
+            c.max_cmd_sn = lr.sn.max_cmd_sn;
+            let pairs = text::parse(&resp.data).map_err(|e| Error::Protocol(format!("login text: {e:?}")))?;
+            c.negotiated.extend(pairs);
+            if lr.transit && lr.nsg == Stage::FULL_FEATURE_PHASE {
+                c.tsih = lr.tsih;
+                break;
+            }
+            data = Bytes::new();
+        }
+        let get = |k: &str| c.negotiated.iter().rev().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+        c.header_digest = get("HeaderDigest").as_deref() == Some("CRC32C");
+        c.data_digest = get("DataDigest").as_deref() == Some("CRC32C");
+        c.target_mrdsl = get("MaxRecvDataSegmentLength").and_then(|v| v.parse().ok()).unwrap_or(8192);
+        c.first_burst = get("FirstBurstLength").and_then(|v| v.parse().ok()).unwrap_or(65536);
+        c.max_burst = get("MaxBurstLength").and_then(|v| v.parse().ok()).unwrap_or(262144);
+        c.immediate_data = get("ImmediateData").as_deref() != Some("No");
+        c.initial_r2t = get("InitialR2T").as_deref() != Some("No");
+        if c.tsih.0 == 0 {
+            return Err(Error::Protocol("login did not reach full feature phase".into()));
+        }
+        Ok(c)
+    }
+
+    /// A fresh initiator task tag.
+    pub fn itt(&mut self) -> Itt {
+        let i = Itt(self.next_itt);
+        self.next_itt = self.next_itt.wrapping_add(1).max(1);
+        i
+    }
+
+    /// Send one PDU with this connection's digests.
+    pub async fn send(&mut self, header: Header, data: Bytes) -> Result<()> {
+        let pdu = Pdu::new(header, data);
+        let bhs = pdu.bhs();
+        self.send_raw_bhs(&bhs, &pdu.data).await
+    }
+
+    /// Send a raw BHS (possibly malformed) and data, with digests as negotiated.
+    pub async fn send_raw_bhs(&mut self, bhs: &Bhs, data: &[u8]) -> Result<()> {
+        let mut buf = BytesMut::with_capacity(48 + 8 + data.len() + 4);
+        buf.extend_from_slice(&bhs.0);
+        if self.header_digest {
+            buf.extend_from_slice(&digest::crc32c(&bhs.0).to_le_bytes());
+        }
+        if !data.is_empty() {
+            buf.extend_from_slice(data);
+            buf.extend_from_slice(&[0u8; 3][..pad_len(data.len())]);
+            if self.data_digest {
+                buf.extend_from_slice(&digest::data_digest(&[data]).to_le_bytes());
+            }
+        }
+        self.wr.write_all(&buf).await?;
+        Ok(())
+    }
+
+    /// Write raw bytes to the socket.
+    pub async fn send_bytes(&mut self, b: &[u8]) -> Result<()> {
+        self.wr.write_all(b).await?;
+        Ok(())
+    }
+
+    /// Receive one PDU (digests checked).
+    pub async fn recv(&mut self) -> Result<Pdu> {
+        let mut bhs = Bhs::default();
+        self.rd.read_exact(&mut bhs.0).await?;
+        let mut ahs = vec![0u8; bhs.ahs_len()];
+        self.rd.read_exact(&mut ahs).await?;
+        if self.header_digest {
+            let mut d = [0u8; 4];
+            self.rd.read_exact(&mut d).await?;
+            if u32::from_le_bytes(d) != digest::crc32c_append(digest::crc32c(&bhs.0), &ahs) {
+                return Err(Error::Protocol("header digest mismatch from target".into()));
+            }
+        }
+        let len = bhs.data_len() as usize;
+        let mut data = vec![0u8; len + pad_len(len)];
+        self.rd.read_exact(&mut data).await?;
+        if self.data_digest && len > 0 {
+            let mut d = [0u8; 4];
+            self.rd.read_exact(&mut d).await?;
+            if u32::from_le_bytes(d) != digest::crc32c(&data) {
+                return Err(Error::Protocol("data digest mismatch from target".into()));
+            }
+        }
+        data.truncate(len);
+        Ok(Pdu { header: Header::decode(&bhs), ahs: Bytes::from(ahs), data: Bytes::from(data) })
+    }
+
+    fn note_sn(&mut self, sn: &TargetSn, advances: bool) {
+        if advances {
+            self.exp_stat_sn = sn.stat_sn.next();
+        }
+        self.max_cmd_sn = sn.max_cmd_sn;
+    }
+
+    /// Run one SCSI command to completion: immediate/unsolicited data within the negotiated
+    /// limits, R2Ts answered, Data-In collected.
+    pub async fn command(&mut self, lun: u64, cdb: &[u8], data_out: Option<Bytes>, read_len: u32) -> Result<CommandResult> {
+        let itt = self.itt();
+        let mut cdb16 = [0u8; 16];
+        let n = cdb.len().min(16);
+        cdb16[..n].copy_from_slice(&cdb[..n]);
+        let out = data_out.unwrap_or_default();
+        let edtl = if out.is_empty() { read_len } else { out.len() as u32 };
+        let imm_len = if self.immediate_data { (out.len() as u32).min(self.first_burst).min(self.target_mrdsl) } else { 0 };
+        let unsolicited_end = if !self.initial_r2t { (out.len() as u32).min(self.first_burst) } else { imm_len };
+        let cmd = ScsiCommand {
+            final_bit: unsolicited_end <= imm_len,
+            read: read_len > 0,
+            write: !out.is_empty(),
+            attr: TaskAttr::SIMPLE,
+            lun: Lun::from_number(lun),
+            itt,
+            expected_data_transfer_length: edtl,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: self.exp_stat_sn,
+            cdb: cdb16,
+            ..Default::default()
+        };
+        self.cmd_sn = self.cmd_sn.next();
+        self.send(Header::ScsiCommand(cmd), out.slice(..imm_len as usize)).await?;
+        // Unsolicited Data-Out.
+        let mut off = imm_len;
+        let mut sn = 0;
+        while off < unsolicited_end {
+            let len = (unsolicited_end - off).min(self.target_mrdsl);
+            let d = DataOut {
+                final_bit: off + len == unsolicited_end,
+                lun: Lun::from_number(lun),
+                itt,
+                ttt: Ttt::RESERVED,
+                exp_stat_sn: self.exp_stat_sn,
+                data_sn: DataSn(sn),
+                buffer_offset: off,
+            };
+            self.send(Header::DataOut(d), out.slice(off as usize..(off + len) as usize)).await?;
+            off += len;
+            sn += 1;
+        }
+        let mut data = BytesMut::new();
+        loop {
+            let pdu = self.recv().await?;
+            match pdu.header {
+                Header::R2t(r) if r.itt == itt => {
+                    self.note_sn(&r.sn, false);
+                    let mut off = r.buffer_offset;
+                    let end = r.buffer_offset.saturating_add(r.desired_data_transfer_length).min(out.len() as u32);
+                    let mut sn = 0;
+                    while off < end {
+                        let len = (end - off).min(self.target_mrdsl);
+                        let d = DataOut {
+                            final_bit: off + len == end,
+                            lun: Lun::from_number(lun),
+                            itt,
+                            ttt: r.ttt,
+                            exp_stat_sn: self.exp_stat_sn,
+                            data_sn: DataSn(sn),
+                            buffer_offset: off,
+                        };
+                        self.send(Header::DataOut(d), out.slice(off as usize..(off + len) as usize)).await?;
+                        off += len;
+                        sn += 1;
+                    }
+                }
+                Header::DataIn(d) if d.itt == itt => {
+                    if d.buffer_offset as usize != data.len() {
+                        return Err(Error::Protocol(format!("Data-In out of order at {}", d.buffer_offset)));
+                    }
+                    data.extend_from_slice(&pdu.data);
+                    self.note_sn(&d.sn, d.status.is_some());
+                    if let Some(status) = d.status {
+                        return Ok(CommandResult { status, data: data.freeze(), sense: Bytes::new(), residual: d.residual });
+                    }
+                }
+                Header::ScsiResponse(r) if r.itt == itt => {
+                    self.note_sn(&r.sn, true);
+                    let sense = if pdu.data.len() >= 2 {
+                        let l = u16::from_be_bytes([pdu.data[0], pdu.data[1]]) as usize;
+                        pdu.data.slice(2..(2 + l).min(pdu.data.len()))
+                    } else {
+                        Bytes::new()
+                    };
+                    return Ok(CommandResult { status: r.status, data: data.freeze(), sense, residual: r.residual });
+                }
+                Header::NopIn(n) if n.ttt != Ttt::RESERVED => {
+                    // Answer the target's ping.
+                    self.note_sn(&n.sn, false);
+                    let reply = NopOut { immediate: true, itt: Itt::RESERVED, ttt: n.ttt, cmd_sn: self.cmd_sn, exp_stat_sn: self.exp_stat_sn, lun: n.lun };
+                    self.send(Header::NopOut(reply), Bytes::new()).await?;
+                }
+                other => {
+                    self.unsolicited.push(Pdu::new(other, pdu.data));
+                }
+            }
+        }
+    }
+
+    /// READ(16) of `blocks` blocks of `block_size` at `lba`.
+    pub async fn read16(&mut self, lun: u64, lba: u64, blocks: u32, block_size: u32) -> Result<CommandResult> {
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x88;
+        cdb[2..10].copy_from_slice(&lba.to_be_bytes());
+        cdb[10..14].copy_from_slice(&blocks.to_be_bytes());
+        self.command(lun, &cdb, None, blocks * block_size).await
+    }
+
+    /// WRITE(16) of `data` at `lba`, with FUA if asked.
+    pub async fn write16(&mut self, lun: u64, lba: u64, data: Bytes, block_size: u32, fua: bool) -> Result<CommandResult> {
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x8a;
+        if fua {
+            cdb[1] = 0x08;
+        }
+        cdb[2..10].copy_from_slice(&lba.to_be_bytes());
+        cdb[10..14].copy_from_slice(&((data.len() as u32) / block_size).to_be_bytes());
+        self.command(lun, &cdb, Some(data), 0).await
+    }
+
+    /// Text request with SendTargets=`value`; returns the key=value pairs (following C-bit
+    /// continuations).
+    pub async fn send_targets(&mut self, value: &str) -> Result<Vec<(String, String)>> {
+        let itt = self.itt();
+        let mut ttt = Ttt::RESERVED;
+        let mut data = text::encode(&[("SendTargets", value)]);
+        let mut all = BytesMut::new();
+        loop {
+            let req = TextRequest { final_bit: true, itt, ttt, cmd_sn: self.cmd_sn, exp_stat_sn: self.exp_stat_sn, ..Default::default() };
+            self.cmd_sn = self.cmd_sn.next();
+            self.send(Header::TextRequest(req), data).await?;
+            let pdu = self.recv().await?;
+            let Header::TextResponse(t) = pdu.header else {
+                return Err(Error::Protocol(format!("expected text response, got {:?}", pdu.header)));
+            };
+            self.note_sn(&t.sn, true);
+            all.extend_from_slice(&pdu.data);
+            if t.final_bit {
+                break;
+            }
+            ttt = t.ttt;
+            data = Bytes::new();
+        }
+        text::parse(&all).map_err(|e| Error::Protocol(format!("text: {e:?}")))
+    }
+
+    /// NOP-Out ping with `data`; returns the echoed data.
+    pub async fn ping(&mut self, data: Bytes) -> Result<Bytes> {
+        let itt = self.itt();
+        let n = NopOut { immediate: true, itt, ttt: Ttt::RESERVED, cmd_sn: self.cmd_sn, exp_stat_sn: self.exp_stat_sn, ..Default::default() };
+        self.send(Header::NopOut(n), data).await?;
+        loop {
+            let pdu = self.recv().await?;
+            match pdu.header {
+                Header::NopIn(n) if n.itt == itt => {
+                    self.note_sn(&n.sn, true);
+                    return Ok(pdu.data);
+                }
+                other => self.unsolicited.push(Pdu::new(other, pdu.data)),
+            }
+        }
+    }
+
+    /// Task management request; returns the response code.
+    pub async fn task_mgmt(&mut self, function: TmfFunction, lun: u64, referenced: Itt, ref_cmd_sn: CmdSn) -> Result<TmfResponseCode> {
+        let itt = self.itt();
+        let t = TaskMgmtRequest {
+            immediate: true,
+            function,
+            lun: Lun::from_number(lun),
+            itt,
+            referenced_task_tag: referenced,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: self.exp_stat_sn,
+            ref_cmd_sn,
+            ..Default::default()
+        };
+        self.send(Header::TaskMgmtRequest(t), Bytes::new()).await?;
+        loop {
+            let pdu = self.recv().await?;
+            match pdu.header {
+                Header::TaskMgmtResponse(r) if r.itt == itt => {
+                    self.note_sn(&r.sn, true);
+                    return Ok(r.response);
+                }
+                other => self.unsolicited.push(Pdu::new(other, pdu.data)),
+            }
+        }
+    }
+
+    /// Log out (close the session); returns the logout response code.
+    pub async fn logout(&mut self) -> Result<LogoutResponseCode> {
+        let itt = self.itt();
+        let l = LogoutRequest { immediate: true, reason: LogoutReason::CLOSE_SESSION, itt, cmd_sn: self.cmd_sn, exp_stat_sn: self.exp_stat_sn, ..Default::default() };
+        self.send(Header::LogoutRequest(l), Bytes::new()).await?;
+        loop {
+            let pdu = self.recv().await?;
+            match pdu.header {
+                Header::LogoutResponse(r) if r.itt == itt => return Ok(r.response),
+                other => self.unsolicited.push(Pdu::new(other, pdu.data)),
+            }
+        }
+    }
+}

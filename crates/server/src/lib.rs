@@ -1,1 +1,182 @@
+//! # ironsan-server: the runtime side of ironsan
+//!
+//! The only crate that knows about tokio and sockets. It accepts connections on portals, runs
+//! each connection as a reader (this task) plus a writer task, keeps the session registry
+//! (reinstatement, several connections per session), and glues the sans-IO protocol core
+//! (`ironsan-proto`) to the SCSI device server (`ironsan-scsi`).
+//!
+//! ```text
+//!  socket ──read──▶ conn::Connection (reader) ──▶ proto (login, window, R2T/Data-Out)
+//!                        │ spawn per command
+//!                        ▼
+//!                  scsi::Target::execute ──▶ backend
+//!                        │ Vec<OutPdu>
+//!                        ▼
+//!  socket ◀─write── writer task (StatSN, ExpCmdSN/MaxCmdSN, digests, vectored batching)
+//! ```
 
+mod conn;
+pub mod io;
+mod session;
+mod writer;
+
+use ironsan_proto::negotiate::TargetDefaults;
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub use session::SessionInfo;
+
+/// One iSCSI target (an iSCSI node with a SCSI target device behind it).
+#[derive(Clone, Debug)]
+pub struct TargetDef {
+    /// iSCSI qualified name.
+    pub name: String,
+    pub alias: Option<String>,
+    /// Target portal group tag announced at login and in SendTargets.
+    pub tpgt: u16,
+    pub scsi: Arc<ironsan_scsi::Target>,
+}
+
+/// Everything the server needs to run.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub listen: Vec<SocketAddr>,
+    pub targets: Vec<TargetDef>,
+    /// What we offer in operational negotiation.
+    pub negotiation: TargetDefaults,
+    /// Commands one session may have in the target at once (sets MaxCmdSN).
+    pub queue_depth: u32,
+    /// A login must complete within this time.
+    pub login_timeout: Duration,
+    /// Send a NOP-In ping after this long without traffic (zero disables).
+    pub nop_interval: Duration,
+    /// Drop the connection if a ping is not answered within this time.
+    pub nop_timeout: Duration,
+    /// Largest Expected Data Transfer Length of a write the target will buffer.
+    pub max_io_bytes: u32,
+}
+
+impl ServerConfig {
+    pub fn new(listen: Vec<SocketAddr>, targets: Vec<TargetDef>) -> Self {
+        ServerConfig {
+            listen,
+            targets,
+            negotiation: TargetDefaults::default(),
+            queue_depth: 128,
+            login_timeout: Duration::from_secs(15),
+            nop_interval: Duration::from_secs(15),
+            nop_timeout: Duration::from_secs(30),
+            max_io_bytes: ironsan_scsi::MAX_TRANSFER_BYTES,
+        }
+    }
+}
+
+/// State shared by every connection.
+pub(crate) struct Shared {
+    pub cfg: ServerConfig,
+    pub targets: HashMap<String, Arc<TargetDef>>,
+    pub portals: Mutex<Vec<SocketAddr>>,
+    pub sessions: Mutex<session::Registry>,
+    pub next_tsih: AtomicU16,
+    pub next_nexus_id: AtomicU64,
+    pub shutdown: watch::Receiver<bool>,
+}
+
+impl Shared {
+    pub fn alloc_tsih(&self) -> u16 {
+        loop {
+            let t = self.next_tsih.fetch_add(1, Ordering::Relaxed);
+            if t != 0 {
+                return t;
+            }
+        }
+    }
+}
+
+/// A bound, not yet running, server.
+pub struct Server {
+    shared: Arc<Shared>,
+    listeners: Vec<TcpListener>,
+    shutdown_tx: watch::Sender<bool>,
+}
+
+impl Server {
+    /// Bind every portal. Fails if any address cannot be bound.
+    pub async fn bind(cfg: ServerConfig) -> std::io::Result<Server> {
+        let mut listeners = Vec::new();
+        for addr in &cfg.listen {
+            let l = TcpListener::bind(addr)
+                .await
+                .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
+            listeners.push(l);
+        }
+        let portals = listeners.iter().filter_map(|l| l.local_addr().ok()).collect();
+        let targets = cfg.targets.iter().map(|t| (t.name.clone(), Arc::new(t.clone()))).collect();
+        let (shutdown_tx, shutdown) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            cfg,
+            targets,
+            portals: Mutex::new(portals),
+            sessions: Mutex::new(session::Registry::default()),
+            next_tsih: AtomicU16::new(1),
+            next_nexus_id: AtomicU64::new(1),
+            shutdown,
+        });
+        Ok(Server { shared, listeners, shutdown_tx })
+    }
+
+    /// The addresses actually bound (useful with port 0).
+    pub fn local_addrs(&self) -> Vec<SocketAddr> {
+        self.listeners.iter().filter_map(|l| l.local_addr().ok()).collect()
+    }
+
+    /// A snapshot of the sessions (for admin views and tests).
+    pub fn sessions(&self) -> Vec<SessionInfo> {
+        self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).info()
+    }
+
+    /// Serve until `stop` resolves, then close every connection.
+    pub async fn run(self, stop: impl Future<Output = ()>) {
+        let mut tasks = tokio::task::JoinSet::new();
+        for l in self.listeners {
+            let shared = Arc::clone(&self.shared);
+            tasks.spawn(accept_loop(l, shared));
+        }
+        stop.await;
+        tracing::info!("shutting down");
+        let _ = self.shutdown_tx.send(true);
+        tasks.abort_all();
+        // Give connections a moment to notice and close.
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            while self.shared.sessions.lock().map(|s| s.len()).unwrap_or(0) > 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+    }
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                let shared = Arc::clone(&shared);
+                tokio::spawn(async move {
+                    conn::run(stream, peer, shared).await;
+                });
+            }
+            Err(e) => {
+                // EMFILE and friends: back off rather than spin.
+                tracing::warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,987 @@
+//! One iSCSI connection: login phase, then full feature phase (RFC 7143 §7 connection states).
+//!
+//! The reader (this task) decodes PDUs and acts on them; every SCSI command runs as its own
+//! task so many commands per connection execute concurrently; all output goes through the
+//! writer task ([`crate::writer`]). Data-Out reassembly is local to the connection: at
+//! ErrorRecoveryLevel 0 a command's data arrives on the connection that carried the command.
+
+use crate::io::{self, Digests, ReadError};
+use crate::session::{ConnInfo, Running, Session};
+use crate::writer::{self, Out, OutPdu, TxStats};
+use crate::{Shared, TargetDef};
+use bytes::{Bytes, BytesMut};
+use ironsan_proto::login::{Login, LoginPolicy, LoginStep, TargetLookup};
+use ironsan_proto::negotiate::{ConnParams, Negotiator, SessionType};
+use ironsan_proto::pdu::*;
+use ironsan_proto::task::{data_in_segments, DataOutError, WriteParams, WriteTransfer};
+use ironsan_proto::{text, CmdSn, DataSn, StatSn};
+use ironsan_scsi::{Command, Response, SenseReason};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::io::BufReader;
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+
+/// Writer queue depth in messages: bounds what a reader that never reads can make us hold.
+const WRITER_QUEUE: usize = 512;
+/// MaxRecvDataSegmentLength during login (RFC 7143 §13.12: 8192 until negotiated).
+const LOGIN_MAX_DATA: u32 = 8192;
+
+struct Policy<'a>(&'a Shared);
+
+impl LoginPolicy for Policy<'_> {
+    fn lookup_target(&self, target_name: &str, _initiator_name: &str) -> TargetLookup {
+        match self.0.targets.get(target_name) {
+            Some(t) => TargetLookup::Allowed { tpgt: t.tpgt, alias: t.alias.clone() },
+            None => TargetLookup::NotFound,
+        }
+    }
+}
+
+/// A write command waiting for its Data-Out.
+struct PendingWrite {
+    cmd: ScsiCommand,
+    cdb: Bytes,
+    transfer: WriteTransfer,
+    buf: BytesMut,
+    slot: Slot,
+}
+
+/// A command's place in the session's CmdSN window; released (opening the window) when the
+/// command finishes or is dropped for any reason.
+struct Slot(Arc<Session>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.window().complete();
+    }
+}
+
+/// Everything the reader of a connection in full feature phase needs.
+struct Connection {
+    shared: Arc<Shared>,
+    session: Arc<Session>,
+    tx: mpsc::Sender<Out>,
+    params: ConnParams,
+    cid: u16,
+    local: SocketAddr,
+    pending: HashMap<Itt, PendingWrite>,
+    /// Continuations of long Text responses: (ITT, TTT) → remaining segments.
+    text_pending: Option<(Itt, Ttt, Vec<Bytes>)>,
+    tasks: tokio::task::JoinSet<()>,
+    next_ttt: u32,
+    last_rx: Arc<AtomicU64>,
+    epoch: Instant,
+}
+
+fn reject(reason: RejectReason, bhs: &Bhs) -> OutPdu {
+    OutPdu::status(Header::Reject(Reject { reason, ..Default::default() }), Bytes::copy_from_slice(&bhs.0))
+}
+
+fn login_failure(req: &LoginRequest, class: u8, detail: u8) -> OutPdu {
+    OutPdu::status(
+        Header::LoginResponse(LoginResponse {
+            csg: req.csg,
+            nsg: req.nsg,
+            isid: req.isid,
+            tsih: req.tsih,
+            itt: req.itt,
+            status_class: class,
+            status_detail: detail,
+            sn: TargetSn { exp_cmd_sn: req.cmd_sn, max_cmd_sn: req.cmd_sn, ..Default::default() },
+            ..Default::default()
+        }),
+        Bytes::new(),
+    )
+}
+
+/// Serve one accepted TCP connection until it closes.
+pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
+    let local = match stream.local_addr() {
+        Ok(a) => a,
+        Err(_) => return,
+    };
+    let (rd, wr) = stream.into_split();
+    let mut rd = BufReader::with_capacity(64 * 1024, rd);
+    let (tx, rx) = mpsc::channel::<Out>(WRITER_QUEUE);
+
+    // Login phase, bounded in time so half-sent logins cannot pin resources.
+    let login = tokio::time::timeout(shared.cfg.login_timeout, login_phase(&mut rd, &tx, &shared, peer, local)).await;
+    let stats = Arc::new(TxStats::default());
+    let (first_stat_sn, outcome) = match login {
+        Ok(Ok((sn, Some(o)))) => (sn, Some(o)),
+        Ok(Ok((sn, None))) => (sn, None),
+        Ok(Err(e)) => {
+            tracing::debug!(%peer, "login ended: {e}");
+            (StatSn(0), None)
+        }
+        Err(_) => {
+            tracing::info!(%peer, "login timed out");
+            return;
+        }
+    };
+    // The writer starts only now: login responses were queued in the channel in order.
+    let writer = tokio::spawn(writer::run(wr, rx, first_stat_sn, Arc::clone(&stats)));
+    let Some((session, params, cid, close_rx)) = outcome else {
+        let _ = tx.send(Out::Close).await;
+        drop(tx);
+        let _ = writer.await;
+        return;
+    };
+    tracing::info!(%peer, initiator = %session.initiator_name, tsih = session.tsih.0, "login complete");
+    let last_rx = Arc::new(AtomicU64::new(0));
+    let mut conn = Connection {
+        shared: Arc::clone(&shared),
+        session: Arc::clone(&session),
+        tx,
+        params,
+        cid,
+        local,
+        pending: HashMap::new(),
+        text_pending: None,
+        tasks: tokio::task::JoinSet::new(),
+        next_ttt: 1,
+        last_rx: Arc::clone(&last_rx),
+        epoch: Instant::now(),
+    };
+    let keepalive = tokio::spawn(keepalive(
+        conn.tx.clone(),
+        Arc::clone(&last_rx),
+        conn.epoch,
+        shared.cfg.nop_interval,
+        shared.cfg.nop_timeout,
+        Arc::clone(&session),
+        cid,
+    ));
+    let reason = conn.full_feature(&mut rd, close_rx).await;
+    tracing::info!(%peer, initiator = %session.initiator_name, "connection closed: {reason}");
+    keepalive.abort();
+    conn.pending.clear();
+    conn.tasks.abort_all();
+    let remaining = session.remove_conn(cid);
+    if remaining == 0 {
+        // ErrorRecoveryLevel 0: the session ends with its last connection.
+        session.abort_where(|_, _| true);
+        shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(&session);
+        if let Some(t) = &session.target {
+            t.scsi.nexus_lost(session.nexus.id);
+        }
+    }
+    let _ = conn.tx.send(Out::Close).await;
+    drop(conn);
+    let _ = writer.await;
+}
+
+type LoginOutcome = (Arc<Session>, ConnParams, u16, watch::Receiver<bool>);
+
+/// Run the login phase. Returns the StatSN to start from and, on success, the session.
+async fn login_phase(
+    rd: &mut BufReader<OwnedReadHalf>,
+    tx: &mpsc::Sender<Out>,
+    shared: &Arc<Shared>,
+    peer: SocketAddr,
+    local: SocketAddr,
+) -> Result<(StatSn, Option<LoginOutcome>), ReadError> {
+    let mut login = Login::new(shared.cfg.negotiation.clone());
+    let mut assembler = text::Assembler::default();
+    let mut first_stat_sn = None;
+    loop {
+        let rx = io::read_pdu(rd, Digests::default(), LOGIN_MAX_DATA).await?;
+        let Header::LoginRequest(req) = rx.pdu.header else {
+            // RFC 7143 §6.3: only Login Requests before the login completes. Nothing sensible
+            // can be answered; close.
+            return Ok((first_stat_sn.unwrap_or_default(), None));
+        };
+        let stat_sn = *first_stat_sn.get_or_insert(req.exp_stat_sn);
+        if assembler.push(&rx.pdu.data).is_err() {
+            let _ = tx.send(Out::Pdus(vec![login_failure(&req, 2, 7)])).await;
+            return Ok((stat_sn, None));
+        }
+        if req.cont {
+            // More text follows (RFC 7143 §6.2): answer with an empty response, T=0.
+            let resp = LoginResponse {
+                csg: req.csg,
+                nsg: req.nsg,
+                isid: req.isid,
+                tsih: req.tsih,
+                itt: req.itt,
+                sn: TargetSn { exp_cmd_sn: req.cmd_sn, max_cmd_sn: req.cmd_sn, ..Default::default() },
+                ..Default::default()
+            };
+            let _ = tx.send(Out::Pdus(vec![OutPdu::status(Header::LoginResponse(resp), Bytes::new())])).await;
+            continue;
+        }
+        let pairs = match text::parse(&assembler.take()) {
+            Ok(p) => p,
+            Err(_) => {
+                let _ = tx.send(Out::Pdus(vec![login_failure(&req, 2, 7)])).await;
+                return Ok((stat_sn, None));
+            }
+        };
+        match login.step(&req, pairs, &Policy(shared)) {
+            LoginStep::Respond(resp, data) => {
+                let _ = tx.send(Out::Pdus(vec![OutPdu::status(Header::LoginResponse(resp), data)])).await;
+            }
+            LoginStep::Fail(resp, data) => {
+                tracing::info!(%peer, class = resp.status_class, detail = resp.status_detail, "login failed");
+                let _ = tx.send(Out::Pdus(vec![OutPdu::status(Header::LoginResponse(resp), data)])).await;
+                return Ok((stat_sn, None));
+            }
+            LoginStep::ReadyToComplete(ready) => {
+                let target = ready.target_name.as_ref().and_then(|n| shared.targets.get(n)).cloned();
+                let (close_tx, close_rx) = watch::channel(false);
+                // Pick or create the session (leading login with TSIH 0, or a new connection).
+                let (session, new) = {
+                    let mut reg = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
+                    if ready.tsih.0 == 0 {
+                        if let Some(old) =
+                            reg.find_same_nexus(&ready.initiator_name, ready.isid, ready.target_name.as_deref())
+                        {
+                            // Session reinstatement (RFC 7143 §6.3.5): the old session's tasks
+                            // are aborted and its connections closed.
+                            tracing::info!(initiator = %ready.initiator_name, tsih = old.tsih.0, "reinstating session");
+                            old.abort_where(|_, _| true);
+                            old.close_conns(None);
+                            reg.remove(&old);
+                            if let Some(t) = &old.target {
+                                t.scsi.nexus_lost(old.nexus.id);
+                            }
+                        }
+                        (None, true)
+                    } else {
+                        match reg.get(ready.tsih) {
+                            Some(s) if s.isid == ready.isid && s.initiator_name == ready.initiator_name => {
+                                (Some(s), false)
+                            }
+                            _ => {
+                                drop(reg);
+                                let _ = tx.send(Out::Pdus(vec![login_failure(&req, 2, 0x0a)])).await;
+                                return Ok((stat_sn, None));
+                            }
+                        }
+                    }
+                };
+                if let Some(s) = &session {
+                    if s.conn_count() >= s.params.max_connections as usize {
+                        let _ = tx.send(Out::Pdus(vec![login_failure(&req, 2, 6)])).await;
+                        return Ok((stat_sn, None));
+                    }
+                }
+                let tsih = match &session {
+                    Some(s) => s.tsih,
+                    None => Tsih(shared.alloc_tsih()),
+                };
+                let sn = TargetSn {
+                    stat_sn,
+                    exp_cmd_sn: req.cmd_sn,
+                    max_cmd_sn: req.cmd_sn.add(shared.cfg.queue_depth.saturating_sub(1)),
+                };
+                let (resp, data, sparams, cparams) = login.complete(tsih, sn);
+                let session = match session {
+                    Some(s) => s,
+                    None => {
+                        let nexus_id = shared.next_nexus_id.fetch_add(1, Ordering::Relaxed);
+                        let tname = target.as_ref().map(|t| t.name.clone()).unwrap_or_default();
+                        let tpgt = target.as_ref().map(|t| t.tpgt).unwrap_or(1);
+                        let nexus = ironsan_scsi::Nexus {
+                            id: nexus_id,
+                            initiator_port: format!("{},i,0x{}", ready.initiator_name, ready.isid).into(),
+                            target_port: format!("{tname},t,0x{tpgt:04x}").into(),
+                            relative_port: tpgt,
+                        };
+                        let s = Arc::new(Session::new(
+                            tsih,
+                            ready.isid,
+                            ready.initiator_name.clone(),
+                            if ready.session_type == SessionType::Discovery { None } else { target.clone() },
+                            sparams,
+                            nexus,
+                            req.cmd_sn,
+                            shared.cfg.queue_depth,
+                        ));
+                        shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).insert(Arc::clone(&s));
+                        s
+                    }
+                };
+                let _ = new;
+                session.add_conn(ConnInfo { cid: ready.cid.0, peer, local, params: cparams.clone(), close: close_tx });
+                let _ = tx.send(Out::Pdus(vec![OutPdu::status(Header::LoginResponse(resp), data)])).await;
+                let _ = tx.send(Out::Attach(Arc::clone(&session))).await;
+                let _ = tx.send(Out::Digests(Digests { header: cparams.header_digest, data: cparams.data_digest })).await;
+                return Ok((stat_sn, Some((session, cparams, ready.cid.0, close_rx))));
+            }
+        }
+    }
+}
+
+/// Target-initiated NOP-In pings (RFC 7143 §11.19): after `interval` without traffic, ping;
+/// if nothing arrives within `timeout`, close the connection.
+async fn keepalive(
+    tx: mpsc::Sender<Out>,
+    last_rx: Arc<AtomicU64>,
+    epoch: Instant,
+    interval: std::time::Duration,
+    timeout: std::time::Duration,
+    session: Arc<Session>,
+    cid: u16,
+) {
+    if interval.is_zero() {
+        return;
+    }
+    let mut ttt = 0x1000_0000u32;
+    loop {
+        tokio::time::sleep(interval).await;
+        let now = epoch.elapsed().as_millis() as u64;
+        if now.saturating_sub(last_rx.load(Ordering::Relaxed)) < interval.as_millis() as u64 {
+            continue;
+        }
+        ttt = ttt.wrapping_add(1) | 0x1000_0000;
+        let ping = Header::NopIn(NopIn { itt: Itt::RESERVED, ttt: Ttt(ttt), ..Default::default() });
+        if tx.send(Out::Pdus(vec![OutPdu::current(ping, Bytes::new())])).await.is_err() {
+            return;
+        }
+        let sent = epoch.elapsed().as_millis() as u64;
+        tokio::time::sleep(timeout).await;
+        if last_rx.load(Ordering::Relaxed) < sent {
+            tracing::warn!("initiator did not answer NOP-In within {timeout:?}; closing");
+            session.close_conns(Some(cid));
+            return;
+        }
+    }
+}
+
+impl Connection {
+    fn write_params(&self) -> WriteParams {
+        let p = &self.session.params;
+        WriteParams {
+            initial_r2t: p.initial_r2t,
+            immediate_data: p.immediate_data,
+            first_burst_length: p.first_burst_length,
+            max_burst_length: p.max_burst_length,
+            max_outstanding_r2t: p.max_outstanding_r2t,
+            max_recv_data_segment_length: self.params.max_recv_data_segment_length,
+        }
+    }
+
+    fn alloc_ttt(&mut self) -> Ttt {
+        self.next_ttt = self.next_ttt.wrapping_add(1);
+        if self.next_ttt == RESERVED_TAG || self.next_ttt >= 0x1000_0000 {
+            self.next_ttt = 1;
+        }
+        Ttt(self.next_ttt)
+    }
+
+    async fn send(&self, pdus: Vec<OutPdu>) {
+        let _ = self.tx.send(Out::Pdus(pdus)).await;
+    }
+
+    /// Admit a non-task PDU's CmdSN (NOP-Out, Text, Logout, TMF): `false` if it must be
+    /// silently ignored.
+    fn admit_and_complete(&self, cmd_sn: CmdSn, immediate: bool) -> bool {
+        let mut w = self.session.window();
+        match w.admit(cmd_sn, immediate, ()) {
+            Ok(_) => {
+                w.complete();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The full feature phase loop. Returns why it ended.
+    async fn full_feature(&mut self, rd: &mut BufReader<OwnedReadHalf>, mut close_rx: watch::Receiver<bool>) -> String {
+        let digests = Digests { header: self.params.header_digest, data: self.params.data_digest };
+        let max_data = self.params.max_recv_data_segment_length;
+        let mut shutdown = self.shared.shutdown.clone();
+        loop {
+            while self.tasks.try_join_next().is_some() {}
+            let header = tokio::select! {
+                biased;
+                _ = close_rx.changed() => return "closed by target".into(),
+                _ = shutdown.changed() => {
+                    self.async_logout_request().await;
+                    return "server shutting down".into();
+                }
+                h = io::read_header(rd, digests, max_data) => h,
+            };
+            let (bhs, ahs, plan) = match header {
+                Ok(h) => h,
+                Err(ReadError::TooLong(e)) => {
+                    // RFC 7143 §7.1.3: a length beyond what was negotiated is a protocol error;
+                    // the stream cannot be resynchronised safely.
+                    return format!("protocol error: {e}");
+                }
+                Err(e) => return e.to_string(),
+            };
+            self.last_rx.store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+            let result = match Header::decode(&bhs) {
+                Header::ScsiCommand(cmd) => self.on_scsi_command(rd, &bhs, ahs, &plan, cmd).await,
+                Header::DataOut(d) => self.on_data_out(rd, &bhs, &plan, d).await,
+                other => {
+                    let mut data = BytesMut::zeroed(plan.data_len);
+                    match io::read_data_into(rd, &plan, &mut data).await {
+                        Ok(true) => self.on_other(&bhs, other, data.freeze()).await,
+                        Ok(false) => {
+                            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, &bhs)]).await;
+                            Ok(())
+                        }
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+            };
+            if let Err(reason) = result {
+                return reason;
+            }
+        }
+    }
+
+    /// Ask the initiator to log out (Async Message event 1, RFC 7143 §11.9.1), used on shutdown.
+    async fn async_logout_request(&self) {
+        let msg = Header::AsyncMessage(AsyncMessage { async_event: 1, parameter3: 0, ..Default::default() });
+        self.send(vec![OutPdu::status(msg, Bytes::new())]).await;
+    }
+
+    async fn on_scsi_command(
+        &mut self,
+        rd: &mut BufReader<OwnedReadHalf>,
+        bhs: &Bhs,
+        ahs: Bytes,
+        plan: &ReceivePlan,
+        cmd: ScsiCommand,
+    ) -> Result<(), String> {
+        let Some(target) = self.session.target.clone() else {
+            // SCSI commands are not allowed in a discovery session (RFC 7143 §4.3).
+            io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
+            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+            return Ok(());
+        };
+        // Immediate data goes straight into the command's buffer.
+        let edtl = cmd.expected_data_transfer_length;
+        let immediate_len = plan.data_len as u32;
+        let oversize = cmd.write && edtl > self.shared.cfg.max_io_bytes;
+        let mut buf = if cmd.write && !oversize { BytesMut::zeroed(edtl as usize) } else { BytesMut::new() };
+        let digest_ok = if immediate_len > 0 && immediate_len <= edtl && cmd.write && !oversize {
+            io::read_data_into(rd, plan, &mut buf[..immediate_len as usize]).await.map_err(|e| e.to_string())?
+        } else if immediate_len > 0 {
+            io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
+            true
+        } else {
+            true
+        };
+        if self.pending.contains_key(&cmd.itt) || self.session.running().contains_key(&cmd.itt) {
+            self.send(vec![reject(RejectReason::TASK_IN_PROGRESS, bhs)]).await;
+            return Ok(());
+        }
+        // CmdSN: out-of-window commands are silently ignored (RFC 7143 §4.2.2.1).
+        if self.session.window().admit(cmd.cmd_sn, cmd.immediate, ()).is_err() {
+            tracing::debug!(cmd_sn = cmd.cmd_sn.0, "command outside the CmdSN window ignored");
+            return Ok(());
+        }
+        self.session.commands.fetch_add(1, Ordering::Relaxed);
+        let slot = Slot(Arc::clone(&self.session));
+        let cdb = match extended_cdb(&cmd.cdb, &ahs) {
+            Some(c) => c,
+            None => {
+                self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)]).await;
+                return Ok(());
+            }
+        };
+        let fail = |reason: SenseReason| Response::check_condition(reason);
+        if !digest_ok {
+            // RFC 7143 §7.8: discard, Reject, and fail the command so the CmdSN is consumed.
+            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, bhs)]).await;
+            self.finish(cmd, fail(SenseReason::ProtocolCrcError), None, DataSn(0), slot);
+            return Ok(());
+        }
+        if oversize {
+            self.finish(cmd, fail(SenseReason::InvalidFieldInCdb { byte: 0, bit: None }), None, DataSn(0), slot);
+            return Ok(());
+        }
+        if immediate_len > edtl {
+            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+            return Ok(());
+        }
+        if !cmd.write || edtl == 0 {
+            self.spawn_exec(target, cmd, cdb, Bytes::new(), DataSn(0), slot);
+            return Ok(());
+        }
+        let transfer = match WriteTransfer::new(edtl, immediate_len, cmd.final_bit, self.write_params()) {
+            Ok(t) => t,
+            Err(_) => {
+                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+                self.finish(cmd, fail(SenseReason::DataPhaseError), None, DataSn(0), slot);
+                return Ok(());
+            }
+        };
+        let pw = PendingWrite { cmd, cdb, transfer, buf, slot };
+        self.advance_write(pw).await;
+        Ok(())
+    }
+
+    /// Send any R2Ts the write now needs, or execute it if all data is in.
+    async fn advance_write(&mut self, mut pw: PendingWrite) {
+        if pw.transfer.is_complete() {
+            let Some(target) = self.session.target.clone() else { return };
+            let exp_data_sn = pw.transfer.r2t_count();
+            self.spawn_exec(target, pw.cmd, pw.cdb, pw.buf.freeze(), exp_data_sn, pw.slot);
+            return;
+        }
+        let r2ts = pw.transfer.next_r2ts(|| self.alloc_ttt());
+        let out: Vec<OutPdu> = r2ts
+            .into_iter()
+            .map(|r| {
+                OutPdu::current(
+                    Header::R2t(R2t {
+                        lun: pw.cmd.lun,
+                        itt: pw.cmd.itt,
+                        ttt: r.ttt,
+                        r2t_sn: r.r2t_sn,
+                        buffer_offset: r.offset,
+                        desired_data_transfer_length: r.len,
+                        ..Default::default()
+                    }),
+                    Bytes::new(),
+                )
+            })
+            .collect();
+        let itt = pw.cmd.itt;
+        self.pending.insert(itt, pw);
+        if !out.is_empty() {
+            self.send(out).await;
+        }
+    }
+
+    async fn on_data_out(
+        &mut self,
+        rd: &mut BufReader<OwnedReadHalf>,
+        bhs: &Bhs,
+        plan: &ReceivePlan,
+        d: DataOut,
+    ) -> Result<(), String> {
+        let len = plan.data_len as u32;
+        let Some(mut pw) = self.pending.remove(&d.itt) else {
+            // Data-Out for no live write (RFC 7143 §11.7): discard and Reject.
+            io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
+            self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)]).await;
+            return Ok(());
+        };
+        if let Err(e) = pw.transfer.accept(&d, len) {
+            io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
+            tracing::debug!(itt = d.itt.0, "Data-Out refused: {e}");
+            // ErrorRecoveryLevel 0 cannot recover a broken data sequence: Reject the PDU and
+            // end the command with CHECK CONDITION, so nothing is written.
+            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+            let reason = match e {
+                DataOutError::BadDataSn | DataOutError::BadOffset | DataOutError::OutsideR2t => {
+                    SenseReason::DataPhaseError
+                }
+                _ => SenseReason::DataPhaseError,
+            };
+            let n = pw.transfer.r2t_count();
+            self.finish(pw.cmd, Response::check_condition(reason), None, n, pw.slot);
+            return Ok(());
+        }
+        let off = d.buffer_offset as usize;
+        let ok = match pw.buf.get_mut(off..off + len as usize) {
+            Some(dst) => io::read_data_into(rd, plan, dst).await.map_err(|e| e.to_string())?,
+            None => return Err("Data-Out outside the command buffer".into()),
+        };
+        if !ok {
+            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, bhs)]).await;
+            let n = pw.transfer.r2t_count();
+            self.finish(pw.cmd, Response::check_condition(SenseReason::ProtocolCrcError), None, n, pw.slot);
+            return Ok(());
+        }
+        self.advance_write(pw).await;
+        Ok(())
+    }
+
+    fn spawn_exec(&mut self, target: Arc<TargetDef>, cmd: ScsiCommand, cdb: Bytes, data_out: Bytes, exp_data_sn: DataSn, slot: Slot) {
+        let session = Arc::clone(&self.session);
+        let tx = self.tx.clone();
+        let max_xmit = self.params.max_xmit_data_segment_length;
+        let max_burst = session.params.max_burst_length;
+        let lun = cmd.lun.number().unwrap_or(u64::MAX);
+        let itt = cmd.itt;
+        let cmd_sn = cmd.cmd_sn;
+        let write_needed = if cmd.write {
+            let bs = target.scsi.lun(lun).map(|l| l.block_size()).unwrap_or(512);
+            Some(ironsan_scsi::data_out_len(&cdb, bs).unwrap_or(data_out.len() as u32))
+        } else {
+            None
+        };
+        // Hold the running-table lock across spawn + insert so the task cannot finish (and
+        // look for its entry) before the entry exists.
+        let mut running = session.running();
+        let handle = self.tasks.spawn({
+            let session = Arc::clone(&session);
+            async move {
+                let scmd = Command { cdb, data_out, expected_in_len: cmd.expected_data_transfer_length };
+                let resp = target.scsi.execute(lun, &session.nexus, scmd).await;
+                // Whoever removes the entry owns the completion: TMF or us, never both.
+                if session.running().remove(&itt).is_none() {
+                    return;
+                }
+                let pdus = response_pdus(&cmd, resp, write_needed, exp_data_sn, max_xmit, max_burst);
+                drop(slot);
+                let _ = tx.send(Out::Pdus(pdus)).await;
+            }
+        });
+        running.insert(itt, Running { lun, cmd_sn, abort: handle });
+    }
+
+    /// Complete a command that never reached the SCSI layer.
+    fn finish(&mut self, cmd: ScsiCommand, resp: Response, write_needed: Option<u32>, exp_data_sn: DataSn, slot: Slot) {
+        let pdus = response_pdus(&cmd, resp, write_needed, exp_data_sn, self.params.max_xmit_data_segment_length, self.session.params.max_burst_length);
+        drop(slot);
+        let tx = self.tx.clone();
+        self.tasks.spawn(async move {
+            let _ = tx.send(Out::Pdus(pdus)).await;
+        });
+    }
+
+    async fn on_other(&mut self, bhs: &Bhs, header: Header, data: Bytes) -> Result<(), String> {
+        match header {
+            Header::NopOut(n) => {
+                if n.itt == Itt::RESERVED {
+                    // Answer to our ping (or an unsolicited no-op): nothing to send.
+                    return Ok(());
+                }
+                if !self.admit_and_complete(n.cmd_sn, n.immediate) {
+                    return Ok(());
+                }
+                // Ping: echo the data (RFC 7143 §11.18.1).
+                let resp = Header::NopIn(NopIn { lun: n.lun, itt: n.itt, ttt: Ttt::RESERVED, ..Default::default() });
+                self.send(vec![OutPdu::status(resp, data)]).await;
+            }
+            Header::TextRequest(t) => {
+                if !self.admit_and_complete(t.cmd_sn, t.immediate) {
+                    return Ok(());
+                }
+                self.on_text(t, data).await;
+            }
+            Header::TaskMgmtRequest(t) => {
+                if !self.admit_and_complete(t.cmd_sn, t.immediate) {
+                    return Ok(());
+                }
+                let code = self.task_management(&t);
+                let resp = Header::TaskMgmtResponse(TaskMgmtResponse { response: code, itt: t.itt, ..Default::default() });
+                self.send(vec![OutPdu::status(resp, Bytes::new())]).await;
+                if t.function == TmfFunction::TARGET_COLD_RESET && code == TmfResponseCode::COMPLETE {
+                    return Err("target cold reset".into());
+                }
+            }
+            Header::LogoutRequest(l) => {
+                if !self.admit_and_complete(l.cmd_sn, l.immediate) {
+                    return Ok(());
+                }
+                return self.on_logout(l).await;
+            }
+            Header::SnackRequest(_) => {
+                // No SNACK at ErrorRecoveryLevel 0 (RFC 7143 §11.16).
+                self.send(vec![reject(RejectReason::SNACK_REJECT, bhs)]).await;
+            }
+            Header::LoginRequest(_) => {
+                // A login on a connection already in full feature phase (RFC 7143 §6.3).
+                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+            }
+            Header::Unknown(_) => {
+                self.send(vec![reject(RejectReason::COMMAND_NOT_SUPPORTED, bhs)]).await;
+            }
+            _ => {
+                // Target-only opcodes sent by an initiator.
+                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+            }
+        }
+        Ok(())
+    }
+
+    fn task_management(&mut self, t: &TaskMgmtRequest) -> TmfResponseCode {
+        let Some(target) = self.session.target.clone() else {
+            return TmfResponseCode::REJECTED;
+        };
+        let lun = t.lun.number();
+        let lun_exists = lun.is_some_and(|l| target.scsi.lun(l).is_some());
+        match t.function {
+            TmfFunction::ABORT_TASK => {
+                let rtt = t.referenced_task_tag;
+                if self.pending.remove(&rtt).is_some() {
+                    return TmfResponseCode::COMPLETE;
+                }
+                if self.session.abort_where(|itt, _| *itt == rtt) > 0 {
+                    return TmfResponseCode::COMPLETE;
+                }
+                // RFC 7143 §11.5.1: a task already completed (its CmdSN is below ExpCmdSN)
+                // counts as aborted; one never received does not exist.
+                if t.ref_cmd_sn.lt(self.session.window().exp_cmd_sn()) {
+                    TmfResponseCode::COMPLETE
+                } else {
+                    TmfResponseCode::TASK_DOES_NOT_EXIST
+                }
+            }
+            TmfFunction::ABORT_TASK_SET | TmfFunction::CLEAR_TASK_SET | TmfFunction::LOGICAL_UNIT_RESET => {
+                let Some(lun) = lun.filter(|_| lun_exists) else {
+                    return TmfResponseCode::LUN_DOES_NOT_EXIST;
+                };
+                self.pending.retain(|_, p| p.cmd.lun.number() != Some(lun));
+                self.session.abort_where(|_, r| r.lun == lun);
+                if t.function != TmfFunction::ABORT_TASK_SET {
+                    // CLEAR TASK SET and LUN RESET affect every initiator's tasks on the LUN.
+                    for s in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).of_target(&target.name) {
+                        s.abort_where(|_, r| r.lun == lun);
+                    }
+                }
+                if t.function == TmfFunction::LOGICAL_UNIT_RESET {
+                    if let Some(lu) = target.scsi.lun(lun) {
+                        lu.reset(&self.session.nexus);
+                    }
+                }
+                TmfResponseCode::COMPLETE
+            }
+            TmfFunction::TARGET_WARM_RESET | TmfFunction::TARGET_COLD_RESET => {
+                self.pending.clear();
+                let sessions = self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).of_target(&target.name);
+                for s in &sessions {
+                    s.abort_where(|_, _| true);
+                }
+                for (_, lu) in target.scsi.luns() {
+                    lu.reset(&self.session.nexus);
+                }
+                if t.function == TmfFunction::TARGET_COLD_RESET {
+                    for s in sessions.iter().filter(|s| !Arc::ptr_eq(s, &self.session)) {
+                        s.close_conns(None);
+                    }
+                }
+                TmfResponseCode::COMPLETE
+            }
+            TmfFunction::CLEAR_ACA => TmfResponseCode::NOT_SUPPORTED,
+            TmfFunction::TASK_REASSIGN => TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED,
+            _ => TmfResponseCode::REJECTED,
+        }
+    }
+
+    async fn on_logout(&mut self, l: LogoutRequest) -> Result<(), String> {
+        let mut code = LogoutResponseCode::CLOSED;
+        let mut close_self = false;
+        match l.reason {
+            LogoutReason::CLOSE_SESSION => {
+                close_self = true;
+                // Let this connection's commands finish and send their responses first.
+                while self.tasks.join_next().await.is_some() {}
+                self.session.close_conns(None);
+            }
+            LogoutReason::CLOSE_CONNECTION if l.cid.0 == self.cid => {
+                close_self = true;
+                while self.tasks.join_next().await.is_some() {}
+            }
+            LogoutReason::CLOSE_CONNECTION => {
+                if self.session.conn_count() > 1 {
+                    self.session.close_conns(Some(l.cid.0));
+                } else {
+                    code = LogoutResponseCode::CID_NOT_FOUND;
+                }
+            }
+            _ => code = LogoutResponseCode::RECOVERY_NOT_SUPPORTED,
+        }
+        let resp = Header::LogoutResponse(LogoutResponse {
+            response: code,
+            itt: l.itt,
+            time2wait: self.session.params.default_time2wait,
+            time2retain: 0,
+            ..Default::default()
+        });
+        self.send(vec![OutPdu::status(resp, Bytes::new())]).await;
+        if close_self {
+            return Err("logout".into());
+        }
+        Ok(())
+    }
+
+    async fn on_text(&mut self, t: TextRequest, data: Bytes) {
+        let max = self.params.max_xmit_data_segment_length.max(512) as usize;
+        // Continuation of a long response (RFC 7143 §6.2): an empty request with our TTT.
+        if t.ttt != Ttt::RESERVED {
+            if let Some((itt, ttt, mut rest)) = self.text_pending.take() {
+                if itt == t.itt && ttt == t.ttt && !rest.is_empty() {
+                    let chunk = rest.remove(0);
+                    let more = !rest.is_empty();
+                    if more {
+                        self.text_pending = Some((itt, ttt, rest));
+                    }
+                    self.send_text(&t, chunk, more, ttt).await;
+                    return;
+                }
+            }
+        }
+        self.text_pending = None;
+        let pairs = match text::parse(&data) {
+            Ok(p) => p,
+            Err(_) => {
+                let resp = Header::Reject(Reject { reason: RejectReason::PROTOCOL_ERROR, ..Default::default() });
+                self.send(vec![OutPdu::status(resp, Bytes::new())]).await;
+                return;
+            }
+        };
+        let mut out: Vec<(String, String)> = Vec::new();
+        let mut others = Vec::new();
+        for (k, v) in pairs {
+            if k == "SendTargets" {
+                out.extend(self.send_targets(&v));
+            } else {
+                others.push((k, v));
+            }
+        }
+        if !others.is_empty() {
+            let mut neg = Negotiator::new(&self.shared.cfg.negotiation);
+            out.extend(neg.respond_full_feature(&others).answers);
+        }
+        let encoded = text::encode(&out);
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut off = 0;
+        while off < encoded.len() {
+            let end = (off + max).min(encoded.len());
+            chunks.push(encoded.slice(off..end));
+            off = end;
+        }
+        if chunks.is_empty() {
+            chunks.push(Bytes::new());
+        }
+        let first = chunks.remove(0);
+        if chunks.is_empty() {
+            self.send_text(&t, first, false, Ttt::RESERVED).await;
+        } else {
+            let ttt = self.alloc_ttt();
+            self.text_pending = Some((t.itt, ttt, chunks));
+            self.send_text(&t, first, true, ttt).await;
+        }
+    }
+
+    async fn send_text(&self, t: &TextRequest, data: Bytes, more: bool, ttt: Ttt) {
+        let resp = Header::TextResponse(TextResponse {
+            final_bit: !more,
+            cont: more,
+            lun: t.lun,
+            itt: t.itt,
+            ttt: if more { ttt } else { Ttt::RESERVED },
+            ..Default::default()
+        });
+        self.send(vec![OutPdu::status(resp, data)]).await;
+    }
+
+    /// SendTargets (RFC 7143 §13.3, Appendix C): `All` lists every target (discovery
+    /// sessions only); a name lists that target; empty means the session's target.
+    fn send_targets(&self, value: &str) -> Vec<(String, String)> {
+        let discovery = self.session.target.is_none();
+        let mut names: Vec<&Arc<TargetDef>> = match value {
+            "All" if discovery => self.shared.targets.values().collect(),
+            "All" | "" => self.session.target.iter().collect(),
+            name => self.shared.targets.get(name).into_iter().collect(),
+        };
+        names.sort_by(|a, b| a.name.cmp(&b.name));
+        let portals = self.shared.portals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut out = Vec::new();
+        for t in names {
+            out.push(("TargetName".to_string(), t.name.clone()));
+            for p in &portals {
+                // A wildcard listener is reached at the address this connection came in on.
+                let ip = if p.ip().is_unspecified() { self.local.ip() } else { p.ip() };
+                let addr = SocketAddr::new(ip, p.port());
+                out.push(("TargetAddress".to_string(), format!("{addr},{}", t.tpgt)));
+            }
+        }
+        out
+    }
+}
+
+/// The CDB with any Extended CDB AHS appended (RFC 7143 §11.2.2.3). `None` if an AHS is
+/// malformed.
+fn extended_cdb(cdb16: &[u8; 16], ahs: &Bytes) -> Option<Bytes> {
+    if ahs.is_empty() {
+        return Some(Bytes::copy_from_slice(cdb16));
+    }
+    let mut cdb = cdb16.to_vec();
+    let mut rest = &ahs[..];
+    while !rest.is_empty() {
+        let hdr = rest.get(..3)?;
+        let len = u16::from_be_bytes([hdr[0], hdr[1]]) as usize;
+        let ahs_type = hdr[2];
+        let body = rest.get(4..4 + len.saturating_sub(1))?;
+        if ahs_type == 1 {
+            cdb.extend_from_slice(body);
+        }
+        let total = 4 + len.saturating_sub(1);
+        let padded = total + ironsan_proto::pdu::pad_len(total);
+        rest = rest.get(padded..).unwrap_or(&[]);
+    }
+    Some(Bytes::from(cdb))
+}
+
+/// Turn a SCSI response into iSCSI PDUs: Data-In (with the status collapsed into the last
+/// one when there is no sense data) and/or a SCSI Response, with residuals against the
+/// Expected Data Transfer Length (RFC 7143 §11.4.5, §11.7).
+fn response_pdus(
+    cmd: &ScsiCommand,
+    resp: Response,
+    write_needed: Option<u32>,
+    exp_data_sn: DataSn,
+    max_xmit: u32,
+    max_burst: u32,
+) -> Vec<OutPdu> {
+    let edtl = cmd.expected_data_transfer_length;
+    let mut out = Vec::new();
+    let produced = resp.data_in.len() as u32;
+    let (data, residual) = if cmd.read {
+        let send = produced.min(edtl);
+        (resp.data_in.slice(..send as usize), Residual::of(edtl, produced))
+    } else if let Some(needed) = write_needed {
+        (Bytes::new(), Residual::of(edtl, needed))
+    } else {
+        // No data direction, or data the initiator did not ask for: send none (the R bit
+        // was off), and report what would have come as overflow.
+        (Bytes::new(), if produced > 0 || edtl > 0 { Residual::of(edtl, produced) } else { Residual::None })
+    };
+    let collapse = resp.sense.is_none() && !data.is_empty();
+    let mut data_sn = exp_data_sn;
+    if !data.is_empty() {
+        let segs: Vec<_> = data_in_segments(data.len() as u32, max_xmit, max_burst).collect();
+        data_sn = DataSn(0);
+        for s in segs {
+            let last = s.last && collapse;
+            out.push(OutPdu {
+                header: Header::DataIn(DataIn {
+                    final_bit: s.final_bit,
+                    status: last.then_some(resp.status.0),
+                    lun: cmd.lun,
+                    itt: cmd.itt,
+                    ttt: Ttt::RESERVED,
+                    data_sn: s.data_sn,
+                    buffer_offset: s.offset,
+                    residual: if last { residual } else { Residual::None },
+                    ..Default::default()
+                }),
+                data: data.slice(s.offset as usize..(s.offset + s.len) as usize),
+                mode: if last { writer::SnMode::Status } else { writer::SnMode::Current },
+            });
+            data_sn = s.data_sn.next();
+        }
+    }
+    if !collapse {
+        let sense = resp.sense.as_deref().map(sense_segment).unwrap_or_default();
+        out.push(OutPdu::status(
+            Header::ScsiResponse(ScsiResponse {
+                response: ServiceResponse::COMMAND_COMPLETED,
+                status: resp.status.0,
+                itt: cmd.itt,
+                exp_data_sn: data_sn,
+                residual,
+                ..Default::default()
+            }),
+            sense,
+        ));
+    }
+    out
+}

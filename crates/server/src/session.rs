@@ -1,0 +1,202 @@
+//! Sessions and the session registry (RFC 7143 §4.4, §6.3.5 session reinstatement).
+//!
+//! A session is shared by its connections: the CmdSN window and the table of running tasks
+//! are session-wide; Data-Out reassembly is per connection (connection allegiance at
+//! ErrorRecoveryLevel 0). Nothing here assumes one connection per session.
+
+use crate::TargetDef;
+use ironsan_proto::negotiate::{ConnParams, SessionParams};
+use ironsan_proto::pdu::{Isid, Itt, Tsih};
+use ironsan_proto::window::CmdWindow;
+use ironsan_proto::CmdSn;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::watch;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A command the SCSI layer is executing, for task management.
+#[derive(Debug)]
+pub struct Running {
+    pub lun: u64,
+    pub cmd_sn: CmdSn,
+    pub abort: tokio::task::AbortHandle,
+}
+
+/// One connection as the session sees it.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    pub cid: u16,
+    pub peer: SocketAddr,
+    pub local: SocketAddr,
+    pub params: ConnParams,
+    /// Set to true to make the connection close.
+    pub close: watch::Sender<bool>,
+}
+
+/// An iSCSI session.
+#[derive(Debug)]
+pub struct Session {
+    pub tsih: Tsih,
+    pub isid: Isid,
+    pub initiator_name: String,
+    /// `None` for discovery sessions.
+    pub target: Option<Arc<TargetDef>>,
+    pub params: SessionParams,
+    pub nexus: ironsan_scsi::Nexus,
+    window: Mutex<CmdWindow<()>>,
+    running: Mutex<HashMap<Itt, Running>>,
+    conns: Mutex<Vec<ConnInfo>>,
+    pub commands: AtomicU64,
+}
+
+impl Session {
+    pub fn new(
+        tsih: Tsih,
+        isid: Isid,
+        initiator_name: String,
+        target: Option<Arc<TargetDef>>,
+        params: SessionParams,
+        nexus: ironsan_scsi::Nexus,
+        first_cmd_sn: CmdSn,
+        depth: u32,
+    ) -> Self {
+        Session {
+            tsih,
+            isid,
+            initiator_name,
+            target,
+            params,
+            nexus,
+            window: Mutex::new(CmdWindow::new(first_cmd_sn, depth)),
+            running: Mutex::new(HashMap::new()),
+            conns: Mutex::new(Vec::new()),
+            commands: AtomicU64::new(0),
+        }
+    }
+
+    /// (ExpCmdSN, MaxCmdSN) to stamp on outgoing PDUs.
+    pub fn window_sn(&self) -> (CmdSn, CmdSn) {
+        let w = lock(&self.window);
+        (w.exp_cmd_sn(), w.max_cmd_sn())
+    }
+
+    pub fn window(&self) -> MutexGuard<'_, CmdWindow<()>> {
+        lock(&self.window)
+    }
+
+    pub fn running(&self) -> MutexGuard<'_, HashMap<Itt, Running>> {
+        lock(&self.running)
+    }
+
+    pub fn add_conn(&self, c: ConnInfo) {
+        lock(&self.conns).push(c);
+    }
+
+    /// Remove a connection; returns how many remain.
+    pub fn remove_conn(&self, cid: u16) -> usize {
+        let mut conns = lock(&self.conns);
+        conns.retain(|c| c.cid != cid);
+        conns.len()
+    }
+
+    pub fn conn_count(&self) -> usize {
+        lock(&self.conns).len()
+    }
+
+    /// Ask every connection (or the one with `cid`) to close.
+    pub fn close_conns(&self, cid: Option<u16>) {
+        for c in lock(&self.conns).iter() {
+            if cid.is_none_or(|id| id == c.cid) {
+                let _ = c.close.send(true);
+            }
+        }
+    }
+
+    /// Abort running tasks that match `pred`; returns how many.
+    pub fn abort_where(&self, pred: impl Fn(&Itt, &Running) -> bool) -> usize {
+        let mut running = self.running();
+        let victims: Vec<Itt> = running.iter().filter(|(i, r)| pred(i, r)).map(|(i, _)| *i).collect();
+        for itt in &victims {
+            if let Some(r) = running.remove(itt) {
+                r.abort.abort();
+            }
+        }
+        victims.len()
+    }
+
+    pub fn info(&self) -> SessionInfo {
+        SessionInfo {
+            tsih: self.tsih.0,
+            isid: self.isid.to_string(),
+            initiator_name: self.initiator_name.clone(),
+            target_name: self.target.as_ref().map(|t| t.name.clone()),
+            params: ironsan_proto::negotiate::describe(
+                &self.params,
+                &lock(&self.conns).first().map(|c| c.params.clone()).unwrap_or_default(),
+            )
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+            connections: lock(&self.conns).iter().map(|c| (c.cid, c.peer)).collect(),
+            commands: self.commands.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What an admin (or a test) sees of a session.
+#[derive(Debug, Clone)]
+pub struct SessionInfo {
+    pub tsih: u16,
+    pub isid: String,
+    pub initiator_name: String,
+    pub target_name: Option<String>,
+    pub params: Vec<(String, String)>,
+    pub connections: Vec<(u16, SocketAddr)>,
+    pub commands: u64,
+}
+
+/// All sessions of the server, by TSIH.
+#[derive(Debug, Default)]
+pub struct Registry {
+    by_tsih: HashMap<u16, Arc<Session>>,
+}
+
+impl Registry {
+    pub fn len(&self) -> usize {
+        self.by_tsih.len()
+    }
+    pub fn get(&self, tsih: Tsih) -> Option<Arc<Session>> {
+        self.by_tsih.get(&tsih.0).cloned()
+    }
+    pub fn insert(&mut self, s: Arc<Session>) {
+        self.by_tsih.insert(s.tsih.0, s);
+    }
+    /// Remove the session if it is still the registered one for its TSIH.
+    pub fn remove(&mut self, s: &Arc<Session>) {
+        if self.by_tsih.get(&s.tsih.0).is_some_and(|cur| Arc::ptr_eq(cur, s)) {
+            self.by_tsih.remove(&s.tsih.0);
+        }
+    }
+    /// The session with the same initiator name, ISID and target (RFC 7143 §6.3.5: a new
+    /// leading login with TSIH 0 for an existing session reinstates it).
+    pub fn find_same_nexus(&self, initiator: &str, isid: Isid, target: Option<&str>) -> Option<Arc<Session>> {
+        self.by_tsih
+            .values()
+            .find(|s| s.initiator_name == initiator && s.isid == isid && s.target.as_ref().map(|t| t.name.as_str()) == target)
+            .cloned()
+    }
+    /// Every session logged in to `target`.
+    pub fn of_target(&self, target: &str) -> Vec<Arc<Session>> {
+        self.by_tsih.values().filter(|s| s.target.as_ref().is_some_and(|t| t.name == target)).cloned().collect()
+    }
+    pub fn info(&self) -> Vec<SessionInfo> {
+        let mut v: Vec<_> = self.by_tsih.values().map(|s| s.info()).collect();
+        v.sort_by_key(|s| s.tsih);
+        v
+    }
+}

@@ -1,0 +1,140 @@
+//! The writer task of a connection: the only place that assigns StatSN and stamps
+//! ExpCmdSN/MaxCmdSN (RFC 7143 §4.2.2.2, §11.4.8), so numbers always go out in order. It drains
+//! its queue and sends everything ready in one vectored write (batching).
+
+use crate::io::{Digests, WriteBatch};
+use crate::session::Session;
+use bytes::Bytes;
+use ironsan_proto::pdu::{Header, Pdu, TargetSn};
+use ironsan_proto::StatSn;
+use std::sync::Arc;
+use tokio::io::AsyncWrite;
+use tokio::sync::mpsc;
+
+/// How a PDU relates to StatSN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SnMode {
+    /// Carries a status: gets the next StatSN.
+    Status,
+    /// Carries the current StatSN without advancing it (R2T, Data-In without status,
+    /// target-initiated NOP-In).
+    Current,
+}
+
+/// One PDU for the writer.
+#[derive(Debug)]
+pub struct OutPdu {
+    pub header: Header,
+    pub data: Bytes,
+    pub mode: SnMode,
+}
+
+impl OutPdu {
+    pub fn status(header: Header, data: Bytes) -> Self {
+        OutPdu { header, data, mode: SnMode::Status }
+    }
+    pub fn current(header: Header, data: Bytes) -> Self {
+        OutPdu { header, data, mode: SnMode::Current }
+    }
+}
+
+/// Messages to the writer, processed in order.
+#[derive(Debug)]
+pub enum Out {
+    /// PDUs sent back to back (e.g. a read's Data-In and its status).
+    Pdus(Vec<OutPdu>),
+    /// From now on, stamp sequence numbers from this session's window.
+    Attach(Arc<Session>),
+    /// From now on, use these digests (set after the final login response).
+    Digests(Digests),
+    /// Flush and close the socket after everything before this message.
+    Close,
+}
+
+/// Where a target PDU keeps its TargetSn.
+fn target_sn(h: &mut Header) -> Option<&mut TargetSn> {
+    match h {
+        Header::NopIn(p) => Some(&mut p.sn),
+        Header::ScsiResponse(p) => Some(&mut p.sn),
+        Header::TaskMgmtResponse(p) => Some(&mut p.sn),
+        Header::LoginResponse(p) => Some(&mut p.sn),
+        Header::TextResponse(p) => Some(&mut p.sn),
+        Header::DataIn(p) => Some(&mut p.sn),
+        Header::LogoutResponse(p) => Some(&mut p.sn),
+        Header::R2t(p) => Some(&mut p.sn),
+        Header::AsyncMessage(p) => Some(&mut p.sn),
+        Header::Reject(p) => Some(&mut p.sn),
+        _ => None,
+    }
+}
+
+/// Counters the writer keeps for the admin view.
+#[derive(Debug, Default)]
+pub struct TxStats {
+    pub pdus: std::sync::atomic::AtomicU64,
+    pub bytes: std::sync::atomic::AtomicU64,
+}
+
+/// Run the writer until the queue closes, a `Close` arrives, or the socket fails.
+pub async fn run<W: AsyncWrite + Unpin>(
+    mut w: W,
+    mut rx: mpsc::Receiver<Out>,
+    first_stat_sn: StatSn,
+    stats: Arc<TxStats>,
+) -> std::io::Result<()> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut stat_sn = first_stat_sn;
+    let mut session: Option<Arc<Session>> = None;
+    let mut digests = Digests::default();
+    let mut batch = WriteBatch::default();
+    const BATCH_BYTES: usize = 1 << 20;
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        let mut close = false;
+        while let Some(msg) = next.take() {
+            match msg {
+                Out::Pdus(pdus) => {
+                    for mut p in pdus {
+                        let window = session.as_ref().map(|s| s.window_sn());
+                        if let Some(sn) = target_sn(&mut p.header) {
+                            sn.stat_sn = stat_sn;
+                            if let Some((exp, max)) = window {
+                                sn.exp_cmd_sn = exp;
+                                sn.max_cmd_sn = max;
+                            }
+                        }
+                        if p.mode == SnMode::Status {
+                            stat_sn = stat_sn.next();
+                        }
+                        let pdu = Pdu::new(p.header, p.data);
+                        let bhs = pdu.bhs();
+                        batch.push(&bhs, pdu.data, digests);
+                        stats.pdus.fetch_add(1, Relaxed);
+                    }
+                }
+                Out::Attach(s) => session = Some(s),
+                Out::Digests(d) => {
+                    // Everything queued so far was negotiated without digests.
+                    if !batch.is_empty() {
+                        stats.bytes.fetch_add(batch.len() as u64, Relaxed);
+                        batch.flush(&mut w).await?;
+                    }
+                    digests = d;
+                }
+                Out::Close => close = true,
+            }
+            if close || batch.len() >= BATCH_BYTES {
+                break;
+            }
+            next = rx.try_recv().ok();
+        }
+        if !batch.is_empty() {
+            stats.bytes.fetch_add(batch.len() as u64, Relaxed);
+            batch.flush(&mut w).await?;
+        }
+        if close {
+            break;
+        }
+    }
+    Ok(())
+}
