@@ -1,1 +1,337 @@
+//! # ironsan-scsi: the SCSI device server (SPC-4 / SBC-3)
+//!
+//! This crate executes SCSI commands against logical units backed by
+//! [`ironsan_backend::BlockDevice`]s. It never sees a PDU: the iSCSI layer hands it a
+//! [`Command`] (CDB, the Data-Out bytes it collected, the expected Data-In length) addressed to a
+//! LUN over an I_T [`Nexus`], and gets back a [`Response`] (status, Data-In, sense). Backends
+//! never see a CDB: they get byte offsets that this crate has already range-checked.
+//!
+//! ## Contract with the transport (iSCSI) layer
+//! * Call [`data_out_len`] on the CDB to learn how many Data-Out bytes the command will consume,
+//!   solicit at most that (bounded by the task's EDTL), then call [`Target::execute`].
+//! * If `data_out` is **shorter** than the CDB needs, the command fails with CHECK CONDITION,
+//!   ILLEGAL REQUEST and: INVALID FIELD IN CDB (24h/00h) pointing at the TRANSFER LENGTH field for
+//!   block data (WRITE, VERIFY BYTCHK, WRITE SAME, COMPARE AND WRITE: the CDB asks for more than
+//!   the initiator sent, as LIO does), PARAMETER LIST LENGTH ERROR (1Ah/00h) for parameter lists
+//!   (MODE SELECT, UNMAP). Nothing is written in that case. If it is **longer**, only the first
+//!   bytes are used; the transport reports the residual.
+//! * `data_in` is never longer than the CDB's ALLOCATION LENGTH or TRANSFER LENGTH. It may be
+//!   longer than the task's EDTL; the transport truncates and reports the overflow residual
+//!   (RFC 7143 SCSI Response residual count).
+//! * Every failure is a [`SenseReason`], reported as CHECK CONDITION with 18-byte fixed-format
+//!   sense data (response code 70h, SPC-4 §4.5.3). No failure closes the connection.
+//! * LUN numbers are plain numbers (0..=[`MAX_LUN`]); [`lun_to_wire`] and [`lun_from_wire`]
+//!   convert to and from the 8-byte SAM LUN field (single-level peripheral or flat space).
+//! * Call [`Target::nexus_lost`] when a session ends, [`LogicalUnit::reset`] on LOGICAL UNIT
+//!   RESET.
+//!
+//! ## Durability
+//! With WCE=0 (the default, `LuConfig::write_cache = false`) every write is
+//! [`WriteMode::Durable`](ironsan_backend::WriteMode) before GOOD. With WCE=1 writes are
+//! `Cached` unless FUA is set; SYNCHRONIZE CACHE calls `flush`. Volatile backends (null, ram:
+//! `Capabilities::volatile`) accept the same mode pages but are **not durable at all**; this is
+//! stated here and in their kind name, not hidden in the caching page (an initiator cannot act on
+//! it anyway, and lying with WCE=1 would make Linux issue pointless flushes).
+//!
+//! ## Unit attentions
+//! Per LU, one queue per I_T nexus ([`Nexus::id`]), created lazily on the nexus's first
+//! command; no power-on UA is raised at first contact. A queued condition is reported once as
+//! CHECK CONDITION / UNIT ATTENTION on the next command other than INQUIRY, REPORT LUNS and
+//! REQUEST SENSE (SAM-5 unit attention condition; REQUEST SENSE returns and clears it as parameter data).
+//!
+//! ## Modules
+//! * [`sense`] — [`SenseReason`] and the one sense table.
+//! * [`cdb`] — operation codes, panic-free CDB access, [`data_out_len`].
+//! * `spc` — INQUIRY/VPD, REPORT LUNS, REQUEST SENSE, TEST UNIT READY, reservations, RSOC.
+//! * `mode` — MODE SENSE / MODE SELECT and the mode pages.
+//! * `sbc` — READ/WRITE/VERIFY/capacity/cache/provisioning commands.
 
+pub mod cdb;
+mod lu;
+mod mode;
+mod sbc;
+pub mod sense;
+mod spc;
+
+#[cfg(test)]
+mod tests;
+
+use bytes::Bytes;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+pub use cdb::{data_out_len, opcode, MAX_TRANSFER_BYTES};
+pub use lu::{local_naa, LogicalUnit, LuConfig};
+pub use sense::{FieldPointer, SenseFields, SenseKey, SenseReason, UnitAttention};
+
+use cdb::{opcode::*, Cdb};
+use lu::lock;
+
+/// An I_T nexus as the SCSI layer sees it (SAM-5).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Nexus {
+    /// Unique per I_T nexus (per iSCSI session) for the target's lifetime; keys the unit
+    /// attention queues and reservations.
+    pub id: u64,
+    /// SCSI initiator port name, e.g. `iqn.1994-05.com.example:host,i,0x23d000000001`.
+    pub initiator_port: Arc<str>,
+    /// SCSI target port name, e.g. `iqn.2024-01.org.ironsan:disk,t,0x0001`.
+    pub target_port: Arc<str>,
+    /// RELATIVE TARGET PORT IDENTIFIER (1-based; SPC-4 relative target port designator).
+    pub relative_port: u16,
+}
+
+/// One SCSI command as delivered by the transport.
+#[derive(Clone, Debug, Default)]
+pub struct Command {
+    /// The CDB as received (6..=260 bytes; iSCSI gives 16 plus any extended CDB AHS).
+    pub cdb: Bytes,
+    /// Data-Out the initiator sent (possibly empty).
+    pub data_out: Bytes,
+    /// iSCSI Expected Data Transfer Length for reads (informational; see the crate docs).
+    pub expected_in_len: u32,
+}
+
+/// SCSI status byte (SAM-5 status codes).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub struct Status(pub u8);
+
+impl Status {
+    pub const GOOD: Status = Status(0x00);
+    pub const CHECK_CONDITION: Status = Status(0x02);
+    pub const CONDITION_MET: Status = Status(0x04);
+    pub const BUSY: Status = Status(0x08);
+    pub const RESERVATION_CONFLICT: Status = Status(0x18);
+    pub const TASK_SET_FULL: Status = Status(0x28);
+    pub const ACA_ACTIVE: Status = Status(0x30);
+    pub const TASK_ABORTED: Status = Status(0x40);
+}
+
+/// The outcome of a command.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    pub status: Status,
+    /// Data-In, never longer than the CDB's allocation or transfer length.
+    pub data_in: Bytes,
+    /// Fixed-format sense data (>= 18 bytes), present iff status is CHECK CONDITION.
+    pub sense: Option<Bytes>,
+}
+
+impl Response {
+    /// GOOD with `data_in`.
+    pub fn good(data_in: Bytes) -> Self {
+        Response {
+            status: Status::GOOD,
+            data_in,
+            sense: None,
+        }
+    }
+    /// CHECK CONDITION with the sense data of `reason`.
+    pub fn check_condition(reason: SenseReason) -> Self {
+        Response {
+            status: Status::CHECK_CONDITION,
+            data_in: Bytes::new(),
+            sense: Some(reason.to_fixed_sense()),
+        }
+    }
+    /// A status without data or sense (BUSY, RESERVATION CONFLICT, TASK SET FULL, ...).
+    pub fn status_only(status: Status) -> Self {
+        Response {
+            status,
+            data_in: Bytes::new(),
+            sense: None,
+        }
+    }
+}
+
+/// Highest LUN this target can address: 14-bit flat space addressing (SAM-5 LUN structure).
+pub const MAX_LUN: u64 = 0x3FFF;
+
+/// Encode a LUN as the 8-byte SAM LUN field (as a big-endian u64): peripheral device
+/// addressing (00b) below 256, flat space addressing (01b) up to [`MAX_LUN`] (SAM-5 single level LUN structure).
+pub fn lun_to_wire(lun: u64) -> u64 {
+    if lun < 256 {
+        lun << 48
+    } else {
+        (0x4000 | (lun & 0x3FFF)) << 48
+    }
+}
+
+/// Decode the 8-byte SAM LUN field (big-endian u64) into a LUN number. Addressing methods other
+/// than single-level peripheral (bus 0) and flat space return `None`, which the transport
+/// should treat as an unsupported LUN.
+pub fn lun_from_wire(raw: u64) -> Option<u64> {
+    if raw & 0x0000_FFFF_FFFF_FFFF != 0 {
+        return None; // second..fourth levels must be empty
+    }
+    let top = (raw >> 48) as u16;
+    match top >> 14 {
+        0b00 if top >> 8 == 0 => Some(u64::from(top & 0xFF)),
+        0b01 => Some(u64::from(top & 0x3FFF)),
+        _ => None,
+    }
+}
+
+/// The LUN map of one SCSI target device, and the entry point for commands.
+#[derive(Default, Debug)]
+pub struct Target {
+    luns: BTreeMap<u64, Arc<LogicalUnit>>,
+}
+
+impl Target {
+    pub fn new() -> Self {
+        Target::default()
+    }
+
+    /// Map `lu` at `lun` (replacing any previous mapping).
+    ///
+    /// # Panics
+    /// If `lun > MAX_LUN`: it could not be reported by REPORT LUNS (config must validate).
+    pub fn add_lun(&mut self, lun: u64, lu: Arc<LogicalUnit>) {
+        assert!(lun <= MAX_LUN, "LUN {lun} exceeds {MAX_LUN}");
+        self.luns.insert(lun, lu);
+    }
+
+    pub fn lun(&self, lun: u64) -> Option<&Arc<LogicalUnit>> {
+        self.luns.get(&lun)
+    }
+
+    /// All LUNs, ascending.
+    pub fn luns(&self) -> impl Iterator<Item = (u64, &Arc<LogicalUnit>)> {
+        self.luns.iter().map(|(k, v)| (*k, v))
+    }
+
+    /// The I_T nexus is gone (session closed or reinstated): drop its unit attention queues,
+    /// reservations and medium-removal prevention on every LU.
+    pub fn nexus_lost(&self, nexus_id: u64) {
+        for lu in self.luns.values() {
+            lu.nexus_lost(nexus_id);
+        }
+    }
+
+    /// Execute one command addressed to `lun` over `nexus`. Never panics on any CDB or data.
+    pub async fn execute(&self, lun: u64, nexus: &Nexus, cmd: Command) -> Response {
+        match self.execute_inner(lun, nexus, &cmd).await {
+            Ok(r) => r,
+            Err(reason) => Response::check_condition(reason),
+        }
+    }
+
+    async fn execute_inner(
+        &self,
+        lun: u64,
+        nexus: &Nexus,
+        cmd: &Command,
+    ) -> Result<Response, SenseReason> {
+        let cdb = Cdb(&cmd.cdb);
+        if cmd.cdb.is_empty() {
+            return Err(SenseReason::CdbTooShort);
+        }
+        let op = cdb.op();
+        let Some(lu) = self.luns.get(&lun) else {
+            return self.execute_without_lu(cdb).map(Response::good);
+        };
+        lu.register_nexus(nexus.id);
+
+        // SAM-5 unit attention condition: a pending unit attention terminates the next command,
+        // except INQUIRY, REPORT LUNS and REQUEST SENSE (which reports it as data).
+        if !matches!(op, INQUIRY | REPORT_LUNS | REQUEST_SENSE) {
+            if let Some(ua) = lu.take_unit_attention(nexus.id) {
+                return Err(SenseReason::UnitAttention(ua));
+            }
+        }
+        validate_cdb(cdb)?;
+
+        // SPC-2 reservations (RESERVE/RELEASE): another nexus's reservation conflicts with all but
+        // the commands in `spc::allowed_under_reservation`.
+        if let Some(holder) = *lock(&lu.reservation) {
+            if holder != nexus.id && !spc::allowed_under_reservation(cdb) {
+                return Ok(Response::status_only(Status::RESERVATION_CONFLICT));
+            }
+        }
+
+        let data = match op {
+            TEST_UNIT_READY => Ok(Bytes::new()),
+            REQUEST_SENSE => spc::request_sense(lu, nexus, cdb),
+            INQUIRY => spc::inquiry(lu, nexus, cdb),
+            REPORT_LUNS => {
+                let d = spc::report_luns(self, cdb)?;
+                lu.clear_unit_attention(nexus.id, UnitAttention::ReportedLunsDataChanged);
+                Ok(d)
+            }
+            MODE_SENSE_6 | MODE_SENSE_10 => mode::mode_sense(lu, cdb),
+            MODE_SELECT_6 | MODE_SELECT_10 => {
+                mode::mode_select(lu, nexus, cdb, &cmd.data_out).await
+            }
+            RESERVE_6 | RESERVE_10 => match spc::reserve(lu, nexus, cdb)? {
+                true => Ok(Bytes::new()),
+                false => return Ok(Response::status_only(Status::RESERVATION_CONFLICT)),
+            },
+            RELEASE_6 | RELEASE_10 => spc::release(lu, nexus, cdb),
+            MAINTENANCE_IN => spc::report_supported_opcodes(cdb),
+            PREVENT_ALLOW_MEDIUM_REMOVAL => spc::prevent_allow(lu, nexus, cdb),
+            START_STOP_UNIT => sbc::start_stop_unit(lu, nexus, cdb).await,
+            READ_CAPACITY_10 => sbc::read_capacity_10(lu, cdb),
+            SERVICE_ACTION_IN_16 => match cdb.u8(1) & 0x1F {
+                SAI_READ_CAPACITY_16 => sbc::read_capacity_16(lu, cdb),
+                SAI_GET_LBA_STATUS => sbc::get_lba_status(lu, cdb),
+                _ => Err(SenseReason::cdb_bit(1, 4)),
+            },
+            READ_6 | READ_10 | READ_12 | READ_16 => sbc::read(lu, cdb).await,
+            WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 => sbc::write(lu, cdb, &cmd.data_out).await,
+            VERIFY_10 | VERIFY_12 | VERIFY_16 => sbc::verify(lu, cdb, &cmd.data_out).await,
+            SYNCHRONIZE_CACHE_10 | SYNCHRONIZE_CACHE_16 => sbc::synchronize_cache(lu, cdb).await,
+            WRITE_SAME_10 | WRITE_SAME_16 => sbc::write_same(lu, cdb, &cmd.data_out).await,
+            UNMAP => sbc::unmap(lu, cdb, &cmd.data_out).await,
+            COMPARE_AND_WRITE => sbc::compare_and_write(lu, cdb, &cmd.data_out).await,
+            _ => Err(SenseReason::InvalidOpcode),
+        }?;
+        Ok(Response::good(data))
+    }
+
+    /// Commands addressed to a LUN with no logical unit (SPC-4 INQUIRY, REPORT LUNS, REQUEST SENSE).
+    fn execute_without_lu(&self, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+        match cdb.op() {
+            INQUIRY => {
+                validate_cdb(cdb)?;
+                spc::inquiry_no_lu(cdb)
+            }
+            REPORT_LUNS => {
+                validate_cdb(cdb)?;
+                spc::report_luns(self, cdb)
+            }
+            REQUEST_SENSE => {
+                validate_cdb(cdb)?;
+                spc::request_sense_data(cdb, SenseReason::LogicalUnitNotSupported)
+            }
+            _ => Err(SenseReason::LogicalUnitNotSupported),
+        }
+    }
+}
+
+/// Whether `op` is implemented (the dispatcher's and REPORT SUPPORTED OPERATION CODES' list).
+pub(crate) fn is_supported(op: u8) -> bool {
+    spc::SUPPORTED.iter().any(|c| c.op == op)
+}
+
+/// Checks common to every CDB: known operation code, full length, CONTROL byte.
+fn validate_cdb(cdb: Cdb<'_>) -> Result<(), SenseReason> {
+    let op = cdb.op();
+    if !is_supported(op) {
+        return Err(SenseReason::InvalidOpcode);
+    }
+    let need = cdb::cdb_length(op).ok_or(SenseReason::InvalidOpcode)?;
+    if cdb.0.len() < need {
+        return Err(SenseReason::CdbTooShort);
+    }
+    // SAM-5 CONTROL byte: NACA=1 needs NormACA support (we report NormACA=0); LINK is
+    // obsolete and linked commands are not supported.
+    let ctrl = cdb.control_offset();
+    if cdb.bit(ctrl, 2) {
+        return Err(SenseReason::cdb_bit(ctrl as u16, 2));
+    }
+    if cdb.bit(ctrl, 0) {
+        return Err(SenseReason::cdb_bit(ctrl as u16, 0));
+    }
+    Ok(())
+}

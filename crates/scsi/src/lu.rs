@@ -1,0 +1,289 @@
+//! One logical unit: configuration, mode state (WCE), per-I_T-nexus unit attention queues,
+//! SPC-2 reservation and the write range lock that makes COMPARE AND WRITE atomic.
+
+use crate::sense::UnitAttention;
+use crate::Nexus;
+use ironsan_backend::BlockDevice;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+/// Static configuration of a logical unit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LuConfig {
+    /// Logical block size in bytes: 512 or 4096 (any power of two in 512..=65536 is accepted).
+    pub block_size: u32,
+    /// Refuse writes with DATA PROTECT / WRITE PROTECTED; MODE SENSE reports WP=1.
+    pub read_only: bool,
+    /// Initial (and default) value of WCE in the caching mode page.
+    pub write_cache: bool,
+    /// Unit serial number (VPD 80h); printable ASCII, at most 64 bytes are used. When empty,
+    /// the NAA identifier in hex is used.
+    pub serial: String,
+    /// The LU's NAA designator (VPD 83h), used as the 8-byte NAA identifier verbatim when its
+    /// top nibble is a valid 8-byte NAA format (2h IEEE extended, 3h locally assigned, 5h IEEE
+    /// registered). Any other top nibble is replaced by 3h (locally assigned), which keeps the
+    /// identifier well formed; [`local_naa`] makes one from a name.
+    pub naa: u64,
+    /// T10 VENDOR IDENTIFICATION (8 ASCII bytes, space padded); "IRONSAN" when empty.
+    pub vendor: String,
+    /// PRODUCT IDENTIFICATION (16 ASCII bytes, space padded).
+    pub product: String,
+    /// PRODUCT REVISION LEVEL (4 ASCII bytes, space padded).
+    pub revision: String,
+}
+
+impl Default for LuConfig {
+    fn default() -> Self {
+        LuConfig {
+            block_size: 512,
+            read_only: false,
+            write_cache: false,
+            serial: String::new(),
+            naa: 0,
+            vendor: "IRONSAN".into(),
+            product: "ironsan LU".into(),
+            revision: "0001".into(),
+        }
+    }
+}
+
+/// A locally assigned (NAA 3h, SPC-4 NAA Locally Assigned designator format) identifier derived from `seed` (e.g.
+/// "target-iqn/lun"), stable across restarts: FNV-1a 64 with the top nibble forced to 3.
+pub fn local_naa(seed: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in seed.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (h & 0x0FFF_FFFF_FFFF_FFFF) | 0x3000_0000_0000_0000
+}
+
+/// Most unit attentions queued for one I_T nexus; older conditions are kept and identical
+/// conditions are not queued twice (SAM-5 lets a device server drop or merge them).
+const MAX_UA_PER_NEXUS: usize = 16;
+
+/// A logical unit: one [`BlockDevice`] plus the SCSI state that belongs to it.
+pub struct LogicalUnit {
+    backend: Arc<dyn BlockDevice>,
+    cfg: LuConfig,
+    block_size: u32,
+    capacity: u64,
+    wce: AtomicBool,
+    /// Serialises MODE SELECT so validation and update are one step.
+    pub(crate) mode_select: Mutex<()>,
+    ua: Mutex<HashMap<u64, VecDeque<UnitAttention>>>,
+    pub(crate) writes: RangeLock,
+    /// SPC-2 RESERVE(6/10) holder, by I_T nexus id.
+    pub(crate) reservation: Mutex<Option<u64>>,
+    /// I_T nexuses that issued PREVENT ALLOW MEDIUM REMOVAL with PREVENT=01b.
+    pub(crate) prevent: Mutex<HashSet<u64>>,
+}
+
+impl std::fmt::Debug for LogicalUnit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogicalUnit")
+            .field("backend", &self.backend.kind())
+            .field("block_size", &self.block_size)
+            .field("capacity_blocks", &self.capacity)
+            .field("wce", &self.wce())
+            .finish()
+    }
+}
+
+/// Lock a mutex, ignoring poisoning: the protected state stays consistent across panics
+/// because each critical section is a single update.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl LogicalUnit {
+    /// Create a logical unit over `backend`. Capacity is `backend.size() / block_size`
+    /// (a trailing partial block is not exposed).
+    ///
+    /// # Panics
+    /// If `cfg.block_size` is not a power of two in 512..=65536 (a configuration error the
+    /// config layer must catch first).
+    pub fn new(backend: Arc<dyn BlockDevice>, cfg: LuConfig) -> Self {
+        let bs = cfg.block_size;
+        assert!(
+            bs.is_power_of_two() && (512..=65536).contains(&bs),
+            "block size {bs} is not a power of two in 512..=65536"
+        );
+        let capacity = backend.size() / u64::from(bs);
+        LogicalUnit {
+            wce: AtomicBool::new(cfg.write_cache),
+            backend,
+            block_size: bs,
+            capacity,
+            cfg,
+            mode_select: Mutex::new(()),
+            ua: Mutex::new(HashMap::new()),
+            writes: RangeLock::default(),
+            reservation: Mutex::new(None),
+            prevent: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Number of logical blocks.
+    pub fn capacity_blocks(&self) -> u64 {
+        self.capacity
+    }
+    /// Logical block size in bytes.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+    /// Current WCE (write cache enable) of the caching mode page.
+    pub fn wce(&self) -> bool {
+        self.wce.load(Ordering::Acquire)
+    }
+    pub(crate) fn set_wce(&self, on: bool) {
+        self.wce.store(on, Ordering::Release);
+    }
+    /// The backing device.
+    pub fn backend(&self) -> &Arc<dyn BlockDevice> {
+        &self.backend
+    }
+    /// The configuration this LU was created with.
+    pub fn config(&self) -> &LuConfig {
+        &self.cfg
+    }
+
+    /// LOGICAL UNIT RESET (SAM-5 task management functions): release the SPC-2 reservation and medium-removal
+    /// prevention, and establish POWER ON, RESET, OR BUS DEVICE RESET OCCURRED (29h/00h) for
+    /// every other I_T nexus known to this LU. Mode parameters keep their current values (not
+    /// reverted to defaults), so a reset never silently turns a write cache back on or off.
+    pub fn reset(&self, by: &Nexus) {
+        *lock(&self.reservation) = None;
+        lock(&self.prevent).clear();
+        self.establish_unit_attention(UnitAttention::PowerOnReset, Some(by.id));
+    }
+
+    /// Establish `ua` for every I_T nexus that has addressed this LU, except `except`.
+    /// Nexuses first seen later start with no pending condition (no power-on UA at first
+    /// contact).
+    pub fn establish_unit_attention(&self, ua: UnitAttention, except: Option<u64>) {
+        let mut map = lock(&self.ua);
+        for (id, q) in map.iter_mut() {
+            if Some(*id) == except || q.contains(&ua) || q.len() >= MAX_UA_PER_NEXUS {
+                continue;
+            }
+            q.push_back(ua);
+        }
+    }
+
+    /// Forget an I_T nexus (session gone, SAM-5 I_T nexus loss): its queue and any SPC-2
+    /// reservation or medium-removal prevention it held.
+    pub fn nexus_lost(&self, nexus_id: u64) {
+        lock(&self.ua).remove(&nexus_id);
+        lock(&self.prevent).remove(&nexus_id);
+        let mut r = lock(&self.reservation);
+        if *r == Some(nexus_id) {
+            *r = None;
+        }
+    }
+
+    /// Make `nexus_id` known (lazily creating its queue).
+    pub(crate) fn register_nexus(&self, nexus_id: u64) {
+        lock(&self.ua).entry(nexus_id).or_default();
+    }
+
+    /// Pop the oldest pending unit attention of `nexus_id`.
+    pub(crate) fn take_unit_attention(&self, nexus_id: u64) -> Option<UnitAttention> {
+        lock(&self.ua)
+            .get_mut(&nexus_id)
+            .and_then(|q| q.pop_front())
+    }
+
+    /// Drop a pending `ua` of `nexus_id` without reporting it (REPORT LUNS clears REPORTED
+    /// LUNS DATA HAS CHANGED, SPC-4 REPORT LUNS).
+    pub(crate) fn clear_unit_attention(&self, nexus_id: u64, ua: UnitAttention) {
+        if let Some(q) = lock(&self.ua).get_mut(&nexus_id) {
+            q.retain(|&u| u != ua);
+        }
+    }
+
+    /// Whether `lba .. lba+blocks` lies within the medium, with no u64 wrap.
+    pub(crate) fn in_range(&self, lba: u64, blocks: u64) -> bool {
+        lba.checked_add(blocks)
+            .is_some_and(|end| end <= self.capacity)
+    }
+
+    pub(crate) fn max_transfer_blocks(&self) -> u32 {
+        crate::cdb::max_transfer_blocks(self.block_size)
+    }
+}
+
+/// An async exclusive lock over LBA ranges. Every command that modifies the medium holds it
+/// over its range for the duration of the backend call, so COMPARE AND WRITE's read-compare-
+/// write cannot interleave with another writer (SBC-3 COMPARE AND WRITE). Runtime-agnostic (plain wakers).
+#[derive(Default)]
+pub(crate) struct RangeLock {
+    inner: Mutex<RangeLockInner>,
+}
+
+#[derive(Default)]
+struct RangeLockInner {
+    held: Vec<(u64, u64, u64)>,
+    next_token: u64,
+    waiters: Vec<Waker>,
+}
+
+impl RangeLock {
+    /// Lock blocks `start .. end` (half open).
+    pub fn lock(&self, start: u64, end: u64) -> RangeLockFuture<'_> {
+        RangeLockFuture {
+            lock: self,
+            start,
+            end,
+        }
+    }
+}
+
+pub(crate) struct RangeLockFuture<'a> {
+    lock: &'a RangeLock,
+    start: u64,
+    end: u64,
+}
+
+impl<'a> Future for RangeLockFuture<'a> {
+    type Output = RangeGuard<'a>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RangeGuard<'a>> {
+        let mut g = lock(&self.lock.inner);
+        let (s, e) = (self.start, self.end);
+        if g.held.iter().any(|&(hs, he, _)| hs < e && s < he) {
+            if !g.waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                g.waiters.push(cx.waker().clone());
+            }
+            return Poll::Pending;
+        }
+        let token = g.next_token;
+        g.next_token = g.next_token.wrapping_add(1);
+        g.held.push((s, e, token));
+        Poll::Ready(RangeGuard {
+            lock: self.lock,
+            token,
+        })
+    }
+}
+
+pub(crate) struct RangeGuard<'a> {
+    lock: &'a RangeLock,
+    token: u64,
+}
+
+impl Drop for RangeGuard<'_> {
+    fn drop(&mut self) {
+        let waiters = {
+            let mut g = lock(&self.lock.inner);
+            g.held.retain(|&(_, _, t)| t != self.token);
+            std::mem::take(&mut g.waiters)
+        };
+        for w in waiters {
+            w.wake();
+        }
+    }
+}

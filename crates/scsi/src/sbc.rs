@@ -1,0 +1,544 @@
+//! SBC-3 block commands: READ/WRITE(6/10/12/16), VERIFY(10/12/16), READ CAPACITY(10/16),
+//! SYNCHRONIZE CACHE(10/16), START STOP UNIT, WRITE SAME(10/16), UNMAP, GET LBA STATUS,
+//! COMPARE AND WRITE, and the block VPD pages (B0h, B1h, B2h).
+//!
+//! Every medium access is range checked here (LBA + length, with no u64 wrap, against the
+//! capacity) before the backend sees a byte offset, and every transfer is bounded by
+//! [`MAX_TRANSFER_BYTES`](crate::MAX_TRANSFER_BYTES), so no CDB can make us allocate more.
+
+use crate::cdb::{block_range, opcode::*, verify_bytchk, BlockRange, Cdb};
+use crate::lu::lock;
+use crate::sense::SenseReason;
+use crate::spc::truncate;
+use crate::LogicalUnit;
+use bytes::{Bytes, BytesMut};
+use ironsan_backend::{BackendError, WriteMode};
+
+/// Largest WRITE SAME (without UNMAP) in bytes; MAXIMUM WRITE SAME LENGTH in B0h.
+const MAX_WRITE_SAME_BYTES: u64 = 1 << 30;
+/// Largest total UNMAP (or WRITE SAME with UNMAP) in bytes; MAXIMUM UNMAP LBA COUNT in B0h.
+const MAX_UNMAP_BYTES: u64 = 1 << 30;
+/// MAXIMUM UNMAP BLOCK DESCRIPTOR COUNT in B0h.
+const MAX_UNMAP_DESCRIPTORS: usize = 256;
+/// MAXIMUM COMPARE AND WRITE LENGTH in B0h (blocks).
+const MAX_COMPARE_AND_WRITE_BLOCKS: u8 = 64;
+/// Size of the pattern buffer WRITE SAME writes repeatedly.
+const WRITE_SAME_CHUNK: usize = 1 << 20;
+
+fn backend_err(lu: &LogicalUnit) -> impl Fn(BackendError) -> SenseReason + '_ {
+    move |e| SenseReason::from_backend(&e, lu.block_size())
+}
+
+fn bytes_of(lu: &LogicalUnit, blocks: u64) -> u64 {
+    blocks * u64::from(lu.block_size())
+}
+
+/// RDPROTECT/WRPROTECT/VRPROTECT (byte 1 bits 7..5) must be 000b: no protection information
+/// (SBC-3 protection information model; READ(6)/WRITE(6) have no such field).
+fn check_no_protection(cdb: Cdb<'_>) -> Result<(), SenseReason> {
+    if !matches!(cdb.op(), READ_6 | WRITE_6) && cdb.u8(1) >> 5 != 0 {
+        return Err(SenseReason::cdb_bit(1, 7));
+    }
+    Ok(())
+}
+
+/// TRANSFER LENGTH beyond the Block Limits MAXIMUM TRANSFER LENGTH is INVALID FIELD IN CDB
+/// (SBC-3 Block Limits VPD page).
+fn check_transfer(lu: &LogicalUnit, r: &BlockRange) -> Result<(), SenseReason> {
+    if r.blocks > lu.max_transfer_blocks() {
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    Ok(())
+}
+
+/// LBA + length beyond the capacity, or wrapping u64: LOGICAL BLOCK ADDRESS OUT OF RANGE
+/// (SBC-3 logical blocks model). Length 0 at LBA == capacity is in range.
+fn check_range(lu: &LogicalUnit, lba: u64, blocks: u64) -> Result<(), SenseReason> {
+    if !lu.in_range(lba, blocks) {
+        return Err(SenseReason::LbaOutOfRange);
+    }
+    Ok(())
+}
+
+fn check_writable(lu: &LogicalUnit) -> Result<(), SenseReason> {
+    if lu.config().read_only {
+        return Err(SenseReason::WriteProtected);
+    }
+    Ok(())
+}
+
+/// SBC-3 caching model, FUA bit: WCE=0 → durable; WCE=1 → cached unless FUA.
+fn write_mode(lu: &LogicalUnit, fua: bool) -> WriteMode {
+    if fua || !lu.wce() {
+        WriteMode::Durable
+    } else {
+        WriteMode::Cached
+    }
+}
+
+async fn read_blocks(lu: &LogicalUnit, lba: u64, blocks: u32) -> Result<Bytes, SenseReason> {
+    let len = bytes_of(lu, u64::from(blocks)) as usize;
+    let data = lu
+        .backend()
+        .read(bytes_of(lu, lba), len)
+        .await
+        .map_err(backend_err(lu))?;
+    if data.len() < len {
+        return Err(SenseReason::InternalTargetFailure);
+    }
+    Ok(data.slice(..len))
+}
+
+/// SBC-3 READ (6), READ (10), READ (12), READ (16). DPO and FUA are accepted;
+/// FUA on a read is satisfied trivially because every backend reads what it last wrote.
+pub(crate) async fn read(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+    check_no_protection(cdb)?;
+    let r = block_range(cdb);
+    check_transfer(lu, &r)?;
+    check_range(lu, r.lba, u64::from(r.blocks))?;
+    if r.blocks == 0 {
+        return Ok(Bytes::new());
+    }
+    read_blocks(lu, r.lba, r.blocks).await
+}
+
+/// SBC-3 WRITE (6), WRITE (10), WRITE (12), WRITE (16). Check order:
+/// protection field, write protect, transfer length, range, Data-Out size.
+pub(crate) async fn write(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+    data_out: &Bytes,
+) -> Result<Bytes, SenseReason> {
+    check_no_protection(cdb)?;
+    check_writable(lu)?;
+    let r = block_range(cdb);
+    check_transfer(lu, &r)?;
+    check_range(lu, r.lba, u64::from(r.blocks))?;
+    if r.blocks == 0 {
+        return Ok(Bytes::new());
+    }
+    let len = bytes_of(lu, u64::from(r.blocks)) as usize;
+    if data_out.len() < len {
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    let fua = cdb.op() != WRITE_6 && cdb.bit(1, 3);
+    let _g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
+    lu.backend()
+        .write(
+            bytes_of(lu, r.lba),
+            data_out.slice(..len),
+            write_mode(lu, fua),
+        )
+        .await
+        .map_err(backend_err(lu))?;
+    Ok(Bytes::new())
+}
+
+/// Offset of the first differing byte.
+fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    a.iter().zip(b).position(|(x, y)| x != y)
+}
+
+/// SBC-3 VERIFY (10), VERIFY (12), VERIFY (16), with SBC-4's two-bit BYTCHK:
+/// 00b reads the range (surfacing medium errors), 01b compares it with the Data-Out buffer,
+/// 11b compares every block with the single block sent. A miscompare reports the Data-Out
+/// offset of the first differing byte in INFORMATION. The verification length is bounded by
+/// the maximum transfer length like any other transfer.
+pub(crate) async fn verify(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+    data_out: &Bytes,
+) -> Result<Bytes, SenseReason> {
+    check_no_protection(cdb)?;
+    let bytchk = verify_bytchk(cdb);
+    if bytchk == 0b10 {
+        return Err(SenseReason::cdb_bit(1, 2));
+    }
+    let r = block_range(cdb);
+    check_transfer(lu, &r)?;
+    check_range(lu, r.lba, u64::from(r.blocks))?;
+    if r.blocks == 0 {
+        return Ok(Bytes::new());
+    }
+    let bs = lu.block_size() as usize;
+    let len = bytes_of(lu, u64::from(r.blocks)) as usize;
+    let need = match bytchk {
+        0b01 => len,
+        0b11 => bs,
+        _ => 0,
+    };
+    if data_out.len() < need {
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    let data = read_blocks(lu, r.lba, r.blocks).await?;
+    let mismatch = match bytchk {
+        0b01 => first_difference(&data, &data_out[..len]),
+        0b11 => data
+            .chunks(bs)
+            .enumerate()
+            .find_map(|(i, blk)| first_difference(blk, &data_out[..bs]).map(|o| i * bs + o)),
+        _ => None,
+    };
+    match mismatch {
+        Some(offset) => Err(SenseReason::Miscompare {
+            offset: offset as u64,
+        }),
+        None => Ok(Bytes::new()),
+    }
+}
+
+/// SBC-3 SYNCHRONIZE CACHE (10) / (16): range checked, then the whole backend is flushed
+/// (the backend contract has no ranged flush). IMMED is accepted; status follows the flush.
+pub(crate) async fn synchronize_cache(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+) -> Result<Bytes, SenseReason> {
+    let r = block_range(cdb);
+    check_range(lu, r.lba, u64::from(r.blocks))?;
+    lu.backend().flush().await.map_err(backend_err(lu))?;
+    Ok(Bytes::new())
+}
+
+/// SBC-3 START STOP UNIT: accepted. Stopping (START=0) flushes the cache unless
+/// NO_FLUSH; ejecting (LOEJ=1, START=0) while a nexus prevents removal is refused.
+pub(crate) async fn start_stop_unit(
+    lu: &LogicalUnit,
+    _nexus: &crate::Nexus,
+    cdb: Cdb<'_>,
+) -> Result<Bytes, SenseReason> {
+    let b4 = cdb.u8(4);
+    // POWER CONDITION (SBC-3 table 88): 0h, 1h, 2h, 3h, 7h, Ah, Bh are defined.
+    if !matches!(b4 >> 4, 0x0 | 0x1 | 0x2 | 0x3 | 0x7 | 0xA | 0xB) {
+        return Err(SenseReason::cdb_bit(4, 7));
+    }
+    let start = b4 & 0x01 != 0;
+    let loej = b4 & 0x02 != 0;
+    let no_flush = b4 & 0x04 != 0;
+    if b4 >> 4 == 0 && !start {
+        if loej && !lock(&lu.prevent).is_empty() {
+            return Err(SenseReason::MediumRemovalPrevented);
+        }
+        if !no_flush {
+            lu.backend().flush().await.map_err(backend_err(lu))?;
+        }
+    }
+    Ok(Bytes::new())
+}
+
+/// RETURNED LOGICAL BLOCK ADDRESS: the last LBA (0 on an empty device).
+fn last_lba(lu: &LogicalUnit) -> u64 {
+    lu.capacity_blocks().saturating_sub(1)
+}
+
+/// PMI=0 requires LBA=0 (SBC-3 READ CAPACITY (10)/(16), as SBC-2 required and compliance tests check); PMI=1 returns the last LBA regardless (we
+/// never have a "substantial delay" boundary).
+fn check_pmi(
+    cdb: Cdb<'_>,
+    lba_at: usize,
+    lba_len: usize,
+    pmi_at: usize,
+) -> Result<(), SenseReason> {
+    if !cdb.bit(pmi_at, 0) && cdb.be(lba_at, lba_len) != 0 {
+        return Err(SenseReason::cdb_byte(lba_at as u16));
+    }
+    Ok(())
+}
+
+/// SBC-3 READ CAPACITY (10): FFFF_FFFFh when the last LBA does not fit in 32 bits
+/// (the initiator then uses READ CAPACITY(16)).
+pub(crate) fn read_capacity_10(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+    check_pmi(cdb, 2, 4, 8)?;
+    let last = u32::try_from(last_lba(lu))
+        .ok()
+        .filter(|&l| l != u32::MAX)
+        .unwrap_or(u32::MAX);
+    let mut d = Vec::with_capacity(8);
+    d.extend_from_slice(&last.to_be_bytes());
+    d.extend_from_slice(&lu.block_size().to_be_bytes());
+    Ok(Bytes::from(d))
+}
+
+/// LOGICAL BLOCKS PER PHYSICAL BLOCK EXPONENT from the backend's preferred alignment.
+fn lbppbe(lu: &LogicalUnit) -> u8 {
+    let align = lu.backend().capabilities().alignment;
+    if align > lu.block_size() && align.is_power_of_two() {
+        ((align / lu.block_size()).trailing_zeros() as u8).min(15)
+    } else {
+        0
+    }
+}
+
+fn unmap_supported(lu: &LogicalUnit) -> bool {
+    lu.backend().capabilities().unmap
+}
+
+/// SBC-3 READ CAPACITY (16): 32 bytes; LBPME and LBPRZ when the backend can unmap
+/// (its contract: unmapped ranges read back as zeros).
+pub(crate) fn read_capacity_16(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+    check_pmi(cdb, 2, 8, 14)?;
+    let alloc = cdb.u32(10) as usize;
+    let mut d = vec![0u8; 32];
+    d[0..8].copy_from_slice(&last_lba(lu).to_be_bytes());
+    d[8..12].copy_from_slice(&lu.block_size().to_be_bytes());
+    d[12] = 0; // P_TYPE / PROT_EN: no protection information
+    d[13] = lbppbe(lu); // P_I_EXPONENT=0
+    if unmap_supported(lu) {
+        d[14] = 0x80 | 0x40; // LBPME, LBPRZ; LOWEST ALIGNED LBA = 0
+    }
+    Ok(truncate(d, alloc))
+}
+
+/// SBC-3 GET LBA STATUS: one descriptor from the starting LBA to the end of the medium
+/// (capped at 2^32-1 blocks), reported mapped: backends do not expose allocation maps.
+pub(crate) fn get_lba_status(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+    let lba = cdb.u64(2);
+    let alloc = cdb.u32(10) as usize;
+    if lba >= lu.capacity_blocks() {
+        return Err(SenseReason::LbaOutOfRange);
+    }
+    let n = u32::try_from(lu.capacity_blocks() - lba).unwrap_or(u32::MAX);
+    let mut d = Vec::with_capacity(24);
+    d.extend_from_slice(&20u32.to_be_bytes()); // PARAMETER DATA LENGTH
+    d.extend_from_slice(&[0; 4]);
+    d.extend_from_slice(&lba.to_be_bytes());
+    d.extend_from_slice(&n.to_be_bytes());
+    d.push(0); // PROVISIONING STATUS: mapped
+    d.extend_from_slice(&[0; 3]);
+    Ok(truncate(d, alloc))
+}
+
+fn max_write_same_blocks(lu: &LogicalUnit) -> u64 {
+    MAX_WRITE_SAME_BYTES / u64::from(lu.block_size())
+}
+
+fn max_unmap_blocks(lu: &LogicalUnit) -> u64 {
+    MAX_UNMAP_BYTES / u64::from(lu.block_size())
+}
+
+fn optimal_granularity(lu: &LogicalUnit) -> u32 {
+    let align = lu.backend().capabilities().alignment.max(4096);
+    (align / lu.block_size()).max(1)
+}
+
+/// Block Limits VPD page (B0h, SBC-3), page length 3Ch.
+pub(crate) fn block_limits_vpd(lu: &LogicalUnit) -> Vec<u8> {
+    let mut p = vec![0u8; 0x3C];
+    // Offsets below are page offsets minus the 4-byte header.
+    p[0] = 0x01; // WSNZ: WRITE SAME with NUMBER OF LOGICAL BLOCKS 0 is not supported
+    p[1] = MAX_COMPARE_AND_WRITE_BLOCKS;
+    let gran = u16::try_from(optimal_granularity(lu)).unwrap_or(u16::MAX);
+    p[2..4].copy_from_slice(&gran.to_be_bytes());
+    p[4..8].copy_from_slice(&lu.max_transfer_blocks().to_be_bytes());
+    let opt = (1u32 << 20) / lu.block_size();
+    p[8..12].copy_from_slice(&opt.max(1).to_be_bytes()); // OPTIMAL TRANSFER LENGTH: 1 MiB
+    if unmap_supported(lu) {
+        let max_unmap = u32::try_from(max_unmap_blocks(lu)).unwrap_or(u32::MAX);
+        p[16..20].copy_from_slice(&max_unmap.to_be_bytes());
+        p[20..24].copy_from_slice(&(MAX_UNMAP_DESCRIPTORS as u32).to_be_bytes());
+        p[24..28].copy_from_slice(&optimal_granularity(lu).to_be_bytes());
+    }
+    p[32..40].copy_from_slice(&max_write_same_blocks(lu).to_be_bytes());
+    p
+}
+
+/// Block Device Characteristics VPD page (B1h, SBC-3): non-rotating medium.
+pub(crate) fn block_characteristics_vpd() -> Vec<u8> {
+    let mut p = vec![0u8; 0x3C];
+    p[0..2].copy_from_slice(&1u16.to_be_bytes()); // MEDIUM ROTATION RATE: 0001h
+    p
+}
+
+/// Logical Block Provisioning VPD page (B2h, SBC-3): thin provisioned with UNMAP,
+/// WRITE SAME(16) and WRITE SAME(10) unmapping, LBPRZ, when the backend can unmap.
+pub(crate) fn provisioning_vpd(lu: &LogicalUnit) -> Vec<u8> {
+    let mut p = vec![0u8; 4];
+    if unmap_supported(lu) {
+        p[1] = 0x80 | 0x40 | 0x20 | 0x04; // LBPU, LBPWS, LBPWS10, LBPRZ
+        p[2] = 0x02; // PROVISIONING TYPE: thin
+    }
+    p
+}
+
+/// Write `pattern` (one block) over `blocks` blocks at `lba`, in chunks of at most
+/// [`WRITE_SAME_CHUNK`].
+async fn write_repeated(
+    lu: &LogicalUnit,
+    lba: u64,
+    blocks: u64,
+    pattern: &[u8],
+    mode: WriteMode,
+) -> Result<(), SenseReason> {
+    let bs = u64::from(lu.block_size());
+    let per_chunk = (WRITE_SAME_CHUNK as u64 / bs).max(1);
+    let mut buf = BytesMut::with_capacity((per_chunk.min(blocks) * bs) as usize);
+    for _ in 0..per_chunk.min(blocks) {
+        buf.extend_from_slice(pattern);
+    }
+    let buf = buf.freeze();
+    let mut done = 0u64;
+    while done < blocks {
+        let n = per_chunk.min(blocks - done);
+        let data = buf.slice(..(n * bs) as usize);
+        lu.backend()
+            .write((lba + done) * bs, data, mode)
+            .await
+            .map_err(backend_err(lu))?;
+        done += n;
+    }
+    Ok(())
+}
+
+/// SBC-3 WRITE SAME (10) / WRITE SAME (16), with UNMAP and SBC-4's NDOB.
+/// UNMAP=1 deallocates when the backend can and the block is all zeros (LBPRZ: deallocated
+/// blocks read as zeros, so the result is the same); otherwise the block is written. NUMBER OF
+/// LOGICAL BLOCKS 0 is refused (WSNZ=1), larger than MAXIMUM WRITE SAME LENGTH too.
+pub(crate) async fn write_same(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+    data_out: &Bytes,
+) -> Result<Bytes, SenseReason> {
+    check_no_protection(cdb)?;
+    let b1 = cdb.u8(1);
+    if b1 & 0x10 != 0 {
+        return Err(SenseReason::cdb_bit(1, 4)); // ANCHOR: anchored LBAs not supported
+    }
+    if b1 & 0x06 != 0 {
+        return Err(SenseReason::cdb_bit(1, 2)); // PBDATA/LBDATA (obsolete)
+    }
+    let ten = cdb.op() == WRITE_SAME_10;
+    if ten && b1 & 0x01 != 0 {
+        return Err(SenseReason::cdb_bit(1, 0)); // obsolete in WRITE SAME(10)
+    }
+    let unmap = b1 & 0x08 != 0;
+    let ndob = !ten && b1 & 0x01 != 0;
+    check_writable(lu)?;
+    let r = block_range(cdb);
+    let blocks = u64::from(r.blocks);
+    let limit = if unmap {
+        max_unmap_blocks(lu)
+    } else {
+        max_write_same_blocks(lu)
+    };
+    if blocks == 0 || blocks > limit {
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    check_range(lu, r.lba, blocks)?;
+    let bs = lu.block_size() as usize;
+    let zeros;
+    let pattern: &[u8] = if ndob {
+        zeros = vec![0u8; bs];
+        &zeros
+    } else {
+        if data_out.len() < bs {
+            return Err(SenseReason::cdb_byte(r.len_byte));
+        }
+        &data_out[..bs]
+    };
+    let _g = lu.writes.lock(r.lba, r.lba + blocks).await;
+    if unmap && unmap_supported(lu) && pattern.iter().all(|&b| b == 0) {
+        lu.backend()
+            .unmap(bytes_of(lu, r.lba), bytes_of(lu, blocks))
+            .await
+            .map_err(backend_err(lu))?;
+    } else {
+        write_repeated(lu, r.lba, blocks, pattern, write_mode(lu, false)).await?;
+    }
+    Ok(Bytes::new())
+}
+
+/// SBC-3 UNMAP. Only offered when the backend can unmap (LBPU=1); otherwise the
+/// operation code is reported invalid, as SBC-3 requires when LBPU=0. All descriptors are
+/// validated (count, total, ranges) before any is applied.
+pub(crate) async fn unmap(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+    data_out: &Bytes,
+) -> Result<Bytes, SenseReason> {
+    if !unmap_supported(lu) {
+        return Err(SenseReason::InvalidOpcode);
+    }
+    if cdb.bit(1, 0) {
+        return Err(SenseReason::cdb_bit(1, 0)); // ANCHOR
+    }
+    check_writable(lu)?;
+    let len = usize::from(cdb.u16(7));
+    if len == 0 {
+        return Ok(Bytes::new());
+    }
+    if len < 8 || data_out.len() < len {
+        return Err(SenseReason::ParameterListLengthError);
+    }
+    let p = &data_out[..len];
+    let at = |i: usize| p.get(i).copied().unwrap_or(0);
+    let be = |i: usize, n: usize| (i..i + n).fold(0u64, |a, j| (a << 8) | u64::from(at(j)));
+    // UNMAP BLOCK DESCRIPTOR DATA LENGTH, bounded by what was actually sent.
+    let bd_len = (be(2, 2) as usize).min(len - 8);
+    let count = bd_len / 16;
+    if count > MAX_UNMAP_DESCRIPTORS {
+        return Err(SenseReason::param(2, None));
+    }
+    let mut total = 0u64;
+    let mut ranges = Vec::with_capacity(count);
+    for i in 0..count {
+        let off = 8 + 16 * i;
+        let lba = be(off, 8);
+        let n = be(off + 8, 4);
+        check_range(lu, lba, n)?;
+        total += n;
+        if total > max_unmap_blocks(lu) {
+            return Err(SenseReason::param(off + 8, None));
+        }
+        if n > 0 {
+            ranges.push((lba, n));
+        }
+    }
+    for (lba, n) in ranges {
+        let _g = lu.writes.lock(lba, lba + n).await;
+        lu.backend()
+            .unmap(bytes_of(lu, lba), bytes_of(lu, n))
+            .await
+            .map_err(backend_err(lu))?;
+    }
+    Ok(Bytes::new())
+}
+
+/// SBC-3 COMPARE AND WRITE: atomic against every other writer of the range (they all
+/// take the LU's write range lock). The Data-Out buffer is the verify data followed by the
+/// write data; a miscompare reports the offset of the first differing byte.
+pub(crate) async fn compare_and_write(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+    data_out: &Bytes,
+) -> Result<Bytes, SenseReason> {
+    check_no_protection(cdb)?;
+    check_writable(lu)?;
+    let r = block_range(cdb);
+    if r.blocks > u32::from(MAX_COMPARE_AND_WRITE_BLOCKS) {
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    check_range(lu, r.lba, u64::from(r.blocks))?;
+    if r.blocks == 0 {
+        return Ok(Bytes::new());
+    }
+    let len = bytes_of(lu, u64::from(r.blocks)) as usize;
+    if data_out.len() < 2 * len {
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    let fua = cdb.bit(1, 3);
+    let _g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
+    let current = read_blocks(lu, r.lba, r.blocks).await?;
+    if let Some(offset) = first_difference(&current, &data_out[..len]) {
+        return Err(SenseReason::Miscompare {
+            offset: offset as u64,
+        });
+    }
+    lu.backend()
+        .write(
+            bytes_of(lu, r.lba),
+            data_out.slice(len..2 * len),
+            write_mode(lu, fua),
+        )
+        .await
+        .map_err(backend_err(lu))?;
+    Ok(Bytes::new())
+}

@@ -1,0 +1,1890 @@
+//! Unit tests of the device server against RamBackend, NullBackend and an instrumented backend.
+
+use super::*;
+use ironsan_backend::{
+    BackendError, BlockDevice, Capabilities, IoFuture, NullBackend, RamBackend, WriteMode,
+};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::task::{Context, Poll};
+
+// ---------------------------------------------------------------------------------------------
+// Fixtures
+// ---------------------------------------------------------------------------------------------
+
+const TARGET_PORT: &str = "iqn.2024-01.org.ironsan:disk1,t,0x0001";
+const NAA: u64 = 0x5001_405a_bcde_f012;
+
+fn nexus(id: u64) -> Nexus {
+    Nexus {
+        id,
+        initiator_port: format!("iqn.1994-05.com.example:h{id},i,0x23d00000000{id}").into(),
+        target_port: TARGET_PORT.into(),
+        relative_port: 1,
+    }
+}
+
+fn cfg(bs: u32) -> LuConfig {
+    LuConfig {
+        block_size: bs,
+        read_only: false,
+        write_cache: false,
+        serial: "SN0001".into(),
+        naa: NAA,
+        vendor: "IRONSAN".into(),
+        product: "RAMDISK".into(),
+        revision: "0.1".into(),
+    }
+}
+
+fn target_over(backend: Arc<dyn BlockDevice>, cfg: LuConfig) -> Target {
+    let mut t = Target::new();
+    t.add_lun(0, Arc::new(LogicalUnit::new(backend, cfg)));
+    t
+}
+
+/// A 2048-block (1 MiB) RAM LU with 512-byte blocks at LUN 0.
+fn ram_target() -> Target {
+    target_over(Arc::new(RamBackend::new(1 << 20)), cfg(512))
+}
+
+fn null_16t() -> Target {
+    target_over(Arc::new(NullBackend::new(16 << 40)), cfg(512))
+}
+
+async fn run_on(t: &Target, lun: u64, n: &Nexus, cdb: &[u8], data: &[u8]) -> Response {
+    t.execute(
+        lun,
+        n,
+        Command {
+            cdb: Bytes::copy_from_slice(cdb),
+            data_out: Bytes::copy_from_slice(data),
+            expected_in_len: 0,
+        },
+    )
+    .await
+}
+
+async fn run(t: &Target, cdb: &[u8]) -> Response {
+    run_on(t, 0, &nexus(1), cdb, &[]).await
+}
+
+async fn run_data(t: &Target, cdb: &[u8], data: &[u8]) -> Response {
+    run_on(t, 0, &nexus(1), cdb, data).await
+}
+
+#[track_caller]
+fn good(r: &Response) -> &[u8] {
+    assert_eq!(r.status, Status::GOOD, "sense: {:02x?}", r.sense);
+    assert!(r.sense.is_none());
+    &r.data_in
+}
+
+/// (key, asc, ascq) of a CHECK CONDITION.
+#[track_caller]
+fn sense(r: &Response) -> (u8, u8, u8) {
+    assert_eq!(r.status, Status::CHECK_CONDITION);
+    let s = r.sense.as_ref().expect("sense data");
+    assert_eq!(s.len(), 18);
+    assert_eq!(s[0] & 0x7F, 0x70);
+    assert_eq!(s[7], 10);
+    assert!(r.data_in.is_empty());
+    (s[2] & 0x0F, s[12], s[13])
+}
+
+/// (C/D, byte, bit) of the sense-key specific field pointer, if SKSV.
+fn field_pointer(r: &Response) -> Option<(bool, u16, Option<u8>)> {
+    let s = r.sense.as_ref()?;
+    if s[15] & 0x80 == 0 {
+        return None;
+    }
+    let bit = (s[15] & 0x08 != 0).then_some(s[15] & 0x07);
+    Some((s[15] & 0x40 != 0, u16::from_be_bytes([s[16], s[17]]), bit))
+}
+
+#[track_caller]
+fn invalid_cdb_field(r: &Response, byte: u16, bit: Option<u8>) {
+    assert_eq!(sense(r), (0x5, 0x24, 0x00));
+    assert_eq!(field_pointer(r), Some((true, byte, bit)));
+}
+
+#[track_caller]
+fn invalid_param_field(r: &Response, byte: u16, bit: Option<u8>) {
+    assert_eq!(sense(r), (0x5, 0x26, 0x00));
+    assert_eq!(field_pointer(r), Some((false, byte, bit)));
+}
+
+const ILLEGAL: u8 = 0x5;
+const LBA_OOR: (u8, u8, u8) = (ILLEGAL, 0x21, 0x00);
+
+fn cdb6(op: u8, lba: u32, len: u8) -> Vec<u8> {
+    vec![
+        op,
+        (lba >> 16) as u8 & 0x1F,
+        (lba >> 8) as u8,
+        lba as u8,
+        len,
+        0,
+    ]
+}
+fn cdb10(op: u8, lba: u32, len: u16) -> Vec<u8> {
+    let mut c = vec![op, 0];
+    c.extend_from_slice(&lba.to_be_bytes());
+    c.push(0);
+    c.extend_from_slice(&len.to_be_bytes());
+    c.push(0);
+    c
+}
+fn cdb12(op: u8, lba: u32, len: u32) -> Vec<u8> {
+    let mut c = vec![op, 0];
+    c.extend_from_slice(&lba.to_be_bytes());
+    c.extend_from_slice(&len.to_be_bytes());
+    c.extend_from_slice(&[0, 0]);
+    c
+}
+fn cdb16(op: u8, lba: u64, len: u32) -> Vec<u8> {
+    let mut c = vec![op, 0];
+    c.extend_from_slice(&lba.to_be_bytes());
+    c.extend_from_slice(&len.to_be_bytes());
+    c.extend_from_slice(&[0, 0]);
+    c
+}
+fn inquiry(evpd: bool, page: u8, alloc: u16) -> Vec<u8> {
+    let a = alloc.to_be_bytes();
+    vec![opcode::INQUIRY, u8::from(evpd), page, a[0], a[1], 0]
+}
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// A backend for instrumentation: RAM underneath, records write modes and flushes, can be told
+/// to fail, to refuse unmap, or to yield once inside reads (to interleave commands).
+struct TestBackend {
+    ram: RamBackend,
+    unmap: bool,
+    alignment: u32,
+    yield_reads: bool,
+    modes: Mutex<Vec<WriteMode>>,
+    flushes: AtomicUsize,
+    fail: Mutex<Option<BackendError>>,
+}
+
+impl TestBackend {
+    fn new(size: u64) -> Self {
+        TestBackend {
+            ram: RamBackend::new(size),
+            unmap: true,
+            alignment: 1,
+            yield_reads: false,
+            modes: Mutex::new(Vec::new()),
+            flushes: AtomicUsize::new(0),
+            fail: Mutex::new(None),
+        }
+    }
+    fn fail_with(&self, e: BackendError) {
+        *self.fail.lock().unwrap() = Some(e);
+    }
+    fn failure(&self) -> Result<(), BackendError> {
+        match self.fail.lock().unwrap().clone() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+    fn modes(&self) -> Vec<WriteMode> {
+        self.modes.lock().unwrap().clone()
+    }
+}
+
+struct YieldOnce(bool);
+impl Future for YieldOnce {
+    type Output = ();
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.0 {
+            Poll::Ready(())
+        } else {
+            self.0 = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+}
+
+impl BlockDevice for TestBackend {
+    fn kind(&self) -> &'static str {
+        "test"
+    }
+    fn size(&self) -> u64 {
+        self.ram.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            volatile: true,
+            unmap: self.unmap,
+            alignment: self.alignment,
+            discards_writes: false,
+        }
+    }
+    fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+        Box::pin(async move {
+            self.failure()?;
+            if self.yield_reads {
+                YieldOnce(false).await;
+            }
+            self.ram.read(offset, len).await
+        })
+    }
+    fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()> {
+        Box::pin(async move {
+            self.failure()?;
+            self.modes.lock().unwrap().push(mode);
+            self.ram.write(offset, data, mode).await
+        })
+    }
+    fn flush(&self) -> IoFuture<'_, ()> {
+        Box::pin(async move {
+            self.failure()?;
+            self.flushes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+    }
+    fn unmap(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
+        Box::pin(async move {
+            if !self.unmap {
+                return Err(BackendError::Unsupported);
+            }
+            self.ram.unmap(offset, len).await
+        })
+    }
+}
+
+fn test_target(b: TestBackend, c: LuConfig) -> (Target, Arc<TestBackend>) {
+    let b = Arc::new(b);
+    (target_over(b.clone(), c), b)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sense encoding, LUN encoding, data_out_len
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn fixed_sense_with_field_pointer_is_byte_exact() {
+    let s = SenseReason::InvalidFieldInCdb {
+        byte: 0x0102,
+        bit: Some(4),
+    }
+    .to_fixed_sense();
+    let mut want = [0u8; 18];
+    want[0] = 0x70;
+    want[2] = 0x05;
+    want[7] = 10;
+    want[12] = 0x24;
+    want[15] = 0x80 | 0x40 | 0x08 | 4;
+    want[16] = 0x01;
+    want[17] = 0x02;
+    assert_eq!(&s[..], &want);
+}
+
+#[test]
+fn fixed_sense_information_sets_valid_only_when_it_fits() {
+    let s = SenseReason::Miscompare { offset: 0x1234 }.to_fixed_sense();
+    assert_eq!(s[0], 0xF0);
+    assert_eq!(&s[3..7], &[0, 0, 0x12, 0x34]);
+    assert_eq!((s[2], s[12], s[13]), (0x0E, 0x1D, 0x00));
+    let s = SenseReason::UnrecoveredReadError { lba: 1 << 40 }.to_fixed_sense();
+    assert_eq!(s[0], 0x70);
+    assert_eq!(&s[3..7], &[0; 4]);
+}
+
+#[test]
+fn parameter_list_field_pointer_has_cd_clear() {
+    let s = SenseReason::InvalidFieldInParameterList {
+        byte: 14,
+        bit: None,
+    }
+    .to_fixed_sense();
+    assert_eq!(s[15], 0x80);
+    assert_eq!(&s[16..18], &[0, 14]);
+    assert_eq!(s[12], 0x26);
+}
+
+#[test]
+fn lun_wire_encoding_round_trips_both_address_methods() {
+    assert_eq!(lun_to_wire(5), 0x0005_0000_0000_0000);
+    assert_eq!(lun_to_wire(300), 0x412C_0000_0000_0000);
+    assert_eq!(lun_to_wire(MAX_LUN), 0x7FFF_0000_0000_0000);
+    for l in [0, 1, 255, 256, 300, MAX_LUN] {
+        assert_eq!(lun_from_wire(lun_to_wire(l)), Some(l));
+    }
+    assert_eq!(lun_from_wire(0x4005_0000_0000_0000), Some(5));
+    assert_eq!(lun_from_wire(0x0105_0000_0000_0000), None); // bus 1
+    assert_eq!(lun_from_wire(0x0000_0001_0000_0000), None); // second level
+    assert_eq!(lun_from_wire(0xC000_0000_0000_0000), None); // extended
+}
+
+#[test]
+fn local_naa_is_locally_assigned_and_stable() {
+    let a = local_naa("iqn.x/0");
+    assert_eq!(a >> 60, 3);
+    assert_eq!(a, local_naa("iqn.x/0"));
+    assert_ne!(a, local_naa("iqn.x/1"));
+}
+
+#[test]
+fn data_out_len_covers_every_data_out_command() {
+    use opcode::*;
+    assert_eq!(data_out_len(&cdb10(WRITE_10, 0, 8), 512), Ok(4096));
+    assert_eq!(data_out_len(&cdb6(WRITE_6, 0, 0), 512), Ok(256 * 512));
+    assert_eq!(data_out_len(&cdb12(WRITE_12, 0, 2), 4096), Ok(8192));
+    assert_eq!(data_out_len(&cdb16(WRITE_16, 0, 3), 512), Ok(1536));
+    assert_eq!(
+        data_out_len(&cdb16(WRITE_16, 0, u32::MAX), 4096),
+        Err(SenseReason::cdb_byte(10))
+    );
+    let mut v = cdb10(VERIFY_10, 0, 4);
+    assert_eq!(data_out_len(&v, 512), Ok(0));
+    v[1] = 0x02;
+    assert_eq!(data_out_len(&v, 512), Ok(2048));
+    v[1] = 0x06;
+    assert_eq!(data_out_len(&v, 512), Ok(512));
+    assert_eq!(data_out_len(&cdb10(WRITE_SAME_10, 0, 9), 512), Ok(512));
+    let mut ws = cdb16(WRITE_SAME_16, 0, 9);
+    ws[1] = 0x01;
+    assert_eq!(data_out_len(&ws, 512), Ok(0));
+    let mut caw = cdb16(COMPARE_AND_WRITE, 0, 0);
+    caw[13] = 2;
+    assert_eq!(data_out_len(&caw, 512), Ok(2048));
+    assert_eq!(
+        data_out_len(&[MODE_SELECT_6, 0x10, 0, 0, 28, 0], 512),
+        Ok(28)
+    );
+    assert_eq!(data_out_len(&cdb10(MODE_SELECT_10, 0, 300), 512), Ok(300));
+    assert_eq!(data_out_len(&cdb10(UNMAP, 0, 24), 512), Ok(24));
+    assert_eq!(data_out_len(&cdb10(READ_10, 0, 8), 512), Ok(0));
+    assert_eq!(
+        data_out_len(&[WRITE_10, 0, 0], 512),
+        Err(SenseReason::CdbTooShort)
+    );
+    assert_eq!(data_out_len(&[], 512), Err(SenseReason::CdbTooShort));
+    assert_eq!(data_out_len(&[0xFF; 16], 512), Ok(0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// INQUIRY and VPD
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn inquiry_standard_data_is_byte_exact() {
+    let t = ram_target();
+    let r = run(&t, &inquiry(false, 0, 255)).await;
+    let mut want = [0u8; 96];
+    want[..8].copy_from_slice(&[0x00, 0x00, 0x06, 0x12, 91, 0x00, 0x00, 0x02]);
+    want[8..16].copy_from_slice(b"IRONSAN ");
+    want[16..32].copy_from_slice(b"RAMDISK         ");
+    want[32..36].copy_from_slice(b"0.1 ");
+    want[58..66].copy_from_slice(&[0x00, 0xA0, 0x04, 0x60, 0x04, 0xC0, 0x09, 0x60]);
+    assert_eq!(good(&r), &want[..]);
+}
+
+#[tokio::test]
+async fn inquiry_is_truncated_to_allocation_length() {
+    let t = ram_target();
+    assert_eq!(good(&run(&t, &inquiry(false, 0, 5)).await).len(), 5);
+    assert_eq!(good(&run(&t, &inquiry(false, 0, 0)).await).len(), 0);
+    assert_eq!(good(&run(&t, &inquiry(true, 0x83, 6)).await).len(), 6);
+}
+
+#[tokio::test]
+async fn inquiry_cmddt_is_invalid_field_with_bit_pointer() {
+    let t = ram_target();
+    let mut c = inquiry(false, 0, 96);
+    c[1] = 0x02;
+    invalid_cdb_field(&run(&t, &c).await, 1, Some(1));
+}
+
+#[tokio::test]
+async fn inquiry_page_code_without_evpd_is_invalid_field() {
+    let t = ram_target();
+    invalid_cdb_field(&run(&t, &inquiry(false, 0x80, 96)).await, 2, None);
+}
+
+#[tokio::test]
+async fn inquiry_unknown_vpd_page_is_invalid_field() {
+    let t = ram_target();
+    invalid_cdb_field(&run(&t, &inquiry(true, 0x86, 96)).await, 2, None);
+}
+
+#[tokio::test]
+async fn vpd_supported_pages_lists_every_page() {
+    let t = ram_target();
+    let r = run(&t, &inquiry(true, 0x00, 255)).await;
+    assert_eq!(
+        good(&r),
+        &[0, 0, 0, 6, 0x00, 0x80, 0x83, 0xB0, 0xB1, 0xB2][..]
+    );
+}
+
+#[tokio::test]
+async fn vpd_unit_serial_number_reports_configured_serial() {
+    let t = ram_target();
+    let r = run(&t, &inquiry(true, 0x80, 255)).await;
+    assert_eq!(good(&r), b"\x00\x80\x00\x06SN0001");
+}
+
+#[tokio::test]
+async fn vpd_unit_serial_number_defaults_to_naa_hex() {
+    let mut c = cfg(512);
+    c.serial = "\u{7}".into();
+    let t = target_over(Arc::new(RamBackend::new(1 << 20)), c);
+    let r = run(&t, &inquiry(true, 0x80, 255)).await;
+    assert_eq!(&good(&r)[4..], b"5001405abcdef012");
+}
+
+#[tokio::test]
+async fn vpd_device_identification_is_byte_exact() {
+    let t = ram_target();
+    let r = run(&t, &inquiry(true, 0x83, 1024)).await;
+    let mut body = vec![0x01, 0x03, 0x00, 0x08];
+    body.extend_from_slice(&NAA.to_be_bytes());
+    body.extend_from_slice(&[0x02, 0x01, 0x00, 14]);
+    body.extend_from_slice(b"IRONSAN SN0001");
+    body.extend_from_slice(&[0x51, 0x94, 0x00, 0x04, 0, 0, 0, 1]);
+    body.extend_from_slice(&[0x53, 0x98, 0x00, 40]);
+    body.extend_from_slice(TARGET_PORT.as_bytes());
+    body.extend_from_slice(&[0, 0]);
+    body.extend_from_slice(&[0x53, 0xA8, 0x00, 32]);
+    body.extend_from_slice(b"iqn.2024-01.org.ironsan:disk1");
+    body.extend_from_slice(&[0, 0, 0]);
+    let mut want = vec![0x00, 0x83];
+    want.extend_from_slice(&(body.len() as u16).to_be_bytes());
+    want.extend_from_slice(&body);
+    assert_eq!(good(&r), &want[..]);
+}
+
+#[tokio::test]
+async fn vpd_naa_with_invalid_format_nibble_is_forced_locally_assigned() {
+    let mut c = cfg(512);
+    c.naa = 0x1234_5678_9abc_def0;
+    let t = target_over(Arc::new(RamBackend::new(1 << 20)), c);
+    let r = run(&t, &inquiry(true, 0x83, 1024)).await;
+    assert_eq!(&good(&r)[8..16], &0x3234_5678_9abc_def0u64.to_be_bytes());
+}
+
+#[tokio::test]
+async fn vpd_block_limits_reports_transfer_and_unmap_limits() {
+    let t = ram_target();
+    let r = run(&t, &inquiry(true, 0xB0, 255)).await;
+    let p = good(&r);
+    assert_eq!(p.len(), 64);
+    assert_eq!(&p[..4], &[0x00, 0xB0, 0x00, 0x3C]);
+    assert_eq!(p[4], 0x01); // WSNZ
+    assert_eq!(p[5], 64); // MAXIMUM COMPARE AND WRITE LENGTH
+    assert_eq!(&p[6..8], &8u16.to_be_bytes()); // 4 KiB granularity in 512-byte blocks
+    assert_eq!(&p[8..12], &16384u32.to_be_bytes()); // 8 MiB
+    assert_eq!(&p[12..16], &2048u32.to_be_bytes()); // 1 MiB
+    assert_eq!(&p[20..24], &(2u32 << 20).to_be_bytes()); // 1 GiB unmap
+    assert_eq!(&p[24..28], &256u32.to_be_bytes());
+    assert_eq!(&p[28..32], &8u32.to_be_bytes());
+    assert_eq!(&p[36..44], &(2u64 << 20).to_be_bytes());
+}
+
+#[tokio::test]
+async fn vpd_block_characteristics_reports_non_rotating() {
+    let t = ram_target();
+    let r = run(&t, &inquiry(true, 0xB1, 255)).await;
+    let p = good(&r);
+    assert_eq!(p.len(), 64);
+    assert_eq!(&p[..6], &[0x00, 0xB1, 0x00, 0x3C, 0x00, 0x01]);
+    assert!(p[6..].iter().all(|&b| b == 0));
+}
+
+#[tokio::test]
+async fn vpd_logical_block_provisioning_follows_backend_unmap() {
+    let t = ram_target();
+    let r = run(&t, &inquiry(true, 0xB2, 255)).await;
+    assert_eq!(
+        good(&r),
+        &[0x00, 0xB2, 0x00, 0x04, 0x00, 0xE4, 0x02, 0x00][..]
+    );
+    let mut b = TestBackend::new(1 << 20);
+    b.unmap = false;
+    let (t, _) = test_target(b, cfg(512));
+    let r = run(&t, &inquiry(true, 0xB2, 255)).await;
+    assert_eq!(good(&r), &[0x00, 0xB2, 0x00, 0x04, 0, 0, 0, 0][..]);
+    let r = run(&t, &inquiry(true, 0xB0, 255)).await;
+    assert!(good(&r)[20..32].iter().all(|&b| b == 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// LUN addressing and REPORT LUNS
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn inquiry_to_missing_lun_reports_qualifier_3_type_1f() {
+    let t = ram_target();
+    let r = run_on(&t, 7, &nexus(1), &inquiry(false, 0, 96), &[]).await;
+    let d = good(&r);
+    assert_eq!(d.len(), 96);
+    assert_eq!(d[0], 0x7F);
+    assert_eq!(d[2], 0x06);
+    let r = run_on(&t, 7, &nexus(1), &inquiry(true, 0x80, 96), &[]).await;
+    assert_eq!(sense(&r), (ILLEGAL, 0x25, 0x00));
+}
+
+#[tokio::test]
+async fn commands_to_missing_lun_are_logical_unit_not_supported() {
+    let t = ram_target();
+    for c in [vec![0u8; 6], cdb10(opcode::READ_10, 0, 1), vec![0xFF; 16]] {
+        let r = run_on(&t, 3, &nexus(1), &c, &[]).await;
+        assert_eq!(sense(&r), (ILLEGAL, 0x25, 0x00));
+    }
+}
+
+#[tokio::test]
+async fn request_sense_on_missing_lun_returns_lun_not_supported_data() {
+    let t = ram_target();
+    let r = run_on(&t, 3, &nexus(1), &[0x03, 0, 0, 0, 18, 0], &[]).await;
+    let d = good(&r);
+    assert_eq!((d[2], d[12], d[13]), (ILLEGAL, 0x25, 0x00));
+}
+
+#[tokio::test]
+async fn report_luns_uses_peripheral_and_flat_space_addressing() {
+    let mut t = ram_target();
+    let lu = t.lun(0).unwrap().clone();
+    t.add_lun(300, lu.clone());
+    t.add_lun(5, lu);
+    let c = [0xA0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0];
+    for lun in [0, 42] {
+        // REPORT LUNS works at any LUN, mapped or not.
+        let r = run_on(&t, lun, &nexus(1), &c, &[]).await;
+        assert_eq!(
+            good(&r),
+            &[
+                0, 0, 0, 24, 0, 0, 0, 0, //
+                0, 0, 0, 0, 0, 0, 0, 0, //
+                0, 5, 0, 0, 0, 0, 0, 0, //
+                0x41, 0x2C, 0, 0, 0, 0, 0, 0,
+            ][..]
+        );
+    }
+    // Truncated to 16 bytes; the list length still counts all LUNs.
+    let mut c16 = c;
+    c16[9] = 16;
+    c16[8] = 0;
+    let r = run(&t, &c16).await;
+    assert_eq!(good(&r).len(), 16);
+    assert_eq!(&good(&r)[..4], &[0, 0, 0, 24]);
+}
+
+#[tokio::test]
+async fn report_luns_select_report_well_known_only_is_empty() {
+    let t = ram_target();
+    let r = run(&t, &[0xA0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]).await;
+    assert_eq!(good(&r), &[0u8; 8][..]);
+    let r = run(&t, &[0xA0, 0, 2, 0, 0, 0, 0, 0, 1, 0, 0, 0]).await;
+    assert_eq!(good(&r).len(), 16);
+}
+
+#[tokio::test]
+async fn report_luns_unknown_select_report_is_invalid_field() {
+    let t = ram_target();
+    let r = run(&t, &[0xA0, 0, 3, 0, 0, 0, 0, 0, 1, 0, 0, 0]).await;
+    invalid_cdb_field(&r, 2, None);
+}
+
+#[tokio::test]
+async fn report_luns_allocation_below_16_is_invalid_field() {
+    let t = ram_target();
+    let r = run(&t, &[0xA0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 0, 0]).await;
+    invalid_cdb_field(&r, 6, None);
+}
+
+// ---------------------------------------------------------------------------------------------
+// TEST UNIT READY, REQUEST SENSE, generic CDB checks
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn test_unit_ready_is_good() {
+    let t = ram_target();
+    assert!(good(&run(&t, &[0; 6]).await).is_empty());
+}
+
+#[tokio::test]
+async fn request_sense_without_pending_condition_is_no_sense() {
+    let t = ram_target();
+    let r = run(&t, &[0x03, 0, 0, 0, 252, 0]).await;
+    let mut want = [0u8; 18];
+    want[0] = 0x70;
+    want[7] = 10;
+    assert_eq!(good(&r), &want[..]);
+    assert_eq!(good(&run(&t, &[0x03, 0, 0, 0, 8, 0]).await).len(), 8);
+}
+
+#[tokio::test]
+async fn request_sense_descriptor_format_is_invalid_field() {
+    let t = ram_target();
+    invalid_cdb_field(&run(&t, &[0x03, 1, 0, 0, 252, 0]).await, 1, Some(0));
+}
+
+#[tokio::test]
+async fn unknown_opcode_is_invalid_command_operation_code() {
+    let t = ram_target();
+    for op in [0x02u8, 0x7F, 0xC0, 0xFF, 0x8E] {
+        let mut c = vec![0u8; 16];
+        c[0] = op;
+        assert_eq!(
+            sense(&run(&t, &c).await),
+            (ILLEGAL, 0x20, 0x00),
+            "op {op:02x}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn truncated_cdb_is_invalid_field_without_pointer() {
+    let t = ram_target();
+    for c in [
+        &[][..],
+        &[0x28, 0, 0, 0][..],
+        &[0x88; 15][..],
+        &[0x12, 0, 0][..],
+    ] {
+        let r = run(&t, c).await;
+        assert_eq!(sense(&r), (ILLEGAL, 0x24, 0x00));
+        assert_eq!(field_pointer(&r), None);
+    }
+}
+
+#[tokio::test]
+async fn naca_and_link_in_control_byte_are_invalid_fields() {
+    let t = ram_target();
+    let mut c = cdb10(opcode::READ_10, 0, 1);
+    c[9] = 0x04;
+    invalid_cdb_field(&run(&t, &c).await, 9, Some(2));
+    let mut c = [0u8; 6];
+    c[5] = 0x01;
+    invalid_cdb_field(&run(&t, &c).await, 5, Some(0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// READ CAPACITY
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn read_capacity_10_reports_last_lba_and_block_size() {
+    let t = ram_target();
+    let r = run(&t, &[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    assert_eq!(good(&r), &[0, 0, 0x07, 0xFF, 0, 0, 0x02, 0x00][..]);
+    let t = target_over(Arc::new(RamBackend::new(1 << 20)), cfg(4096));
+    let r = run(&t, &[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    assert_eq!(good(&r), &[0, 0, 0, 0xFF, 0, 0, 0x10, 0x00][..]);
+}
+
+#[tokio::test]
+async fn read_capacity_10_saturates_when_capacity_exceeds_32_bits() {
+    let t = null_16t();
+    let r = run(&t, &[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    assert_eq!(good(&r), &[0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0x02, 0x00][..]);
+    // Exactly 2^32 blocks: last LBA FFFF_FFFFh is also reported as FFFF_FFFFh.
+    let t = target_over(Arc::new(NullBackend::new(512 << 32)), cfg(512));
+    let r = run(&t, &[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    assert_eq!(&good(&r)[..4], &[0xFF; 4]);
+    // 2^32 - 1 blocks: last LBA FFFF_FFFEh fits.
+    let t = target_over(Arc::new(NullBackend::new(512 * 0xFFFF_FFFF)), cfg(512));
+    let r = run(&t, &[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    assert_eq!(&good(&r)[..4], &[0xFF, 0xFF, 0xFF, 0xFE]);
+}
+
+#[tokio::test]
+async fn read_capacity_16_of_null_16t_is_byte_exact() {
+    let t = null_16t();
+    let mut c = vec![0x9E, 0x10];
+    c.extend_from_slice(&[0; 8]);
+    c.extend_from_slice(&32u32.to_be_bytes());
+    c.extend_from_slice(&[0, 0]);
+    let r = run(&t, &c).await;
+    let mut want = [0u8; 32];
+    want[..8].copy_from_slice(&((1u64 << 35) - 1).to_be_bytes());
+    want[8..12].copy_from_slice(&512u32.to_be_bytes());
+    want[14] = 0xC0; // LBPME, LBPRZ
+    assert_eq!(good(&r), &want[..]);
+    c[13] = 12;
+    assert_eq!(good(&run(&t, &c).await), &want[..12]);
+}
+
+#[tokio::test]
+async fn read_capacity_16_reports_physical_block_exponent_and_no_lbpme_without_unmap() {
+    let mut b = TestBackend::new(1 << 20);
+    b.unmap = false;
+    b.alignment = 4096;
+    let (t, _) = test_target(b, cfg(512));
+    let mut c = vec![0x9E, 0x10];
+    c.extend_from_slice(&[0; 8]);
+    c.extend_from_slice(&32u32.to_be_bytes());
+    c.extend_from_slice(&[0, 0]);
+    let r = run(&t, &c).await;
+    assert_eq!(good(&r)[13], 3);
+    assert_eq!(good(&r)[14], 0);
+}
+
+#[tokio::test]
+async fn read_capacity_lba_without_pmi_is_invalid_field() {
+    let t = ram_target();
+    let r = run(&t, &[0x25, 0, 0, 0, 0, 1, 0, 0, 0, 0]).await;
+    invalid_cdb_field(&r, 2, None);
+    let r = run(&t, &[0x25, 0, 0, 0, 0, 1, 0, 0, 1, 0]).await;
+    good(&r);
+    let mut c = cdb16(0x9E, 7, 32);
+    c[1] = 0x10;
+    invalid_cdb_field(&run(&t, &c).await, 2, None);
+}
+
+#[tokio::test]
+async fn service_action_in_unknown_action_is_invalid_field() {
+    let t = ram_target();
+    let mut c = cdb16(0x9E, 0, 32);
+    c[1] = 0x11;
+    invalid_cdb_field(&run(&t, &c).await, 1, Some(4));
+}
+
+// ---------------------------------------------------------------------------------------------
+// READ / WRITE
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn write_then_read_round_trips_for_every_cdb_size() {
+    use opcode::*;
+    let t = ram_target();
+    let cases: [(Vec<u8>, Vec<u8>); 4] = [
+        (cdb6(WRITE_6, 10, 2), cdb6(READ_6, 10, 2)),
+        (cdb10(WRITE_10, 100, 3), cdb10(READ_10, 100, 3)),
+        (cdb12(WRITE_12, 200, 4), cdb12(READ_12, 200, 4)),
+        (cdb16(WRITE_16, 2047, 1), cdb16(READ_16, 2047, 1)),
+    ];
+    for (i, (w, r)) in cases.iter().enumerate() {
+        let n = block_range(cdb::Cdb(w)).blocks as usize;
+        let data = pattern(n * 512, i as u8);
+        good(&run_data(&t, w, &data).await);
+        assert_eq!(good(&run(&t, r).await), &data[..]);
+    }
+}
+
+use crate::cdb::block_range;
+
+#[tokio::test]
+async fn read6_transfer_length_zero_reads_256_blocks() {
+    let t = ram_target();
+    let data = pattern(256 * 512, 9);
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 1, 256), &data).await);
+    let r = run(&t, &cdb6(opcode::READ_6, 1, 0)).await;
+    assert_eq!(good(&r), &data[..]);
+}
+
+#[tokio::test]
+async fn write6_transfer_length_zero_writes_256_blocks() {
+    let t = ram_target();
+    let data = pattern(256 * 512, 3);
+    good(&run_data(&t, &cdb6(opcode::WRITE_6, 0, 0), &data).await);
+    assert_eq!(
+        good(&run(&t, &cdb10(opcode::READ_10, 0, 256)).await),
+        &data[..]
+    );
+    // READ(6) 256 blocks from LBA 1800 runs past the 2048-block end.
+    assert_eq!(
+        sense(&run(&t, &cdb6(opcode::READ_6, 1800, 0)).await),
+        LBA_OOR
+    );
+}
+
+#[tokio::test]
+async fn transfer_length_zero_is_good_without_data() {
+    use opcode::*;
+    let t = ram_target();
+    for c in [
+        cdb10(READ_10, 5, 0),
+        cdb12(READ_12, 5, 0),
+        cdb16(READ_16, 2048, 0),
+        cdb10(WRITE_10, 2048, 0),
+        cdb16(WRITE_16, 0, 0),
+    ] {
+        assert!(good(&run(&t, &c).await).is_empty());
+    }
+}
+
+#[tokio::test]
+async fn read_beyond_capacity_is_lba_out_of_range() {
+    use opcode::*;
+    let t = ram_target();
+    assert_eq!(sense(&run(&t, &cdb10(READ_10, 2048, 1)).await), LBA_OOR);
+    assert_eq!(sense(&run(&t, &cdb10(READ_10, 2047, 2)).await), LBA_OOR);
+    assert_eq!(sense(&run(&t, &cdb10(READ_10, 2049, 0)).await), LBA_OOR);
+    assert_eq!(sense(&run(&t, &cdb12(READ_12, u32::MAX, 1)).await), LBA_OOR);
+    assert_eq!(sense(&run(&t, &cdb6(READ_6, 0x1F_FFFF, 1)).await), LBA_OOR);
+    good(&run(&t, &cdb10(READ_10, 2047, 1)).await);
+}
+
+#[tokio::test]
+async fn lba_plus_length_wrapping_u64_is_lba_out_of_range() {
+    use opcode::*;
+    let t = null_16t();
+    assert_eq!(
+        sense(&run(&t, &cdb16(READ_16, u64::MAX - 1, 4)).await),
+        LBA_OOR
+    );
+    assert_eq!(sense(&run(&t, &cdb16(READ_16, u64::MAX, 0)).await), LBA_OOR);
+    assert_eq!(
+        sense(&run_data(&t, &cdb16(WRITE_16, u64::MAX, 1), &[0; 512]).await),
+        LBA_OOR
+    );
+    assert_eq!(
+        sense(&run(&t, &cdb16(VERIFY_16, u64::MAX - 2, 8)).await),
+        LBA_OOR
+    );
+    assert_eq!(
+        sense(&run(&t, &cdb16(SYNCHRONIZE_CACHE_16, u64::MAX, 2)).await),
+        LBA_OOR
+    );
+    good(&run(&t, &cdb16(READ_16, (1 << 35) - 1, 1)).await);
+}
+
+#[tokio::test]
+async fn write_beyond_capacity_is_lba_out_of_range_and_writes_nothing() {
+    let (t, b) = test_target(TestBackend::new(1 << 20), cfg(512));
+    let r = run_data(&t, &cdb10(opcode::WRITE_10, 2047, 2), &[1; 1024]).await;
+    assert_eq!(sense(&r), LBA_OOR);
+    assert!(b.modes().is_empty());
+}
+
+#[tokio::test]
+async fn write_to_read_only_lu_is_write_protected() {
+    let mut c = cfg(512);
+    c.read_only = true;
+    let t = target_over(Arc::new(RamBackend::new(1 << 20)), c);
+    let r = run_data(&t, &cdb10(opcode::WRITE_10, 0, 1), &[1; 512]).await;
+    assert_eq!(sense(&r), (0x7, 0x27, 0x00));
+    let r = run_data(&t, &cdb6(opcode::WRITE_6, 0, 1), &[1; 512]).await;
+    assert_eq!(sense(&r), (0x7, 0x27, 0x00));
+    good(&run(&t, &cdb10(opcode::READ_10, 0, 1)).await);
+}
+
+#[tokio::test]
+async fn write_with_short_data_out_is_invalid_field_at_transfer_length() {
+    let (t, b) = test_target(TestBackend::new(1 << 20), cfg(512));
+    let r = run_data(&t, &cdb10(opcode::WRITE_10, 0, 2), &[1; 1023]).await;
+    invalid_cdb_field(&r, 7, None);
+    let r = run_data(&t, &cdb16(opcode::WRITE_16, 0, 1), &[]).await;
+    invalid_cdb_field(&r, 10, None);
+    assert!(b.modes().is_empty());
+}
+
+#[tokio::test]
+async fn write_with_extra_data_out_uses_leading_bytes() {
+    let t = ram_target();
+    let data = pattern(1024, 1);
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 4, 1), &data).await);
+    assert_eq!(
+        good(&run(&t, &cdb10(opcode::READ_10, 4, 2)).await)[..512],
+        data[..512]
+    );
+    assert!(good(&run(&t, &cdb10(opcode::READ_10, 5, 1)).await)
+        .iter()
+        .all(|&b| b == 0));
+}
+
+#[tokio::test]
+async fn protection_fields_are_invalid_field_bit_7() {
+    use opcode::*;
+    let t = ram_target();
+    for op in [READ_10, WRITE_10, READ_16, WRITE_12, VERIFY_10] {
+        let mut c = if op == READ_16 {
+            cdb16(op, 0, 1)
+        } else if op == WRITE_12 {
+            cdb12(op, 0, 1)
+        } else {
+            cdb10(op, 0, 1)
+        };
+        c[1] = 0x20;
+        invalid_cdb_field(&run_data(&t, &c, &[0; 512]).await, 1, Some(7));
+    }
+}
+
+#[tokio::test]
+async fn transfer_length_above_maximum_is_invalid_field() {
+    let t = ram_target();
+    invalid_cdb_field(&run(&t, &cdb16(opcode::READ_16, 0, 16385)).await, 10, None);
+    invalid_cdb_field(
+        &run(&t, &cdb12(opcode::READ_12, 0, u32::MAX)).await,
+        6,
+        None,
+    );
+}
+
+#[tokio::test]
+async fn dpo_and_fua_are_accepted() {
+    let t = ram_target();
+    let mut c = cdb10(opcode::READ_10, 0, 1);
+    c[1] = 0x18;
+    good(&run(&t, &c).await);
+    let mut c = cdb10(opcode::WRITE_10, 0, 1);
+    c[1] = 0x18;
+    good(&run_data(&t, &c, &[0; 512]).await);
+}
+
+#[tokio::test]
+async fn write_durability_follows_wce_and_fua() {
+    let (t, b) = test_target(TestBackend::new(1 << 20), cfg(512));
+    let w = cdb10(opcode::WRITE_10, 0, 1);
+    let mut fua = w.clone();
+    fua[1] = 0x08;
+    good(&run_data(&t, &w, &[1; 512]).await); // WCE=0
+    good(&run_data(&t, &fua, &[1; 512]).await);
+    let mut c = cfg(512);
+    c.write_cache = true;
+    let (t2, b2) = test_target(TestBackend::new(1 << 20), c);
+    good(&run_data(&t2, &w, &[1; 512]).await); // WCE=1
+    good(&run_data(&t2, &fua, &[1; 512]).await);
+    good(&run_data(&t2, &cdb6(opcode::WRITE_6, 0, 1), &[1; 512]).await);
+    assert_eq!(b.modes(), vec![WriteMode::Durable, WriteMode::Durable]);
+    assert_eq!(
+        b2.modes(),
+        vec![WriteMode::Cached, WriteMode::Durable, WriteMode::Cached]
+    );
+}
+
+#[tokio::test]
+async fn backend_errors_map_to_medium_hardware_and_space_errors() {
+    let (t, b) = test_target(TestBackend::new(1 << 20), cfg(512));
+    b.fail_with(BackendError::ReadError { offset: 5 * 512 });
+    let r = run(&t, &cdb10(opcode::READ_10, 5, 1)).await;
+    assert_eq!(sense(&r), (0x3, 0x11, 0x00));
+    assert_eq!(&r.sense.as_ref().unwrap()[..7], &[0xF0, 0, 3, 0, 0, 0, 5]);
+    b.fail_with(BackendError::WriteError { offset: 512 });
+    let r = run_data(&t, &cdb10(opcode::WRITE_10, 1, 1), &[0; 512]).await;
+    assert_eq!(sense(&r), (0x3, 0x0C, 0x00));
+    b.fail_with(BackendError::NoSpace);
+    let r = run_data(&t, &cdb10(opcode::WRITE_10, 1, 1), &[0; 512]).await;
+    assert_eq!(sense(&r), (0x7, 0x27, 0x07));
+    b.fail_with(BackendError::Io("boom".into()));
+    let r = run(&t, &cdb10(opcode::SYNCHRONIZE_CACHE_10, 0, 0)).await;
+    assert_eq!(sense(&r), (0x4, 0x44, 0x00));
+}
+
+// ---------------------------------------------------------------------------------------------
+// VERIFY, SYNCHRONIZE CACHE, START STOP UNIT
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn verify_without_bytchk_range_checks_and_reads() {
+    use opcode::*;
+    let (t, b) = test_target(TestBackend::new(1 << 20), cfg(512));
+    good(&run(&t, &cdb10(VERIFY_10, 0, 8)).await);
+    good(&run(&t, &cdb12(VERIFY_12, 2040, 8)).await);
+    good(&run(&t, &cdb16(VERIFY_16, 2048, 0)).await);
+    assert_eq!(sense(&run(&t, &cdb16(VERIFY_16, 2041, 8)).await), LBA_OOR);
+    b.fail_with(BackendError::ReadError { offset: 512 * 3 });
+    assert_eq!(
+        sense(&run(&t, &cdb10(VERIFY_10, 3, 1)).await),
+        (0x3, 0x11, 0x00)
+    );
+}
+
+#[tokio::test]
+async fn verify_bytchk_compares_with_data_out() {
+    let t = ram_target();
+    let data = pattern(2048, 5);
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 10, 4), &data).await);
+    let mut c = cdb10(opcode::VERIFY_10, 10, 4);
+    c[1] = 0x02;
+    good(&run_data(&t, &c, &data).await);
+    let mut bad = data.clone();
+    bad[1500] ^= 0xFF;
+    let r = run_data(&t, &c, &bad).await;
+    assert_eq!(sense(&r), (0xE, 0x1D, 0x00));
+    let s = r.sense.unwrap();
+    assert_eq!(s[0], 0xF0); // VALID
+    assert_eq!(&s[3..7], &1500u32.to_be_bytes());
+    invalid_cdb_field(&run_data(&t, &c, &data[..2047]).await, 7, None);
+}
+
+#[tokio::test]
+async fn verify_bytchk_11_compares_every_block_with_one_block() {
+    let t = ram_target();
+    let block = pattern(512, 77);
+    let mut data = block.repeat(3);
+    good(&run_data(&t, &cdb16(opcode::WRITE_16, 0, 3), &data).await);
+    let mut c = cdb16(opcode::VERIFY_16, 0, 3);
+    c[1] = 0x06;
+    good(&run_data(&t, &c, &block).await);
+    data[512 * 2 + 7] ^= 1;
+    good(&run_data(&t, &cdb16(opcode::WRITE_16, 0, 3), &data).await);
+    let r = run_data(&t, &c, &block).await;
+    assert_eq!(sense(&r), (0xE, 0x1D, 0x00));
+    assert_eq!(&r.sense.unwrap()[3..7], &(1024u32 + 7).to_be_bytes());
+}
+
+#[tokio::test]
+async fn verify_bytchk_10_is_invalid_field() {
+    let t = ram_target();
+    let mut c = cdb10(opcode::VERIFY_10, 0, 1);
+    c[1] = 0x04;
+    invalid_cdb_field(&run(&t, &c).await, 1, Some(2));
+}
+
+#[tokio::test]
+async fn synchronize_cache_flushes_after_range_check() {
+    let (t, b) = test_target(TestBackend::new(1 << 20), cfg(512));
+    good(&run(&t, &cdb10(opcode::SYNCHRONIZE_CACHE_10, 0, 0)).await);
+    good(&run(&t, &cdb16(opcode::SYNCHRONIZE_CACHE_16, 2000, 48)).await);
+    let mut immed = cdb10(opcode::SYNCHRONIZE_CACHE_10, 0, 10);
+    immed[1] = 0x02;
+    good(&run(&t, &immed).await);
+    assert_eq!(b.flushes.load(Ordering::SeqCst), 3);
+    assert_eq!(
+        sense(&run(&t, &cdb10(opcode::SYNCHRONIZE_CACHE_10, 2000, 49)).await),
+        LBA_OOR
+    );
+    assert_eq!(b.flushes.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn start_stop_unit_is_accepted_and_stop_flushes() {
+    let (t, b) = test_target(TestBackend::new(1 << 20), cfg(512));
+    good(&run(&t, &[0x1B, 0, 0, 0, 0x01, 0]).await); // start
+    assert_eq!(b.flushes.load(Ordering::SeqCst), 0);
+    good(&run(&t, &[0x1B, 1, 0, 0, 0x00, 0]).await); // stop, immed
+    assert_eq!(b.flushes.load(Ordering::SeqCst), 1);
+    good(&run(&t, &[0x1B, 0, 0, 0, 0x04, 0]).await); // stop, NO_FLUSH
+    assert_eq!(b.flushes.load(Ordering::SeqCst), 1);
+    invalid_cdb_field(&run(&t, &[0x1B, 0, 0, 0, 0x50, 0]).await, 4, Some(7));
+}
+
+#[tokio::test]
+async fn prevent_medium_removal_blocks_eject() {
+    let t = ram_target();
+    good(&run(&t, &[0x1E, 0, 0, 0, 0x01, 0]).await);
+    let r = run(&t, &[0x1B, 0, 0, 0, 0x02, 0]).await;
+    assert_eq!(sense(&r), (ILLEGAL, 0x53, 0x02));
+    good(&run(&t, &[0x1E, 0, 0, 0, 0x00, 0]).await);
+    good(&run(&t, &[0x1B, 0, 0, 0, 0x02, 0]).await);
+    invalid_cdb_field(&run(&t, &[0x1E, 0, 0, 0, 0x02, 0]).await, 4, Some(1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// MODE SENSE / MODE SELECT
+// ---------------------------------------------------------------------------------------------
+
+fn mode_sense6(page: u8, alloc: u8) -> Vec<u8> {
+    vec![0x1A, 0, page, 0, alloc, 0]
+}
+fn mode_sense10(b1: u8, page: u8, alloc: u16) -> Vec<u8> {
+    let a = alloc.to_be_bytes();
+    vec![0x5A, b1, page, 0, 0, 0, 0, a[0], a[1], 0]
+}
+
+fn caching(wce: bool) -> Vec<u8> {
+    let mut p = vec![0u8; 20];
+    p[0] = 0x08;
+    p[1] = 0x12;
+    p[2] = if wce { 0x04 } else { 0 };
+    p
+}
+
+#[tokio::test]
+async fn mode_sense6_caching_page_is_byte_exact() {
+    let t = ram_target();
+    let r = run(&t, &mode_sense6(0x08, 255)).await;
+    let mut want = vec![31, 0x00, 0x10, 8, 0, 0, 0x08, 0x00, 0, 0, 0x02, 0x00];
+    want.extend(caching(false));
+    assert_eq!(good(&r), &want[..]);
+    let r = run(&t, &mode_sense6(0x08, 4)).await;
+    assert_eq!(good(&r), &want[..4]);
+}
+
+#[tokio::test]
+async fn mode_sense10_all_pages_with_long_lba_descriptor_is_byte_exact() {
+    let t = null_16t();
+    let r = run(&t, &mode_sense10(0x10, 0x3F, 1000)).await;
+    let mut want = vec![0, 0, 0x00, 0x10, 0x01, 0, 0, 16];
+    want.extend_from_slice(&(1u64 << 35).to_be_bytes());
+    want.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0x02, 0x00]);
+    want.extend(caching(false));
+    want.extend_from_slice(&[0x0A, 0x0A, 0x02, 0x10, 0, 0, 0, 0, 0, 0, 0, 0]);
+    want.extend_from_slice(&[0x1C, 0x0A, 0x08, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    let len = (want.len() - 2) as u16;
+    want[..2].copy_from_slice(&len.to_be_bytes());
+    assert_eq!(good(&r), &want[..]);
+}
+
+#[tokio::test]
+async fn mode_sense_short_descriptor_saturates_block_count() {
+    let t = null_16t();
+    let r = run(&t, &mode_sense6(0x0A, 255)).await;
+    assert_eq!(&good(&r)[4..12], &[0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0x02, 0]);
+}
+
+#[tokio::test]
+async fn mode_sense_dbd_omits_block_descriptor() {
+    let t = ram_target();
+    let mut c = mode_sense6(0x08, 255);
+    c[1] = 0x08;
+    let r = run(&t, &c).await;
+    let mut want = vec![23, 0, 0x10, 0];
+    want.extend(caching(false));
+    assert_eq!(good(&r), &want[..]);
+}
+
+#[tokio::test]
+async fn mode_sense_changeable_and_default_values() {
+    let mut c = cfg(512);
+    c.write_cache = true;
+    let t = target_over(Arc::new(RamBackend::new(1 << 20)), c);
+    let mut cdb = mode_sense6(0x48, 255); // changeable, caching
+    cdb[1] = 0x08;
+    assert_eq!(&good(&run(&t, &cdb).await)[4..], &caching(true)[..]);
+    cdb[2] = 0x4A; // changeable, control: nothing changeable
+    assert_eq!(&good(&run(&t, &cdb).await)[6..], &[0u8; 10][..]);
+    cdb[2] = 0x88; // default caching: WCE from config
+    assert_eq!(&good(&run(&t, &cdb).await)[4..], &caching(true)[..]);
+}
+
+#[tokio::test]
+async fn mode_sense_saved_values_is_saving_parameters_not_supported() {
+    let t = ram_target();
+    let r = run(&t, &mode_sense6(0xC8, 255)).await;
+    assert_eq!(sense(&r), (ILLEGAL, 0x39, 0x00));
+}
+
+#[tokio::test]
+async fn mode_sense_unknown_page_or_subpage_is_invalid_field() {
+    let t = ram_target();
+    invalid_cdb_field(&run(&t, &mode_sense6(0x19, 255)).await, 2, Some(5));
+    let mut c = mode_sense6(0x08, 255);
+    c[3] = 0x01;
+    invalid_cdb_field(&run(&t, &c).await, 3, None);
+    c[3] = 0xFF;
+    good(&run(&t, &c).await);
+}
+
+#[tokio::test]
+async fn mode_sense_reports_write_protect_for_read_only_lu() {
+    let mut c = cfg(512);
+    c.read_only = true;
+    let t = target_over(Arc::new(RamBackend::new(1 << 20)), c);
+    assert_eq!(good(&run(&t, &mode_sense6(0x3F, 255)).await)[2], 0x90);
+    assert_eq!(good(&run(&t, &mode_sense10(0, 0x3F, 255)).await)[3], 0x90);
+}
+
+fn mode_select6(data: &[u8]) -> Vec<u8> {
+    vec![0x15, 0x10, 0, 0, data.len() as u8, 0]
+}
+fn caching_param_list(wce: bool) -> Vec<u8> {
+    let mut d = vec![0, 0, 0, 0];
+    d.extend(caching(wce));
+    d
+}
+
+#[tokio::test]
+async fn mode_select_wce_toggle_raises_mode_parameters_changed_for_other_nexus() {
+    let (t, b) = test_target(TestBackend::new(1 << 20), cfg(512));
+    let (n1, n2, n3) = (nexus(1), nexus(2), nexus(3));
+    // Nexus 2 has seen the LU; nexus 3 only arrives later.
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+    let list = caching_param_list(true);
+    good(&run_on(&t, 0, &n1, &mode_select6(&list), &list).await);
+    assert!(t.lun(0).unwrap().wce());
+    let r = run_on(&t, 0, &n1, &mode_sense6(0x08, 255), &[]).await;
+    assert_eq!(good(&r)[14], 0x04);
+    // The other nexus gets the UA once; INQUIRY does not consume it.
+    good(&run_on(&t, 0, &n2, &inquiry(false, 0, 36), &[]).await);
+    let r = run_on(&t, 0, &n2, &[0; 6], &[]).await;
+    assert_eq!(sense(&r), (0x6, 0x2A, 0x01));
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+    // The nexus that changed it, and a later one, get none.
+    good(&run_on(&t, 0, &n1, &[0; 6], &[]).await);
+    good(&run_on(&t, 0, &n3, &[0; 6], &[]).await);
+    // Writes are now cached; turning WCE off again flushes.
+    good(&run_on(&t, 0, &n1, &cdb10(opcode::WRITE_10, 0, 1), &[1; 512]).await);
+    assert_eq!(b.modes(), vec![WriteMode::Cached]);
+    let list = caching_param_list(false);
+    good(&run_on(&t, 0, &n1, &mode_select6(&list), &list).await);
+    assert_eq!(b.flushes.load(Ordering::SeqCst), 1);
+    assert!(!t.lun(0).unwrap().wce());
+    assert_eq!(
+        sense(&run_on(&t, 0, &n2, &[0; 6], &[]).await),
+        (0x6, 0x2A, 0x01)
+    );
+}
+
+#[tokio::test]
+async fn mode_select_without_change_raises_no_unit_attention() {
+    let t = ram_target();
+    good(&run_on(&t, 0, &nexus(2), &[0; 6], &[]).await);
+    let list = caching_param_list(false);
+    good(&run_data(&t, &mode_select6(&list), &list).await);
+    good(&run_on(&t, 0, &nexus(2), &[0; 6], &[]).await);
+}
+
+#[tokio::test]
+async fn mode_select_of_unchangeable_field_is_invalid_field_in_parameter_list() {
+    let t = ram_target();
+    let mut list = caching_param_list(false);
+    list[4 + 2] |= 0x01; // RCD is not changeable
+    let r = run_data(&t, &mode_select6(&list), &list).await;
+    invalid_param_field(&r, 6, Some(0));
+    let mut list = caching_param_list(true);
+    list[4 + 12] = 0x20; // FSW/... byte 12 bit 5
+    let r = run_data(&t, &mode_select6(&list), &list).await;
+    invalid_param_field(&r, 16, Some(5));
+    assert!(!t.lun(0).unwrap().wce(), "nothing applied on error");
+    // Control page: any change refused.
+    let mut list = vec![0, 0, 0, 0, 0x0A, 0x0A, 0x06, 0x10, 0, 0, 0, 0, 0, 0, 0, 0];
+    let r = run_data(&t, &mode_select6(&list), &list).await;
+    invalid_param_field(&r, 6, Some(2)); // D_SENSE
+    list[6] = 0x02;
+    good(&run_data(&t, &mode_select6(&list), &list).await);
+}
+
+#[tokio::test]
+async fn mode_select_bad_page_header_is_invalid_field_in_parameter_list() {
+    let t = ram_target();
+    let mut list = caching_param_list(true);
+    list[5] = 0x10; // wrong page length
+    invalid_param_field(&run_data(&t, &mode_select6(&list), &list).await, 5, None);
+    let mut list = caching_param_list(true);
+    list[4] = 0x19; // unknown page
+    invalid_param_field(&run_data(&t, &mode_select6(&list), &list).await, 4, Some(5));
+    let mut list = caching_param_list(true);
+    list[4] = 0x48; // SPF
+    invalid_param_field(&run_data(&t, &mode_select6(&list), &list).await, 4, Some(6));
+    let mut list = caching_param_list(true);
+    list[1] = 0x05; // medium type
+    invalid_param_field(&run_data(&t, &mode_select6(&list), &list).await, 1, None);
+}
+
+#[tokio::test]
+async fn mode_select_truncated_parameter_list_is_parameter_list_length_error() {
+    let t = ram_target();
+    let list = caching_param_list(true);
+    // Parameter list length cuts the page short.
+    let r = run_data(&t, &mode_select6(&list[..10]), &list).await;
+    assert_eq!(sense(&r), (ILLEGAL, 0x1A, 0x00));
+    // The initiator sent less than the parameter list length.
+    let r = run_data(&t, &mode_select6(&list), &list[..10]).await;
+    assert_eq!(sense(&r), (ILLEGAL, 0x1A, 0x00));
+    // Shorter than the header.
+    let r = run_data(&t, &mode_select6(&list[..3]), &list).await;
+    assert_eq!(sense(&r), (ILLEGAL, 0x1A, 0x00));
+    assert!(!t.lun(0).unwrap().wce());
+}
+
+#[tokio::test]
+async fn mode_select_pf_zero_and_sp_one_are_invalid_fields() {
+    let t = ram_target();
+    let list = caching_param_list(true);
+    let mut c = mode_select6(&list);
+    c[1] = 0x00;
+    invalid_cdb_field(&run_data(&t, &c, &list).await, 1, Some(4));
+    c[1] = 0x11;
+    invalid_cdb_field(&run_data(&t, &c, &list).await, 1, Some(0));
+    good(&run(&t, &[0x15, 0x10, 0, 0, 0, 0]).await); // length 0: nothing to do
+}
+
+#[tokio::test]
+async fn mode_select10_accepts_mode_sense10_output_with_block_descriptor() {
+    let t = null_16t();
+    let r = run(&t, &mode_sense10(0x10, 0x3F, 1000)).await;
+    let mut list = good(&r).to_vec();
+    list[0] = 0;
+    list[1] = 0;
+    list[8 + 16 + 2] |= 0x04; // WCE on
+    let mut c = cdb10(opcode::MODE_SELECT_10, 0, list.len() as u16);
+    c[1] = 0x10;
+    good(&run_data(&t, &c, &list).await);
+    assert!(t.lun(0).unwrap().wce());
+    // A different block length is refused at the descriptor's block length field.
+    list[8 + 15] = 0x00;
+    list[8 + 14] = 0x10;
+    invalid_param_field(&run_data(&t, &c, &list).await, 20, None);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Unit attentions and LU reset
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn no_unit_attention_at_first_contact() {
+    let t = ram_target();
+    good(&run_on(&t, 0, &nexus(9), &cdb10(opcode::READ_10, 0, 1), &[]).await);
+}
+
+#[tokio::test]
+async fn lun_reset_raises_power_on_reset_for_other_nexuses_only() {
+    let t = ram_target();
+    let (n1, n2) = (nexus(1), nexus(2));
+    good(&run_on(&t, 0, &n1, &[0; 6], &[]).await);
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+    t.lun(0).unwrap().reset(&n1);
+    good(&run_on(&t, 0, &n1, &[0; 6], &[]).await);
+    // REPORT LUNS does not consume it either.
+    good(&run_on(&t, 0, &n2, &[0xA0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0], &[]).await);
+    let r = run_on(&t, 0, &n2, &cdb10(opcode::READ_10, 0, 1), &[]).await;
+    assert_eq!(sense(&r), (0x6, 0x29, 0x00));
+    good(&run_on(&t, 0, &n2, &cdb10(opcode::READ_10, 0, 1), &[]).await);
+}
+
+#[tokio::test]
+async fn request_sense_returns_and_clears_unit_attention() {
+    let t = ram_target();
+    let (n1, n2) = (nexus(1), nexus(2));
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+    t.lun(0).unwrap().reset(&n1);
+    let r = run_on(&t, 0, &n2, &[0x03, 0, 0, 0, 18, 0], &[]).await;
+    let d = good(&r);
+    assert_eq!((d[2], d[12], d[13]), (0x6, 0x29, 0x00));
+    let r = run_on(&t, 0, &n2, &[0x03, 0, 0, 0, 18, 0], &[]).await;
+    assert_eq!(good(&r)[2], 0);
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+}
+
+#[tokio::test]
+async fn unit_attentions_queue_in_order_without_duplicates() {
+    let t = ram_target();
+    let lu = t.lun(0).unwrap();
+    good(&run_on(&t, 0, &nexus(2), &[0; 6], &[]).await);
+    lu.establish_unit_attention(UnitAttention::PowerOnReset, None);
+    lu.establish_unit_attention(UnitAttention::ModeParametersChanged, None);
+    lu.establish_unit_attention(UnitAttention::PowerOnReset, None);
+    let n2 = nexus(2);
+    assert_eq!(sense(&run_on(&t, 0, &n2, &[0; 6], &[]).await), (6, 0x29, 0));
+    assert_eq!(sense(&run_on(&t, 0, &n2, &[0; 6], &[]).await), (6, 0x2A, 1));
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+}
+
+#[tokio::test]
+async fn report_luns_clears_reported_luns_data_changed() {
+    let t = ram_target();
+    let n2 = nexus(2);
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+    let lu = t.lun(0).unwrap();
+    lu.establish_unit_attention(UnitAttention::ReportedLunsDataChanged, None);
+    lu.establish_unit_attention(UnitAttention::CapacityDataChanged, None);
+    good(&run_on(&t, 0, &n2, &[0xA0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0], &[]).await);
+    assert_eq!(
+        sense(&run_on(&t, 0, &n2, &[0; 6], &[]).await),
+        (6, 0x2A, 0x09)
+    );
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+}
+
+#[tokio::test]
+async fn nexus_loss_drops_pending_unit_attentions() {
+    let t = ram_target();
+    good(&run_on(&t, 0, &nexus(2), &[0; 6], &[]).await);
+    t.lun(0).unwrap().reset(&nexus(1));
+    t.nexus_lost(2);
+    good(&run_on(&t, 0, &nexus(2), &[0; 6], &[]).await);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile input
+// ---------------------------------------------------------------------------------------------
+
+/// xorshift64*: deterministic, dependency-free randomness for the property loop.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[tokio::test]
+async fn random_cdbs_never_panic_and_keep_the_response_contract() {
+    let t = ram_target();
+    let ro = {
+        let mut c = cfg(4096);
+        c.read_only = true;
+        target_over(Arc::new(NullBackend::new(16 << 40)), c)
+    };
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let ops = [
+        0x00u8, 0x03, 0x08, 0x0A, 0x12, 0x15, 0x16, 0x17, 0x1A, 0x1B, 0x1E, 0x25, 0x28, 0x2A, 0x2F,
+        0x35, 0x41, 0x42, 0x55, 0x56, 0x57, 0x5A, 0x88, 0x89, 0x8A, 0x8F, 0x91, 0x93, 0x9E, 0xA0,
+        0xA3, 0xA8, 0xAA, 0xAF,
+    ];
+    let mut seen = std::collections::HashMap::new();
+    for i in 0..20_000u32 {
+        let len = rng.below(34) as usize;
+        let mut cdb: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+        if !cdb.is_empty() && rng.below(4) != 0 {
+            cdb[0] = ops[rng.below(ops.len() as u64) as usize];
+            // Keep the control byte clean often enough to reach the handlers.
+            if let Some(n) = cdb::cdb_length(cdb[0]) {
+                if n <= cdb.len() && rng.below(2) == 0 {
+                    cdb[n - 1] = 0;
+                }
+            }
+            // Small lengths and LBAs reach the data paths more often.
+            if rng.below(2) == 0 && cdb.len() > 9 {
+                cdb[2..6].fill(0);
+            }
+        }
+        let dlen = match rng.below(3) {
+            0 => 0,
+            1 => rng.below(64) as usize,
+            _ => rng.below(70_000) as usize,
+        };
+        let data: Vec<u8> = (0..dlen).map(|_| rng.next() as u8).collect();
+        let target = if i % 2 == 0 { &t } else { &ro };
+        let lun = if rng.below(10) == 0 { 1 } else { 0 };
+        let n = nexus(rng.below(3));
+        let r = run_on(target, lun, &n, &cdb, &data).await;
+        *seen.entry(r.status.0).or_insert(0u32) += 1;
+        match r.status {
+            Status::GOOD => assert!(r.sense.is_none()),
+            Status::CHECK_CONDITION => {
+                let s = r.sense.as_ref().unwrap();
+                assert_eq!(s.len(), 18);
+                assert!(r.data_in.is_empty());
+            }
+            Status::RESERVATION_CONFLICT => assert!(r.sense.is_none()),
+            other => panic!("unexpected status {other:?} for {cdb:02x?}"),
+        }
+        assert!(r.data_in.len() <= MAX_TRANSFER_BYTES as usize);
+        let _ = data_out_len(&cdb, 512);
+        let _ = data_out_len(&cdb, 4096);
+    }
+    // The loop must reach the handlers, not only the early rejections.
+    assert!(seen.get(&0).copied().unwrap_or(0) > 1000, "{seen:?}");
+    assert!(seen.get(&2).copied().unwrap_or(0) > 1000, "{seen:?}");
+}
+
+#[tokio::test]
+async fn allocation_length_bounds_every_data_in() {
+    // For each command with an allocation length, data_in never exceeds it.
+    let t = ram_target();
+    for alloc in [0u16, 1, 3, 7, 17, 40] {
+        let a = alloc.to_be_bytes();
+        let a32 = u32::from(alloc).to_be_bytes();
+        let cdbs = vec![
+            inquiry(false, 0, alloc),
+            inquiry(true, 0x83, alloc),
+            inquiry(true, 0xB0, alloc),
+            vec![0x03, 0, 0, 0, alloc as u8, 0],
+            vec![0x1A, 0, 0x3F, 0, alloc as u8, 0],
+            vec![0x5A, 0, 0x3F, 0, 0, 0, 0, a[0], a[1], 0],
+            vec![
+                0x9E, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, a32[0], a32[1], a32[2], a32[3], 0, 0,
+            ],
+            vec![
+                0x9E, 0x12, 0, 0, 0, 0, 0, 0, 0, 0, a32[0], a32[1], a32[2], a32[3], 0, 0,
+            ],
+            vec![0xA3, 0x0C, 0, 0, 0, 0, a32[0], a32[1], a32[2], a32[3], 0, 0],
+        ];
+        for c in cdbs {
+            let r = run(&t, &c).await;
+            assert!(good(&r).len() <= usize::from(alloc), "{c:02x?}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// WRITE SAME, UNMAP, GET LBA STATUS
+// ---------------------------------------------------------------------------------------------
+
+fn ram_target_with_handle() -> (Target, Arc<RamBackend>) {
+    let ram = Arc::new(RamBackend::new(1 << 20));
+    (target_over(ram.clone(), cfg(512)), ram)
+}
+
+#[tokio::test]
+async fn write_same_replicates_one_block() {
+    let t = ram_target();
+    let block = pattern(512, 42);
+    good(&run_data(&t, &cdb10(opcode::WRITE_SAME_10, 100, 10), &block).await);
+    let r = run(&t, &cdb10(opcode::READ_10, 99, 12)).await;
+    let d = good(&r);
+    assert!(d[..512].iter().all(|&b| b == 0));
+    for i in 1..11 {
+        assert_eq!(&d[i * 512..(i + 1) * 512], &block[..], "block {i}");
+    }
+    assert!(d[11 * 512..].iter().all(|&b| b == 0));
+    // WRITE SAME(16) across more than one internal chunk.
+    good(&run_data(&t, &cdb16(opcode::WRITE_SAME_16, 0, 2048), &block).await);
+    let r = run(&t, &cdb16(opcode::READ_16, 0, 2048)).await;
+    assert!(good(&r).chunks(512).all(|c| c == &block[..]));
+}
+
+#[tokio::test]
+async fn write_same_with_unmap_deallocates_zero_blocks() {
+    let (t, ram) = ram_target_with_handle();
+    good(&run_data(&t, &cdb16(opcode::WRITE_SAME_16, 0, 2048), &[7; 512]).await);
+    assert_eq!(ram.allocated(), 1 << 20);
+    let mut c = cdb16(opcode::WRITE_SAME_16, 0, 2048);
+    c[1] = 0x08; // UNMAP
+    good(&run_data(&t, &c, &[0; 512]).await);
+    assert_eq!(ram.allocated(), 0);
+    // NDOB + UNMAP: no Data-Out at all.
+    good(&run_data(&t, &cdb16(opcode::WRITE_SAME_16, 0, 2048), &[7; 512]).await);
+    c[1] = 0x09;
+    good(&run(&t, &c).await);
+    assert_eq!(ram.allocated(), 0);
+    // UNMAP with a non-zero block writes it instead.
+    c[1] = 0x08;
+    good(&run_data(&t, &c, &[1; 512]).await);
+    assert!(good(&run(&t, &cdb10(opcode::READ_10, 2047, 1)).await)
+        .iter()
+        .all(|&b| b == 1));
+}
+
+#[tokio::test]
+async fn write_same_field_errors() {
+    use opcode::*;
+    let t = ram_target();
+    invalid_cdb_field(
+        &run_data(&t, &cdb10(WRITE_SAME_10, 0, 0), &[0; 512]).await,
+        7,
+        None,
+    );
+    invalid_cdb_field(
+        &run_data(&t, &cdb16(WRITE_SAME_16, 0, 0), &[0; 512]).await,
+        10,
+        None,
+    );
+    invalid_cdb_field(&run(&t, &cdb10(WRITE_SAME_10, 0, 1)).await, 7, None);
+    let mut c = cdb10(WRITE_SAME_10, 0, 1);
+    c[1] = 0x01;
+    invalid_cdb_field(&run_data(&t, &c, &[0; 512]).await, 1, Some(0));
+    c[1] = 0x10;
+    invalid_cdb_field(&run_data(&t, &c, &[0; 512]).await, 1, Some(4));
+    c[1] = 0x02;
+    invalid_cdb_field(&run_data(&t, &c, &[0; 512]).await, 1, Some(2));
+    let big = cdb16(WRITE_SAME_16, 0, (2 << 20) + 1);
+    invalid_cdb_field(&run_data(&t, &big, &[0; 512]).await, 10, None);
+    assert_eq!(
+        sense(&run_data(&t, &cdb10(WRITE_SAME_10, 2040, 9), &[0; 512]).await),
+        LBA_OOR
+    );
+    let mut ro = cfg(512);
+    ro.read_only = true;
+    let t = target_over(Arc::new(RamBackend::new(1 << 20)), ro);
+    let r = run_data(&t, &cdb10(WRITE_SAME_10, 0, 1), &[0; 512]).await;
+    assert_eq!(sense(&r), (0x7, 0x27, 0x00));
+}
+
+fn unmap_list(descs: &[(u64, u32)]) -> Vec<u8> {
+    let mut d = Vec::new();
+    d.extend_from_slice(&((6 + 16 * descs.len()) as u16).to_be_bytes());
+    d.extend_from_slice(&((16 * descs.len()) as u16).to_be_bytes());
+    d.extend_from_slice(&[0; 4]);
+    for &(lba, n) in descs {
+        d.extend_from_slice(&lba.to_be_bytes());
+        d.extend_from_slice(&n.to_be_bytes());
+        d.extend_from_slice(&[0; 4]);
+    }
+    d
+}
+
+#[tokio::test]
+async fn unmap_deallocates_and_reads_back_zeros() {
+    let (t, ram) = ram_target_with_handle();
+    good(&run_data(&t, &cdb16(opcode::WRITE_SAME_16, 0, 2048), &[9; 512]).await);
+    let list = unmap_list(&[(0, 1024), (1024, 1000), (5, 0)]);
+    good(&run_data(&t, &cdb10(opcode::UNMAP, 0, list.len() as u16), &list).await);
+    let d = good(&run(&t, &cdb10(opcode::READ_10, 0, 2048)).await).to_vec();
+    assert!(d[..2024 * 512].iter().all(|&b| b == 0));
+    assert!(d[2024 * 512..].iter().all(|&b| b == 9));
+    // A descriptor covering the RAM backend's whole 1 MiB chunk frees it.
+    let list = unmap_list(&[(0, 2048)]);
+    good(&run_data(&t, &cdb10(opcode::UNMAP, 0, list.len() as u16), &list).await);
+    assert_eq!(ram.allocated(), 0);
+}
+
+#[tokio::test]
+async fn unmap_validates_every_descriptor_before_unmapping() {
+    let (t, ram) = ram_target_with_handle();
+    good(&run_data(&t, &cdb16(opcode::WRITE_SAME_16, 0, 2048), &[9; 512]).await);
+    let list = unmap_list(&[(0, 2048), (2047, 2)]);
+    let r = run_data(&t, &cdb10(opcode::UNMAP, 0, list.len() as u16), &list).await;
+    assert_eq!(sense(&r), LBA_OOR);
+    let list = unmap_list(&[(u64::MAX, 2)]);
+    let r = run_data(&t, &cdb10(opcode::UNMAP, 0, list.len() as u16), &list).await;
+    assert_eq!(sense(&r), LBA_OOR);
+    assert_eq!(ram.allocated(), 1 << 20);
+}
+
+#[tokio::test]
+async fn unmap_parameter_list_errors() {
+    use opcode::UNMAP;
+    let t = ram_target();
+    good(&run(&t, &cdb10(UNMAP, 0, 0)).await);
+    let list = unmap_list(&[(0, 1)]);
+    let r = run_data(&t, &cdb10(UNMAP, 0, 7), &list).await;
+    assert_eq!(sense(&r), (ILLEGAL, 0x1A, 0x00));
+    let r = run_data(&t, &cdb10(UNMAP, 0, 24), &list[..20]).await;
+    assert_eq!(sense(&r), (ILLEGAL, 0x1A, 0x00));
+    let many = unmap_list(&vec![(0, 1); 257]);
+    let r = run_data(&t, &cdb10(UNMAP, 0, many.len() as u16), &many).await;
+    invalid_param_field(&r, 2, None);
+    let mut c = cdb10(UNMAP, 0, 24);
+    c[1] = 0x01;
+    invalid_cdb_field(&run_data(&t, &c, &list).await, 1, Some(0));
+}
+
+#[tokio::test]
+async fn unmap_total_above_maximum_is_invalid_field_in_parameter_list() {
+    let t = target_over(Arc::new(NullBackend::new(16 << 40)), cfg(512));
+    let list = unmap_list(&[(0, 1 << 21), (1 << 21, 1)]);
+    let r = run_data(&t, &cdb10(opcode::UNMAP, 0, list.len() as u16), &list).await;
+    invalid_param_field(&r, 24 + 8, None);
+}
+
+#[tokio::test]
+async fn unmap_without_backend_support_is_invalid_opcode() {
+    let mut b = TestBackend::new(1 << 20);
+    b.unmap = false;
+    let (t, _) = test_target(b, cfg(512));
+    let list = unmap_list(&[(0, 1)]);
+    let r = run_data(&t, &cdb10(opcode::UNMAP, 0, 24), &list).await;
+    assert_eq!(sense(&r), (ILLEGAL, 0x20, 0x00));
+}
+
+#[tokio::test]
+async fn unmap_on_read_only_lu_is_write_protected() {
+    let mut c = cfg(512);
+    c.read_only = true;
+    let t = target_over(Arc::new(RamBackend::new(1 << 20)), c);
+    let list = unmap_list(&[(0, 1)]);
+    let r = run_data(&t, &cdb10(opcode::UNMAP, 0, 24), &list).await;
+    assert_eq!(sense(&r), (0x7, 0x27, 0x00));
+}
+
+#[tokio::test]
+async fn get_lba_status_reports_rest_of_medium_mapped() {
+    let t = ram_target();
+    let mut c = cdb16(0x9E, 100, 1024);
+    c[1] = 0x12;
+    let mut want = vec![0, 0, 0, 20, 0, 0, 0, 0];
+    want.extend_from_slice(&100u64.to_be_bytes());
+    want.extend_from_slice(&1948u32.to_be_bytes());
+    want.extend_from_slice(&[0; 4]);
+    assert_eq!(good(&run(&t, &c).await), &want[..]);
+    let mut c = cdb16(0x9E, 2048, 1024);
+    c[1] = 0x12;
+    assert_eq!(sense(&run(&t, &c).await), LBA_OOR);
+}
+
+// ---------------------------------------------------------------------------------------------
+// REPORT SUPPORTED OPERATION CODES
+// ---------------------------------------------------------------------------------------------
+
+fn rsoc(options: u8, op: u8, sa: u16, alloc: u32) -> Vec<u8> {
+    let mut c = vec![0xA3, 0x0C, options, op];
+    c.extend_from_slice(&sa.to_be_bytes());
+    c.extend_from_slice(&alloc.to_be_bytes());
+    c.extend_from_slice(&[0, 0]);
+    c
+}
+
+#[test]
+fn supported_table_usage_data_matches_cdb_lengths() {
+    for e in spc::SUPPORTED {
+        assert_eq!(e.usage[0], e.op);
+        assert_eq!(Some(e.usage.len()), cdb::cdb_length(e.op), "{:02x}", e.op);
+        assert_eq!(*e.usage.last().unwrap(), 0x07);
+    }
+}
+
+#[tokio::test]
+async fn rsoc_all_commands_lists_every_supported_command() {
+    let t = ram_target();
+    let r = run(&t, &rsoc(0, 0, 0, 4096)).await;
+    let d = good(&r);
+    let n = spc::SUPPORTED.len();
+    assert_eq!(&d[..4], &((n * 8) as u32).to_be_bytes());
+    let descs: Vec<&[u8]> = d[4..].chunks(8).collect();
+    assert_eq!(descs.len(), n);
+    assert!(descs.contains(&&[0x88, 0, 0, 0, 0, 0, 0, 16][..]));
+    assert!(descs.contains(&&[0x9E, 0, 0, 0x10, 0, 1, 0, 16][..]));
+    assert!(descs.contains(&&[0x12, 0, 0, 0, 0, 0, 0, 6][..]));
+    // RCTD: each descriptor carries a 12-byte timeouts descriptor.
+    let r = run(&t, &rsoc(0x80, 0, 0, 4096)).await;
+    assert_eq!(good(&r).len(), 4 + n * 20);
+    assert_eq!(good(&r)[9], 0x02); // CTDP
+}
+
+#[tokio::test]
+async fn rsoc_one_command_reports_usage_data() {
+    let t = ram_target();
+    let r = run(&t, &rsoc(1, 0x28, 0, 64)).await;
+    assert_eq!(
+        good(&r),
+        &[0, 3, 0, 10, 0x28, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, 0x07][..]
+    );
+    let r = run(&t, &rsoc(1, 0x02, 0, 64)).await;
+    assert_eq!(good(&r), &[0, 1, 0, 0][..]);
+    let r = run(&t, &rsoc(2, 0x9E, 0x10, 64)).await;
+    assert_eq!(&good(&r)[..6], &[0, 3, 0, 16, 0x9E, 0x1F]);
+    let r = run(&t, &rsoc(2, 0x9E, 0x11, 64)).await;
+    assert_eq!(good(&r), &[0, 1, 0, 0][..]);
+    let r = run(&t, &rsoc(3, 0x12, 0, 64)).await;
+    assert_eq!(&good(&r)[..4], &[0, 3, 0, 6]);
+}
+
+#[tokio::test]
+async fn rsoc_bad_request_is_invalid_field() {
+    let t = ram_target();
+    invalid_cdb_field(&run(&t, &rsoc(1, 0x9E, 0, 64)).await, 3, None);
+    invalid_cdb_field(&run(&t, &rsoc(2, 0x28, 0, 64)).await, 3, None);
+    invalid_cdb_field(&run(&t, &rsoc(4, 0x28, 0, 64)).await, 2, Some(2));
+    let mut c = rsoc(0, 0, 0, 64);
+    c[1] = 0x0D;
+    invalid_cdb_field(&run(&t, &c).await, 1, Some(4));
+}
+
+// ---------------------------------------------------------------------------------------------
+// COMPARE AND WRITE
+// ---------------------------------------------------------------------------------------------
+
+fn caw(lba: u64, blocks: u8) -> Vec<u8> {
+    let mut c = cdb16(opcode::COMPARE_AND_WRITE, lba, 0);
+    c[13] = blocks;
+    c
+}
+
+#[tokio::test]
+async fn compare_and_write_writes_when_data_matches() {
+    let t = ram_target();
+    let old = pattern(1024, 1);
+    let new = pattern(1024, 2);
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 8, 2), &old).await);
+    good(&run_data(&t, &caw(8, 2), &[old.clone(), new.clone()].concat()).await);
+    assert_eq!(
+        good(&run(&t, &cdb10(opcode::READ_10, 8, 2)).await),
+        &new[..]
+    );
+}
+
+#[tokio::test]
+async fn compare_and_write_miscompare_reports_offset_and_writes_nothing() {
+    let t = ram_target();
+    let old = pattern(1024, 1);
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 8, 2), &old).await);
+    let mut verify = old.clone();
+    verify[700] ^= 0x80;
+    let r = run_data(&t, &caw(8, 2), &[verify, vec![0xAA; 1024]].concat()).await;
+    assert_eq!(sense(&r), (0xE, 0x1D, 0x00));
+    assert_eq!(&r.sense.unwrap()[3..7], &700u32.to_be_bytes());
+    assert_eq!(
+        good(&run(&t, &cdb10(opcode::READ_10, 8, 2)).await),
+        &old[..]
+    );
+}
+
+#[tokio::test]
+async fn compare_and_write_field_errors() {
+    let t = ram_target();
+    invalid_cdb_field(
+        &run_data(&t, &caw(0, 65), &vec![0; 65 * 1024]).await,
+        13,
+        None,
+    );
+    invalid_cdb_field(&run_data(&t, &caw(0, 2), &[0; 1024]).await, 13, None);
+    assert_eq!(
+        sense(&run_data(&t, &caw(2047, 2), &[0; 2048]).await),
+        LBA_OOR
+    );
+    good(&run(&t, &caw(0, 0)).await);
+}
+
+#[tokio::test]
+async fn compare_and_write_is_atomic_against_a_concurrent_write() {
+    let mut b = TestBackend::new(1 << 20);
+    b.yield_reads = true;
+    let (t, _) = test_target(b, cfg(512));
+    let a = vec![0xA; 512];
+    let bb = vec![0xB; 512];
+    let c = vec![0xC; 512];
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 0, 1), &a).await);
+    // CAW reads (and yields) first; the WRITE must wait for it rather than land in between.
+    let caw_data = [a.clone(), bb.clone()].concat();
+    let (caw_cdb, write_cdb) = (caw(0, 1), cdb10(opcode::WRITE_10, 0, 1));
+    let (r1, r2) = tokio::join!(
+        run_data(&t, &caw_cdb, &caw_data),
+        run_data(&t, &write_cdb, &c),
+    );
+    good(&r1);
+    good(&r2);
+    assert_eq!(good(&run(&t, &cdb10(opcode::READ_10, 0, 1)).await), &c[..]);
+}
+
+#[tokio::test]
+async fn range_lock_excludes_only_overlapping_ranges() {
+    let l = lu::RangeLock::default();
+    let g1 = l.lock(0, 10).await;
+    let _g2 = l.lock(10, 20).await; // adjacent: no overlap
+    let mut waiting = Box::pin(l.lock(5, 6));
+    let waker = std::task::Waker::noop();
+    let mut cx = Context::from_waker(waker);
+    assert!(waiting.as_mut().poll(&mut cx).is_pending());
+    drop(g1);
+    assert!(waiting.as_mut().poll(&mut cx).is_ready());
+}
+
+// ---------------------------------------------------------------------------------------------
+// RESERVE / RELEASE
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn reservation_conflicts_for_other_nexus_until_released() {
+    let t = ram_target();
+    let (n1, n2) = (nexus(1), nexus(2));
+    good(&run_on(&t, 0, &n1, &[0x16, 0, 0, 0, 0, 0], &[]).await);
+    good(&run_on(&t, 0, &n1, &[0x16, 0, 0, 0, 0, 0], &[]).await); // again: fine
+    let r = run_on(&t, 0, &n2, &cdb10(opcode::READ_10, 0, 1), &[]).await;
+    assert_eq!(r, Response::status_only(Status::RESERVATION_CONFLICT));
+    let r = run_on(&t, 0, &n2, &[0x56, 0, 0, 0, 0, 0, 0, 0, 0, 0], &[]).await;
+    assert_eq!(r.status, Status::RESERVATION_CONFLICT);
+    good(&run_on(&t, 0, &n2, &inquiry(false, 0, 36), &[]).await);
+    // RELEASE by a non-holder is GOOD and changes nothing.
+    good(&run_on(&t, 0, &n2, &[0x17, 0, 0, 0, 0, 0], &[]).await);
+    assert_eq!(
+        run_on(&t, 0, &n2, &[0; 6], &[]).await.status,
+        Status::RESERVATION_CONFLICT
+    );
+    good(&run_on(&t, 0, &n1, &cdb10(opcode::READ_10, 0, 1), &[]).await);
+    good(&run_on(&t, 0, &n1, &[0x57, 0, 0, 0, 0, 0, 0, 0, 0, 0], &[]).await);
+    good(&run_on(&t, 0, &n2, &cdb10(opcode::READ_10, 0, 1), &[]).await);
+}
+
+#[tokio::test]
+async fn reservation_is_released_by_lun_reset_and_nexus_loss() {
+    let t = ram_target();
+    let (n1, n2) = (nexus(1), nexus(2));
+    good(&run_on(&t, 0, &n1, &[0x16, 0, 0, 0, 0, 0], &[]).await);
+    t.lun(0).unwrap().reset(&n1);
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+    good(&run_on(&t, 0, &n1, &[0x16, 0, 0, 0, 0, 0], &[]).await);
+    t.nexus_lost(1);
+    good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
+}
+
+#[tokio::test]
+async fn third_party_reservation_is_invalid_field() {
+    let t = ram_target();
+    let r = run(&t, &[0x56, 0x10, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    invalid_cdb_field(&r, 1, Some(4));
+    let r = run(&t, &[0x56, 0x02, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    invalid_cdb_field(&r, 1, Some(1));
+    let r = run(&t, &[0x16, 0x02, 0, 0, 0, 0]).await;
+    invalid_cdb_field(&r, 1, Some(4));
+}
