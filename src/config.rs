@@ -74,10 +74,14 @@ pub struct Plan {
 /// Parse a `--lun` SPEC: `null:SIZE`, `ram:SIZE`, `file:PATH` or `file:PATH:SIZE`. Relative
 /// paths are taken relative to `data_dir`.
 pub fn parse_lun_spec(spec: &str, data_dir: &Path) -> Result<Backing, String> {
-    let (kind, rest) = spec
-        .split_once(':')
-        .ok_or_else(|| format!("'{spec}': expected KIND:..., e.g. ram:1G, null:16T, file:PATH[:SIZE]"))?;
-    let size = |s: &str| parse_size(s).filter(|&n| n > 0).ok_or_else(|| format!("'{s}' is not a size (e.g. 512M, 1G, 16T)"));
+    let (kind, rest) = spec.split_once(':').ok_or_else(|| {
+        format!("'{spec}': expected KIND:..., e.g. ram:1G, null:16T, file:PATH[:SIZE]")
+    })?;
+    let size = |s: &str| {
+        parse_size(s)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("'{s}' is not a size (e.g. 512M, 1G, 16T)"))
+    };
     match kind {
         "null" => Ok(Backing::Null { size: size(rest)? }),
         "ram" => Ok(Backing::Ram { size: size(rest)? }),
@@ -92,10 +96,16 @@ pub fn parse_lun_spec(spec: &str, data_dir: &Path) -> Result<Backing, String> {
                 _ => (rest, None),
             };
             let path = Path::new(path);
-            let path = if path.is_absolute() { path.to_owned() } else { data_dir.join(path) };
+            let path = if path.is_absolute() {
+                path.to_owned()
+            } else {
+                data_dir.join(path)
+            };
             Ok(Backing::File { path, size })
         }
-        other => Err(format!("unknown backend '{other}' in '{spec}' (expected null, ram or file)")),
+        other => Err(format!(
+            "unknown backend '{other}' in '{spec}' (expected null, ram or file)"
+        )),
     }
 }
 
@@ -136,7 +146,9 @@ struct FileLun {
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
-    text.get(..offset).map(|s| s.matches('\n').count() + 1).unwrap_or(1)
+    text.get(..offset)
+        .map(|s| s.matches('\n').count() + 1)
+        .unwrap_or(1)
 }
 
 /// Check an iSCSI name (RFC 7143 §4.2.7): `iqn.`, `eui.` or `naa.` form, at most 223 bytes.
@@ -144,7 +156,9 @@ pub fn check_iscsi_name(name: &str) -> Result<(), String> {
     if name.len() > 223 {
         return Err(format!("iSCSI name '{name}' is longer than 223 bytes"));
     }
-    let ok_chars = name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-.:".contains(c));
+    let ok_chars = name
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-.:".contains(c));
     let ok_form = name.starts_with("iqn.") || name.starts_with("eui.") || name.starts_with("naa.");
     if !ok_form || !ok_chars {
         return Err(format!(
@@ -158,7 +172,9 @@ fn check_block_size(bs: u32) -> Result<u32, String> {
     if bs.is_power_of_two() && (512..=65536).contains(&bs) {
         Ok(bs)
     } else {
-        Err(format!("block_size {bs} must be a power of two from 512 to 65536"))
+        Err(format!(
+            "block_size {bs} must be a power of two from 512 to 65536"
+        ))
     }
 }
 
@@ -175,21 +191,36 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
         let line = e.span().map(|s| line_of(text, s.start)).unwrap_or(1);
         format!("{file}:{line}: {}", e.message())
     })?;
-    let at = |span: std::ops::Range<usize>, msg: String| format!("{file}:{}: {msg}", line_of(text, span.start));
+    let at = |span: std::ops::Range<usize>, msg: String| {
+        format!("{file}:{}: {msg}", line_of(text, span.start))
+    };
     let data_dir = PathBuf::from(cfg.data_dir.unwrap_or_else(|| "./ironsan-data".into()));
     let mut listen = Vec::new();
     for l in cfg.listen.unwrap_or_default() {
         let addr = l.get_ref().parse::<SocketAddr>().map_err(|_| {
-            at(l.span(), format!("listen address '{}' is not ADDR:PORT (IPv6 as [::1]:3260)", l.get_ref()))
+            at(
+                l.span(),
+                format!(
+                    "listen address '{}' is not ADDR:PORT (IPv6 as [::1]:3260)",
+                    l.get_ref()
+                ),
+            )
         })?;
         listen.push(addr);
     }
     if listen.is_empty() {
-        listen.push(DEFAULT_LISTEN.parse().map_err(|_| "bad default listen address".to_string())?);
+        listen.push(
+            DEFAULT_LISTEN
+                .parse()
+                .map_err(|_| "bad default listen address".to_string())?,
+        );
     }
     let queue_depth = match cfg.queue_depth {
         Some(q) if *q.get_ref() == 0 || *q.get_ref() > 4096 => {
-            return Err(at(q.span(), "queue_depth must be between 1 and 4096".into()))
+            return Err(at(
+                q.span(),
+                "queue_depth must be between 1 and 4096".into(),
+            ))
         }
         Some(q) => *q.get_ref(),
         None => 128,
@@ -197,22 +228,40 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
     let mut targets = Vec::new();
     for t in cfg.target {
         check_iscsi_name(t.name.get_ref()).map_err(|e| at(t.name.span(), e))?;
-        if targets.iter().any(|x: &TargetPlan| &x.name == t.name.get_ref()) {
-            return Err(at(t.name.span(), format!("target '{}' is defined twice", t.name.get_ref())));
+        if targets
+            .iter()
+            .any(|x: &TargetPlan| &x.name == t.name.get_ref())
+        {
+            return Err(at(
+                t.name.span(),
+                format!("target '{}' is defined twice", t.name.get_ref()),
+            ));
         }
         let mut luns = Vec::new();
         for l in t.lun {
             luns.push(lun_from_file(l, &data_dir, &at)?);
         }
         if luns.is_empty() {
-            return Err(at(t.name.span(), format!("target '{}' has no [[target.lun]]", t.name.get_ref())));
+            return Err(at(
+                t.name.span(),
+                format!("target '{}' has no [[target.lun]]", t.name.get_ref()),
+            ));
         }
-        targets.push(TargetPlan { name: t.name.into_inner(), alias: t.alias, luns });
+        targets.push(TargetPlan {
+            name: t.name.into_inner(),
+            alias: t.alias,
+            luns,
+        });
     }
     if targets.is_empty() {
         return Err(format!("{file}: no [[target]] defined"));
     }
-    Ok(Plan { listen, data_dir, queue_depth, targets })
+    Ok(Plan {
+        listen,
+        data_dir,
+        queue_depth,
+        targets,
+    })
 }
 
 fn lun_from_file(
@@ -221,41 +270,83 @@ fn lun_from_file(
     at: &dyn Fn(std::ops::Range<usize>, String) -> String,
 ) -> Result<LunPlan, String> {
     let backing = match (&l.spec, &l.backend) {
-        (Some(spec), None) => parse_lun_spec(spec.get_ref(), data_dir).map_err(|e| at(spec.span(), e))?,
+        (Some(spec), None) => {
+            parse_lun_spec(spec.get_ref(), data_dir).map_err(|e| at(spec.span(), e))?
+        }
         (None, Some(b)) => {
             let size = match &l.size {
-                Some(s) => Some(
-                    parse_size(s.get_ref())
-                        .filter(|&n| n > 0)
-                        .ok_or_else(|| at(s.span(), format!("'{}' is not a size (e.g. 512M, 1G, 16T)", s.get_ref())))?,
-                ),
+                Some(s) => Some(parse_size(s.get_ref()).filter(|&n| n > 0).ok_or_else(|| {
+                    at(
+                        s.span(),
+                        format!("'{}' is not a size (e.g. 512M, 1G, 16T)", s.get_ref()),
+                    )
+                })?),
                 None => None,
             };
-            let need_size = |kind: &str| size.ok_or_else(|| at(b.span(), format!("a {kind} LUN needs size = \"...\"")));
+            let need_size = |kind: &str| {
+                size.ok_or_else(|| at(b.span(), format!("a {kind} LUN needs size = \"...\"")))
+            };
             match b.get_ref().as_str() {
-                "null" => Backing::Null { size: need_size("null")? },
-                "ram" => Backing::Ram { size: need_size("ram")? },
+                "null" => Backing::Null {
+                    size: need_size("null")?,
+                },
+                "ram" => Backing::Ram {
+                    size: need_size("ram")?,
+                },
                 "file" => {
-                    let p = l.path.as_ref().ok_or_else(|| at(b.span(), "a file LUN needs path = \"...\"".into()))?;
+                    let p = l
+                        .path
+                        .as_ref()
+                        .ok_or_else(|| at(b.span(), "a file LUN needs path = \"...\"".into()))?;
                     let path = Path::new(p.get_ref());
-                    let path = if path.is_absolute() { path.to_owned() } else { data_dir.join(path) };
+                    let path = if path.is_absolute() {
+                        path.to_owned()
+                    } else {
+                        data_dir.join(path)
+                    };
                     Backing::File { path, size }
                 }
-                other => return Err(at(b.span(), format!("unknown backend '{other}' (expected null, ram or file)"))),
+                other => {
+                    return Err(at(
+                        b.span(),
+                        format!("unknown backend '{other}' (expected null, ram or file)"),
+                    ))
+                }
             }
         }
-        (Some(spec), Some(_)) => return Err(at(spec.span(), "give either spec or backend, not both".into())),
-        (None, None) => return Err("a [[target.lun]] needs spec = \"...\" or backend = \"...\"".into()),
+        (Some(spec), Some(_)) => {
+            return Err(at(
+                spec.span(),
+                "give either spec or backend, not both".into(),
+            ))
+        }
+        (None, None) => {
+            return Err("a [[target.lun]] needs spec = \"...\" or backend = \"...\"".into())
+        }
     };
     let block_size = match &l.block_size {
         Some(b) => check_block_size(*b.get_ref()).map_err(|e| at(b.span(), e))?,
         None => 512,
     };
-    Ok(LunPlan { backing, direct: l.direct, write_cache: l.write_cache, read_only: l.read_only, block_size, serial: l.serial })
+    Ok(LunPlan {
+        backing,
+        direct: l.direct,
+        write_cache: l.write_cache,
+        read_only: l.read_only,
+        block_size,
+        serial: l.serial,
+    })
 }
 
 /// The plan from command-line flags.
-pub fn from_flags(listen: &[String], target: Option<&str>, luns: &[String], data_dir: &Path, direct: bool, write_cache: bool) -> Result<Plan, String> {
+pub fn from_flags(
+    listen: &[String],
+    target: Option<&str>,
+    luns: &[String],
+    data_dir: &Path,
+    direct: bool,
+    write_cache: bool,
+) -> Result<Plan, String> {
     let mut addrs = Vec::new();
     for l in listen {
         addrs.push(
@@ -264,18 +355,32 @@ pub fn from_flags(listen: &[String], target: Option<&str>, luns: &[String], data
         );
     }
     if addrs.is_empty() {
-        addrs.push(DEFAULT_LISTEN.parse().map_err(|_| "bad default listen address".to_string())?);
+        addrs.push(
+            DEFAULT_LISTEN
+                .parse()
+                .map_err(|_| "bad default listen address".to_string())?,
+        );
     }
     let name = target.unwrap_or(DEFAULT_TARGET).to_string();
     check_iscsi_name(&name).map_err(|e| format!("--target: {e}"))?;
     let mut plans = Vec::new();
     for spec in luns {
         let backing = parse_lun_spec(spec, data_dir).map_err(|e| format!("--lun {e}"))?;
-        plans.push(LunPlan { backing, direct, write_cache, read_only: false, block_size: 512, serial: None });
+        plans.push(LunPlan {
+            backing,
+            direct,
+            write_cache,
+            read_only: false,
+            block_size: 512,
+            serial: None,
+        });
     }
     if plans.is_empty() {
         plans.push(LunPlan {
-            backing: Backing::File { path: data_dir.join("lun0.img"), size: Some(1 << 30) },
+            backing: Backing::File {
+                path: data_dir.join("lun0.img"),
+                size: Some(1 << 30),
+            },
             direct,
             write_cache,
             read_only: false,
@@ -287,7 +392,11 @@ pub fn from_flags(listen: &[String], target: Option<&str>, luns: &[String], data
         listen: addrs,
         data_dir: data_dir.to_owned(),
         queue_depth: 128,
-        targets: vec![TargetPlan { name, alias: None, luns: plans }],
+        targets: vec![TargetPlan {
+            name,
+            alias: None,
+            luns: plans,
+        }],
     })
 }
 
@@ -298,12 +407,34 @@ mod tests {
     #[test]
     fn parses_every_lun_spec_form() {
         let d = Path::new("/data");
-        assert_eq!(parse_lun_spec("null:16T", d), Ok(Backing::Null { size: 16 << 40 }));
-        assert_eq!(parse_lun_spec("ram:1G", d), Ok(Backing::Ram { size: 1 << 30 }));
-        assert_eq!(parse_lun_spec("file:/dev/sdb", d), Ok(Backing::File { path: "/dev/sdb".into(), size: None }));
-        assert_eq!(parse_lun_spec("file:x.img:2G", d), Ok(Backing::File { path: "/data/x.img".into(), size: Some(2 << 30) }));
-        assert!(parse_lun_spec("ram:lots", d).unwrap_err().contains("not a size"));
-        assert!(parse_lun_spec("tape:1G", d).unwrap_err().contains("unknown backend 'tape'"));
+        assert_eq!(
+            parse_lun_spec("null:16T", d),
+            Ok(Backing::Null { size: 16 << 40 })
+        );
+        assert_eq!(
+            parse_lun_spec("ram:1G", d),
+            Ok(Backing::Ram { size: 1 << 30 })
+        );
+        assert_eq!(
+            parse_lun_spec("file:/dev/sdb", d),
+            Ok(Backing::File {
+                path: "/dev/sdb".into(),
+                size: None
+            })
+        );
+        assert_eq!(
+            parse_lun_spec("file:x.img:2G", d),
+            Ok(Backing::File {
+                path: "/data/x.img".into(),
+                size: Some(2 << 30)
+            })
+        );
+        assert!(parse_lun_spec("ram:lots", d)
+            .unwrap_err()
+            .contains("not a size"));
+        assert!(parse_lun_spec("tape:1G", d)
+            .unwrap_err()
+            .contains("unknown backend 'tape'"));
         assert!(parse_lun_spec("ram", d).is_err());
         assert!(parse_lun_spec("ram:0", d).is_err());
     }
@@ -314,12 +445,19 @@ mod tests {
         let err = parse_file(text, Path::new("t.toml")).unwrap_err();
         assert!(err.starts_with("t.toml:6: "), "{err}");
         let text = "listen = [\"nowhere\"]\n";
-        assert!(parse_file(text, Path::new("t.toml")).unwrap_err().starts_with("t.toml:1: "));
+        assert!(parse_file(text, Path::new("t.toml"))
+            .unwrap_err()
+            .starts_with("t.toml:1: "));
         let text = "[[target]]\nname = \"iqn.2026-11.org.x:a\"\nbogus = 1\n";
         let err = parse_file(text, Path::new("t.toml")).unwrap_err();
-        assert!(err.starts_with("t.toml:3: ") && err.contains("bogus"), "{err}");
+        assert!(
+            err.starts_with("t.toml:3: ") && err.contains("bogus"),
+            "{err}"
+        );
         let text = "[[target]]\nname = \"Not A Name\"\n[[target.lun]]\nspec = \"ram:1G\"\n";
-        assert!(parse_file(text, Path::new("t.toml")).unwrap_err().starts_with("t.toml:2: "));
+        assert!(parse_file(text, Path::new("t.toml"))
+            .unwrap_err()
+            .starts_with("t.toml:2: "));
     }
 
     #[test]
@@ -349,9 +487,18 @@ block_size = 4096
         assert_eq!(plan.listen.len(), 2);
         assert_eq!(plan.queue_depth, 64);
         assert_eq!(plan.targets.len(), 2);
-        assert_eq!(plan.targets[0].luns[0].backing, Backing::File { path: "/srv/iscsi/a.img".into(), size: Some(10 << 30) });
+        assert_eq!(
+            plan.targets[0].luns[0].backing,
+            Backing::File {
+                path: "/srv/iscsi/a.img".into(),
+                size: Some(10 << 30)
+            }
+        );
         assert!(plan.targets[0].luns[0].direct && plan.targets[0].luns[0].write_cache);
-        assert_eq!(plan.targets[0].luns[1].backing, Backing::Null { size: 16 << 40 });
+        assert_eq!(
+            plan.targets[0].luns[1].backing,
+            Backing::Null { size: 16 << 40 }
+        );
         assert_eq!(plan.targets[1].luns[0].block_size, 4096);
     }
 
@@ -360,7 +507,17 @@ block_size = 4096
         let p = from_flags(&[], None, &[], Path::new("d"), false, false).unwrap();
         assert_eq!(p.listen, vec!["127.0.0.1:3260".parse().unwrap()]);
         assert_eq!(p.targets[0].name, DEFAULT_TARGET);
-        assert_eq!(p.targets[0].luns[0].backing, Backing::File { path: "d/lun0.img".into(), size: Some(1 << 30) });
-        assert!(from_flags(&["x".into()], None, &[], Path::new("d"), false, false).unwrap_err().starts_with("--listen"));
+        assert_eq!(
+            p.targets[0].luns[0].backing,
+            Backing::File {
+                path: "d/lun0.img".into(),
+                size: Some(1 << 30)
+            }
+        );
+        assert!(
+            from_flags(&["x".into()], None, &[], Path::new("d"), false, false)
+                .unwrap_err()
+                .starts_with("--listen")
+        );
     }
 }

@@ -12,7 +12,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 #[derive(Parser)]
-#[command(name = "ironsan", version, about = "A user-space iSCSI target (RFC 7143) for Linux storage nodes")]
+#[command(
+    name = "ironsan",
+    version,
+    about = "A user-space iSCSI target (RFC 7143) for Linux storage nodes"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -56,18 +60,31 @@ struct ServeArgs {
     log: String,
 }
 
-fn build_lu(target: &str, n: usize, l: &config::LunPlan) -> Result<(Arc<dyn BlockDevice>, LogicalUnit)> {
+fn build_lu(
+    target: &str,
+    n: usize,
+    l: &config::LunPlan,
+) -> Result<(Arc<dyn BlockDevice>, LogicalUnit)> {
     let backend: Arc<dyn BlockDevice> = match &l.backing {
         Backing::Null { size } => Arc::new(NullBackend::new(*size)),
         Backing::Ram { size } => Arc::new(RamBackend::new(*size)),
         Backing::File { path, size } => {
             if let Some(dir) = path.parent() {
                 if size.is_some() && !dir.as_os_str().is_empty() {
-                    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+                    std::fs::create_dir_all(dir)
+                        .with_context(|| format!("creating {}", dir.display()))?;
                 }
             }
-            let opts = FileOptions { direct: l.direct, size: *size, read_only: l.read_only, ..Default::default() };
-            Arc::new(FileBackend::open(path, &opts).with_context(|| format!("LUN {n}: opening {}", path.display()))?)
+            let opts = FileOptions {
+                direct: l.direct,
+                size: *size,
+                read_only: l.read_only,
+                ..Default::default()
+            };
+            Arc::new(
+                FileBackend::open(path, &opts)
+                    .with_context(|| format!("LUN {n}: opening {}", path.display()))?,
+            )
         }
     };
     if backend.size() < l.block_size as u64 {
@@ -105,8 +122,15 @@ fn human(bytes: u64) -> String {
 async fn serve(args: ServeArgs) -> Result<()> {
     let plan: Plan = match &args.config {
         Some(path) => config::load_file(path).map_err(anyhow::Error::msg)?,
-        None => config::from_flags(&args.listen, args.target.as_deref(), &args.luns, &args.data_dir, args.direct, args.write_cache)
-            .map_err(anyhow::Error::msg)?,
+        None => config::from_flags(
+            &args.listen,
+            args.target.as_deref(),
+            &args.luns,
+            &args.data_dir,
+            args.direct,
+            args.write_cache,
+        )
+        .map_err(anyhow::Error::msg)?,
     };
     let mut targets = Vec::new();
     let mut summary = Vec::new();
@@ -125,10 +149,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 Backing::File { path, .. } => format!("{} {}", backend.kind(), path.display()),
                 _ => backend.kind().to_string(),
             };
-            summary.push(format!("  {} LUN {n}: {what}, {} ({durability})", t.name, human(backend.size())));
+            summary.push(format!(
+                "  {} LUN {n}: {what}, {} ({durability})",
+                t.name,
+                human(backend.size())
+            ));
             scsi.add_lun(n as u64, Arc::new(lu));
         }
-        targets.push(TargetDef { name: t.name.clone(), alias: t.alias.clone(), tpgt: 1, scsi: Arc::new(scsi) });
+        targets.push(TargetDef {
+            name: t.name.clone(),
+            alias: t.alias.clone(),
+            tpgt: 1,
+            scsi: Arc::new(scsi),
+        });
     }
     let mut cfg = ServerConfig::new(plan.listen.clone(), targets);
     cfg.queue_depth = plan.queue_depth;
@@ -149,13 +182,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     server
         .run(async {
-            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = tokio::signal::ctrl_c().await;
-                    return;
-                }
-            };
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(_) => {
+                        let _ = tokio::signal::ctrl_c().await;
+                        return;
+                    }
+                };
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
@@ -170,10 +204,15 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Serve(args) => {
             tracing_subscriber::fmt()
-                .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| "info".into()))
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_new(&args.log)
+                        .unwrap_or_else(|_| "info".into()),
+                )
                 .with_writer(std::io::stderr)
                 .init();
-            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
             rt.block_on(serve(args))
         }
     }

@@ -14,10 +14,14 @@
 //! * [`task`] — per-command data transfer arithmetic: R2T / Data-Out reassembly, Data-In
 //!   segmentation with status phase-collapse.
 
+pub mod chap;
 pub mod digest;
+pub mod login;
+pub mod negotiate;
 pub mod pdu;
 pub mod serial;
 pub mod task;
+pub mod text;
 pub mod window;
 
 pub use pdu::{Bhs, Header, Pdu};

@@ -28,12 +28,12 @@ macro_rules! serial_newtype {
                 self == other || self.gt(other)
             }
             /// Serial addition (wraps at 2^32).
-            pub fn add(self, n: u32) -> Self {
+            pub fn plus(self, n: u32) -> Self {
                 $name(self.0.wrapping_add(n))
             }
             /// The next number in sequence.
             pub fn next(self) -> Self {
-                self.add(1)
+                self.plus(1)
             }
             /// Distance from `earlier` to `self` (wrapping), meaningful when `earlier <= self`.
             pub fn since(self, earlier: Self) -> u32 {
@@ -77,7 +77,7 @@ mod tests {
         assert!(CmdSn(0).gt(CmdSn(u32::MAX)));
         assert!(CmdSn(5).lt(CmdSn(6)));
         assert!(!CmdSn(6).lt(CmdSn(6)));
-        assert!(CmdSn(u32::MAX - 10).add(20).gt(CmdSn(u32::MAX)));
+        assert!(CmdSn(u32::MAX - 10).plus(20).gt(CmdSn(u32::MAX)));
         assert_eq!(CmdSn(u32::MAX).next(), CmdSn(0));
         assert_eq!(CmdSn(3).since(CmdSn(u32::MAX)), 4);
     }

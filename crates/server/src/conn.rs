@@ -10,7 +10,7 @@ use crate::session::{ConnInfo, Running, Session};
 use crate::writer::{self, Out, OutPdu, TxStats};
 use crate::{Shared, TargetDef};
 use bytes::{Bytes, BytesMut};
-use ironsan_proto::login::{Login, LoginPolicy, LoginStep, TargetLookup};
+use ironsan_proto::login::{Login, LoginPolicy, LoginStatus, LoginStep, TargetLookup};
 use ironsan_proto::negotiate::{ConnParams, Negotiator, SessionType};
 use ironsan_proto::pdu::*;
 use ironsan_proto::task::{data_in_segments, DataOutError, WriteParams, WriteTransfer};
@@ -36,7 +36,10 @@ struct Policy<'a>(&'a Shared);
 impl LoginPolicy for Policy<'_> {
     fn lookup_target(&self, target_name: &str, _initiator_name: &str) -> TargetLookup {
         match self.0.targets.get(target_name) {
-            Some(t) => TargetLookup::Allowed { tpgt: t.tpgt, alias: t.alias.clone() },
+            Some(t) => TargetLookup::Allowed {
+                tpgt: t.tpgt,
+                alias: t.alias.clone(),
+            },
             None => TargetLookup::NotFound,
         }
     }
@@ -79,23 +82,12 @@ struct Connection {
 }
 
 fn reject(reason: RejectReason, bhs: &Bhs) -> OutPdu {
-    OutPdu::status(Header::Reject(Reject { reason, ..Default::default() }), Bytes::copy_from_slice(&bhs.0))
-}
-
-fn login_failure(req: &LoginRequest, class: u8, detail: u8) -> OutPdu {
     OutPdu::status(
-        Header::LoginResponse(LoginResponse {
-            csg: req.csg,
-            nsg: req.nsg,
-            isid: req.isid,
-            tsih: req.tsih,
-            itt: req.itt,
-            status_class: class,
-            status_detail: detail,
-            sn: TargetSn { exp_cmd_sn: req.cmd_sn, max_cmd_sn: req.cmd_sn, ..Default::default() },
+        Header::Reject(Reject {
+            reason,
             ..Default::default()
         }),
-        Bytes::new(),
+        Bytes::copy_from_slice(&bhs.0),
     )
 }
 
@@ -110,7 +102,11 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     let (tx, rx) = mpsc::channel::<Out>(WRITER_QUEUE);
 
     // Login phase, bounded in time so half-sent logins cannot pin resources.
-    let login = tokio::time::timeout(shared.cfg.login_timeout, login_phase(&mut rd, &tx, &shared, peer, local)).await;
+    let login = tokio::time::timeout(
+        shared.cfg.login_timeout,
+        login_phase(&mut rd, &tx, &shared, peer, local),
+    )
+    .await;
     let stats = Arc::new(TxStats::default());
     let (first_stat_sn, outcome) = match login {
         Ok(Ok((sn, Some(o)))) => (sn, Some(o)),
@@ -166,7 +162,11 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     if remaining == 0 {
         // ErrorRecoveryLevel 0: the session ends with its last connection.
         session.abort_where(|_, _| true);
-        shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(&session);
+        shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&session);
         if let Some(t) = &session.target {
             t.scsi.nexus_lost(session.nexus.id);
         }
@@ -197,50 +197,60 @@ async fn login_phase(
             return Ok((first_stat_sn.unwrap_or_default(), None));
         };
         let stat_sn = *first_stat_sn.get_or_insert(req.exp_stat_sn);
-        if assembler.push(&rx.pdu.data).is_err() {
-            let _ = tx.send(Out::Pdus(vec![login_failure(&req, 2, 7)])).await;
-            return Ok((stat_sn, None));
-        }
-        if req.cont {
-            // More text follows (RFC 7143 §6.2): answer with an empty response, T=0.
-            let resp = LoginResponse {
-                csg: req.csg,
-                nsg: req.nsg,
-                isid: req.isid,
-                tsih: req.tsih,
-                itt: req.itt,
-                sn: TargetSn { exp_cmd_sn: req.cmd_sn, max_cmd_sn: req.cmd_sn, ..Default::default() },
-                ..Default::default()
-            };
-            let _ = tx.send(Out::Pdus(vec![OutPdu::status(Header::LoginResponse(resp), Bytes::new())])).await;
-            continue;
-        }
-        let pairs = match text::parse(&assembler.take()) {
+        // C-bit continuations are joined here; the state machine sees empty pairs for them.
+        let parsed = match assembler.push(&rx.pdu.data, req.cont) {
+            Ok(Some(text)) => text::parse(&text).map_err(|e| LoginStatus::from(&e)),
+            Ok(None) => Ok(Vec::new()),
+            Err(e) => Err(LoginStatus::from(&e)),
+        };
+        let pairs = match parsed {
             Ok(p) => p,
-            Err(_) => {
-                let _ = tx.send(Out::Pdus(vec![login_failure(&req, 2, 7)])).await;
+            Err(status) => {
+                let (resp, data) = login.fail(&req, status);
+                let _ = tx
+                    .send(Out::Pdus(vec![OutPdu::status(
+                        Header::LoginResponse(resp),
+                        data,
+                    )]))
+                    .await;
                 return Ok((stat_sn, None));
             }
         };
         match login.step(&req, pairs, &Policy(shared)) {
             LoginStep::Respond(resp, data) => {
-                let _ = tx.send(Out::Pdus(vec![OutPdu::status(Header::LoginResponse(resp), data)])).await;
+                let _ = tx
+                    .send(Out::Pdus(vec![OutPdu::status(
+                        Header::LoginResponse(resp),
+                        data,
+                    )]))
+                    .await;
             }
             LoginStep::Fail(resp, data) => {
                 tracing::info!(%peer, class = resp.status_class, detail = resp.status_detail, "login failed");
-                let _ = tx.send(Out::Pdus(vec![OutPdu::status(Header::LoginResponse(resp), data)])).await;
+                let _ = tx
+                    .send(Out::Pdus(vec![OutPdu::status(
+                        Header::LoginResponse(resp),
+                        data,
+                    )]))
+                    .await;
                 return Ok((stat_sn, None));
             }
             LoginStep::ReadyToComplete(ready) => {
-                let target = ready.target_name.as_ref().and_then(|n| shared.targets.get(n)).cloned();
+                let target = ready
+                    .target_name
+                    .as_ref()
+                    .and_then(|n| shared.targets.get(n))
+                    .cloned();
                 let (close_tx, close_rx) = watch::channel(false);
                 // Pick or create the session (leading login with TSIH 0, or a new connection).
                 let (session, new) = {
                     let mut reg = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
                     if ready.tsih.0 == 0 {
-                        if let Some(old) =
-                            reg.find_same_nexus(&ready.initiator_name, ready.isid, ready.target_name.as_deref())
-                        {
+                        if let Some(old) = reg.find_same_nexus(
+                            &ready.initiator_name,
+                            ready.isid,
+                            ready.target_name.as_deref(),
+                        ) {
                             // Session reinstatement (RFC 7143 §6.3.5): the old session's tasks
                             // are aborted and its connections closed.
                             tracing::info!(initiator = %ready.initiator_name, tsih = old.tsih.0, "reinstating session");
@@ -254,20 +264,35 @@ async fn login_phase(
                         (None, true)
                     } else {
                         match reg.get(ready.tsih) {
-                            Some(s) if s.isid == ready.isid && s.initiator_name == ready.initiator_name => {
+                            Some(s)
+                                if s.isid == ready.isid
+                                    && s.initiator_name == ready.initiator_name =>
+                            {
                                 (Some(s), false)
                             }
-                            _ => {
-                                drop(reg);
-                                let _ = tx.send(Out::Pdus(vec![login_failure(&req, 2, 0x0a)])).await;
-                                return Ok((stat_sn, None));
-                            }
+                            _ => (None, false),
                         }
                     }
                 };
+                if session.is_none() && !new {
+                    let (resp, data) = login.reject(LoginStatus::SESSION_DOES_NOT_EXIST);
+                    let _ = tx
+                        .send(Out::Pdus(vec![OutPdu::status(
+                            Header::LoginResponse(resp),
+                            data,
+                        )]))
+                        .await;
+                    return Ok((stat_sn, None));
+                }
                 if let Some(s) = &session {
                     if s.conn_count() >= s.params.max_connections as usize {
-                        let _ = tx.send(Out::Pdus(vec![login_failure(&req, 2, 6)])).await;
+                        let (resp, data) = login.reject(LoginStatus::TOO_MANY_CONNECTIONS);
+                        let _ = tx
+                            .send(Out::Pdus(vec![OutPdu::status(
+                                Header::LoginResponse(resp),
+                                data,
+                            )]))
+                            .await;
                         return Ok((stat_sn, None));
                     }
                 }
@@ -278,7 +303,7 @@ async fn login_phase(
                 let sn = TargetSn {
                     stat_sn,
                     exp_cmd_sn: req.cmd_sn,
-                    max_cmd_sn: req.cmd_sn.add(shared.cfg.queue_depth.saturating_sub(1)),
+                    max_cmd_sn: req.cmd_sn.plus(shared.cfg.queue_depth.saturating_sub(1)),
                 };
                 let (resp, data, sparams, cparams) = login.complete(tsih, sn);
                 let session = match session {
@@ -289,7 +314,8 @@ async fn login_phase(
                         let tpgt = target.as_ref().map(|t| t.tpgt).unwrap_or(1);
                         let nexus = ironsan_scsi::Nexus {
                             id: nexus_id,
-                            initiator_port: format!("{},i,0x{}", ready.initiator_name, ready.isid).into(),
+                            initiator_port: format!("{},i,0x{}", ready.initiator_name, ready.isid)
+                                .into(),
                             target_port: format!("{tname},t,0x{tpgt:04x}").into(),
                             relative_port: tpgt,
                         };
@@ -297,21 +323,44 @@ async fn login_phase(
                             tsih,
                             ready.isid,
                             ready.initiator_name.clone(),
-                            if ready.session_type == SessionType::Discovery { None } else { target.clone() },
+                            if ready.session_type == SessionType::Discovery {
+                                None
+                            } else {
+                                target.clone()
+                            },
                             sparams,
                             nexus,
                             req.cmd_sn,
                             shared.cfg.queue_depth,
                         ));
-                        shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).insert(Arc::clone(&s));
+                        shared
+                            .sessions
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(Arc::clone(&s));
                         s
                     }
                 };
-                let _ = new;
-                session.add_conn(ConnInfo { cid: ready.cid.0, peer, local, params: cparams.clone(), close: close_tx });
-                let _ = tx.send(Out::Pdus(vec![OutPdu::status(Header::LoginResponse(resp), data)])).await;
+                session.add_conn(ConnInfo {
+                    cid: ready.cid.0,
+                    peer,
+                    local,
+                    params: cparams.clone(),
+                    close: close_tx,
+                });
+                let _ = tx
+                    .send(Out::Pdus(vec![OutPdu::status(
+                        Header::LoginResponse(resp),
+                        data,
+                    )]))
+                    .await;
                 let _ = tx.send(Out::Attach(Arc::clone(&session))).await;
-                let _ = tx.send(Out::Digests(Digests { header: cparams.header_digest, data: cparams.data_digest })).await;
+                let _ = tx
+                    .send(Out::Digests(Digests {
+                        header: cparams.header_digest,
+                        data: cparams.data_digest,
+                    }))
+                    .await;
                 return Ok((stat_sn, Some((session, cparams, ready.cid.0, close_rx))));
             }
         }
@@ -340,8 +389,16 @@ async fn keepalive(
             continue;
         }
         ttt = ttt.wrapping_add(1) | 0x1000_0000;
-        let ping = Header::NopIn(NopIn { itt: Itt::RESERVED, ttt: Ttt(ttt), ..Default::default() });
-        if tx.send(Out::Pdus(vec![OutPdu::current(ping, Bytes::new())])).await.is_err() {
+        let ping = Header::NopIn(NopIn {
+            itt: Itt::RESERVED,
+            ttt: Ttt(ttt),
+            ..Default::default()
+        });
+        if tx
+            .send(Out::Pdus(vec![OutPdu::current(ping, Bytes::new())]))
+            .await
+            .is_err()
+        {
             return;
         }
         let sent = epoch.elapsed().as_millis() as u64;
@@ -393,8 +450,15 @@ impl Connection {
     }
 
     /// The full feature phase loop. Returns why it ended.
-    async fn full_feature(&mut self, rd: &mut BufReader<OwnedReadHalf>, mut close_rx: watch::Receiver<bool>) -> String {
-        let digests = Digests { header: self.params.header_digest, data: self.params.data_digest };
+    async fn full_feature(
+        &mut self,
+        rd: &mut BufReader<OwnedReadHalf>,
+        mut close_rx: watch::Receiver<bool>,
+    ) -> String {
+        let digests = Digests {
+            header: self.params.header_digest,
+            data: self.params.data_digest,
+        };
         let max_data = self.params.max_recv_data_segment_length;
         let mut shutdown = self.shared.shutdown.clone();
         loop {
@@ -417,7 +481,8 @@ impl Connection {
                 }
                 Err(e) => return e.to_string(),
             };
-            self.last_rx.store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+            self.last_rx
+                .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
             let result = match Header::decode(&bhs) {
                 Header::ScsiCommand(cmd) => self.on_scsi_command(rd, &bhs, ahs, &plan, cmd).await,
                 Header::DataOut(d) => self.on_data_out(rd, &bhs, &plan, d).await,
@@ -426,7 +491,8 @@ impl Connection {
                     match io::read_data_into(rd, &plan, &mut data).await {
                         Ok(true) => self.on_other(&bhs, other, data.freeze()).await,
                         Ok(false) => {
-                            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, &bhs)]).await;
+                            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, &bhs)])
+                                .await;
                             Ok(())
                         }
                         Err(e) => Err(e.to_string()),
@@ -441,7 +507,11 @@ impl Connection {
 
     /// Ask the initiator to log out (Async Message event 1, RFC 7143 §11.9.1), used on shutdown.
     async fn async_logout_request(&self) {
-        let msg = Header::AsyncMessage(AsyncMessage { async_event: 1, parameter3: 0, ..Default::default() });
+        let msg = Header::AsyncMessage(AsyncMessage {
+            async_event: 1,
+            parameter3: 0,
+            ..Default::default()
+        });
         self.send(vec![OutPdu::status(msg, Bytes::new())]).await;
     }
 
@@ -456,16 +526,23 @@ impl Connection {
         let Some(target) = self.session.target.clone() else {
             // SCSI commands are not allowed in a discovery session (RFC 7143 §4.3).
             io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
-            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                .await;
             return Ok(());
         };
         // Immediate data goes straight into the command's buffer.
         let edtl = cmd.expected_data_transfer_length;
         let immediate_len = plan.data_len as u32;
         let oversize = cmd.write && edtl > self.shared.cfg.max_io_bytes;
-        let mut buf = if cmd.write && !oversize { BytesMut::zeroed(edtl as usize) } else { BytesMut::new() };
+        let mut buf = if cmd.write && !oversize {
+            BytesMut::zeroed(edtl as usize)
+        } else {
+            BytesMut::new()
+        };
         let digest_ok = if immediate_len > 0 && immediate_len <= edtl && cmd.write && !oversize {
-            io::read_data_into(rd, plan, &mut buf[..immediate_len as usize]).await.map_err(|e| e.to_string())?
+            io::read_data_into(rd, plan, &mut buf[..immediate_len as usize])
+                .await
+                .map_err(|e| e.to_string())?
         } else if immediate_len > 0 {
             io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
             true
@@ -473,12 +550,21 @@ impl Connection {
             true
         };
         if self.pending.contains_key(&cmd.itt) || self.session.running().contains_key(&cmd.itt) {
-            self.send(vec![reject(RejectReason::TASK_IN_PROGRESS, bhs)]).await;
+            self.send(vec![reject(RejectReason::TASK_IN_PROGRESS, bhs)])
+                .await;
             return Ok(());
         }
         // CmdSN: out-of-window commands are silently ignored (RFC 7143 §4.2.2.1).
-        if self.session.window().admit(cmd.cmd_sn, cmd.immediate, ()).is_err() {
-            tracing::debug!(cmd_sn = cmd.cmd_sn.0, "command outside the CmdSN window ignored");
+        if self
+            .session
+            .window()
+            .admit(cmd.cmd_sn, cmd.immediate, ())
+            .is_err()
+        {
+            tracing::debug!(
+                cmd_sn = cmd.cmd_sn.0,
+                "command outside the CmdSN window ignored"
+            );
             return Ok(());
         }
         self.session.commands.fetch_add(1, Ordering::Relaxed);
@@ -486,38 +572,67 @@ impl Connection {
         let cdb = match extended_cdb(&cmd.cdb, &ahs) {
             Some(c) => c,
             None => {
-                self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)]).await;
+                self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)])
+                    .await;
                 return Ok(());
             }
         };
         let fail = |reason: SenseReason| Response::check_condition(reason);
         if !digest_ok {
             // RFC 7143 §7.8: discard, Reject, and fail the command so the CmdSN is consumed.
-            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, bhs)]).await;
-            self.finish(cmd, fail(SenseReason::ProtocolCrcError), None, DataSn(0), slot);
+            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, bhs)])
+                .await;
+            self.finish(
+                cmd,
+                fail(SenseReason::ProtocolCrcError),
+                None,
+                DataSn(0),
+                slot,
+            );
             return Ok(());
         }
         if oversize {
-            self.finish(cmd, fail(SenseReason::InvalidFieldInCdb { byte: 0, bit: None }), None, DataSn(0), slot);
+            self.finish(
+                cmd,
+                fail(SenseReason::InvalidFieldInCdb { byte: 0, bit: None }),
+                None,
+                DataSn(0),
+                slot,
+            );
             return Ok(());
         }
         if immediate_len > edtl {
-            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                .await;
             return Ok(());
         }
         if !cmd.write || edtl == 0 {
             self.spawn_exec(target, cmd, cdb, Bytes::new(), DataSn(0), slot);
             return Ok(());
         }
-        let transfer = match WriteTransfer::new(edtl, immediate_len, cmd.final_bit, self.write_params()) {
-            Ok(t) => t,
-            Err(_) => {
-                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
-                self.finish(cmd, fail(SenseReason::DataPhaseError), None, DataSn(0), slot);
-                return Ok(());
-            }
+        let transfer =
+            match WriteTransfer::new(edtl, immediate_len, cmd.final_bit, self.write_params()) {
+                Ok(t) => t,
+                Err(_) => {
+                    self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                        .await;
+                    self.finish(
+                        cmd,
+                        fail(SenseReason::DataPhaseError),
+                        None,
+                        DataSn(0),
+                        slot,
+                    );
+                    return Ok(());
+                }
+            };
+        let pw = PendingWrite {
+            cmd,
+            cdb,
+            transfer,
+            buf,
+            slot,
         };
-        let pw = PendingWrite { cmd, cdb, transfer, buf, slot };
         self.advance_write(pw).await;
         Ok(())
     }
@@ -525,9 +640,18 @@ impl Connection {
     /// Send any R2Ts the write now needs, or execute it if all data is in.
     async fn advance_write(&mut self, mut pw: PendingWrite) {
         if pw.transfer.is_complete() {
-            let Some(target) = self.session.target.clone() else { return };
+            let Some(target) = self.session.target.clone() else {
+                return;
+            };
             let exp_data_sn = pw.transfer.r2t_count();
-            self.spawn_exec(target, pw.cmd, pw.cdb, pw.buf.freeze(), exp_data_sn, pw.slot);
+            self.spawn_exec(
+                target,
+                pw.cmd,
+                pw.cdb,
+                pw.buf.freeze(),
+                exp_data_sn,
+                pw.slot,
+            );
             return;
         }
         let r2ts = pw.transfer.next_r2ts(|| self.alloc_ttt());
@@ -566,7 +690,8 @@ impl Connection {
         let Some(mut pw) = self.pending.remove(&d.itt) else {
             // Data-Out for no live write (RFC 7143 §11.7): discard and Reject.
             io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
-            self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)]).await;
+            self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)])
+                .await;
             return Ok(());
         };
         if let Err(e) = pw.transfer.accept(&d, len) {
@@ -574,7 +699,8 @@ impl Connection {
             tracing::debug!(itt = d.itt.0, "Data-Out refused: {e}");
             // ErrorRecoveryLevel 0 cannot recover a broken data sequence: Reject the PDU and
             // end the command with CHECK CONDITION, so nothing is written.
-            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                .await;
             let reason = match e {
                 DataOutError::BadDataSn | DataOutError::BadOffset | DataOutError::OutsideR2t => {
                     SenseReason::DataPhaseError
@@ -587,27 +713,43 @@ impl Connection {
         }
         let off = d.buffer_offset as usize;
         let ok = match pw.buf.get_mut(off..off + len as usize) {
-            Some(dst) => io::read_data_into(rd, plan, dst).await.map_err(|e| e.to_string())?,
+            Some(dst) => io::read_data_into(rd, plan, dst)
+                .await
+                .map_err(|e| e.to_string())?,
             None => return Err("Data-Out outside the command buffer".into()),
         };
         if !ok {
-            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, bhs)]).await;
+            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, bhs)])
+                .await;
             let n = pw.transfer.r2t_count();
-            self.finish(pw.cmd, Response::check_condition(SenseReason::ProtocolCrcError), None, n, pw.slot);
+            self.finish(
+                pw.cmd,
+                Response::check_condition(SenseReason::ProtocolCrcError),
+                None,
+                n,
+                pw.slot,
+            );
             return Ok(());
         }
         self.advance_write(pw).await;
         Ok(())
     }
 
-    fn spawn_exec(&mut self, target: Arc<TargetDef>, cmd: ScsiCommand, cdb: Bytes, data_out: Bytes, exp_data_sn: DataSn, slot: Slot) {
+    fn spawn_exec(
+        &mut self,
+        target: Arc<TargetDef>,
+        cmd: ScsiCommand,
+        cdb: Bytes,
+        data_out: Bytes,
+        exp_data_sn: DataSn,
+        slot: Slot,
+    ) {
         let session = Arc::clone(&self.session);
         let tx = self.tx.clone();
         let max_xmit = self.params.max_xmit_data_segment_length;
         let max_burst = session.params.max_burst_length;
         let lun = cmd.lun.number().unwrap_or(u64::MAX);
         let itt = cmd.itt;
-        let cmd_sn = cmd.cmd_sn;
         let write_needed = if cmd.write {
             let bs = target.scsi.lun(lun).map(|l| l.block_size()).unwrap_or(512);
             Some(ironsan_scsi::data_out_len(&cdb, bs).unwrap_or(data_out.len() as u32))
@@ -620,23 +762,42 @@ impl Connection {
         let handle = self.tasks.spawn({
             let session = Arc::clone(&session);
             async move {
-                let scmd = Command { cdb, data_out, expected_in_len: cmd.expected_data_transfer_length };
+                let scmd = Command {
+                    cdb,
+                    data_out,
+                    expected_in_len: cmd.expected_data_transfer_length,
+                };
                 let resp = target.scsi.execute(lun, &session.nexus, scmd).await;
                 // Whoever removes the entry owns the completion: TMF or us, never both.
                 if session.running().remove(&itt).is_none() {
                     return;
                 }
-                let pdus = response_pdus(&cmd, resp, write_needed, exp_data_sn, max_xmit, max_burst);
+                let pdus =
+                    response_pdus(&cmd, resp, write_needed, exp_data_sn, max_xmit, max_burst);
                 drop(slot);
                 let _ = tx.send(Out::Pdus(pdus)).await;
             }
         });
-        running.insert(itt, Running { lun, cmd_sn, abort: handle });
+        running.insert(itt, Running { lun, abort: handle });
     }
 
     /// Complete a command that never reached the SCSI layer.
-    fn finish(&mut self, cmd: ScsiCommand, resp: Response, write_needed: Option<u32>, exp_data_sn: DataSn, slot: Slot) {
-        let pdus = response_pdus(&cmd, resp, write_needed, exp_data_sn, self.params.max_xmit_data_segment_length, self.session.params.max_burst_length);
+    fn finish(
+        &mut self,
+        cmd: ScsiCommand,
+        resp: Response,
+        write_needed: Option<u32>,
+        exp_data_sn: DataSn,
+        slot: Slot,
+    ) {
+        let pdus = response_pdus(
+            &cmd,
+            resp,
+            write_needed,
+            exp_data_sn,
+            self.params.max_xmit_data_segment_length,
+            self.session.params.max_burst_length,
+        );
         drop(slot);
         let tx = self.tx.clone();
         self.tasks.spawn(async move {
@@ -655,7 +816,12 @@ impl Connection {
                     return Ok(());
                 }
                 // Ping: echo the data (RFC 7143 §11.18.1).
-                let resp = Header::NopIn(NopIn { lun: n.lun, itt: n.itt, ttt: Ttt::RESERVED, ..Default::default() });
+                let resp = Header::NopIn(NopIn {
+                    lun: n.lun,
+                    itt: n.itt,
+                    ttt: Ttt::RESERVED,
+                    ..Default::default()
+                });
                 self.send(vec![OutPdu::status(resp, data)]).await;
             }
             Header::TextRequest(t) => {
@@ -669,9 +835,14 @@ impl Connection {
                     return Ok(());
                 }
                 let code = self.task_management(&t);
-                let resp = Header::TaskMgmtResponse(TaskMgmtResponse { response: code, itt: t.itt, ..Default::default() });
+                let resp = Header::TaskMgmtResponse(TaskMgmtResponse {
+                    response: code,
+                    itt: t.itt,
+                    ..Default::default()
+                });
                 self.send(vec![OutPdu::status(resp, Bytes::new())]).await;
-                if t.function == TmfFunction::TARGET_COLD_RESET && code == TmfResponseCode::COMPLETE {
+                if t.function == TmfFunction::TARGET_COLD_RESET && code == TmfResponseCode::COMPLETE
+                {
                     return Err("target cold reset".into());
                 }
             }
@@ -683,18 +854,22 @@ impl Connection {
             }
             Header::SnackRequest(_) => {
                 // No SNACK at ErrorRecoveryLevel 0 (RFC 7143 §11.16).
-                self.send(vec![reject(RejectReason::SNACK_REJECT, bhs)]).await;
+                self.send(vec![reject(RejectReason::SNACK_REJECT, bhs)])
+                    .await;
             }
             Header::LoginRequest(_) => {
                 // A login on a connection already in full feature phase (RFC 7143 §6.3).
-                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                    .await;
             }
             Header::Unknown(_) => {
-                self.send(vec![reject(RejectReason::COMMAND_NOT_SUPPORTED, bhs)]).await;
+                self.send(vec![reject(RejectReason::COMMAND_NOT_SUPPORTED, bhs)])
+                    .await;
             }
             _ => {
                 // Target-only opcodes sent by an initiator.
-                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)]).await;
+                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                    .await;
             }
         }
         Ok(())
@@ -723,7 +898,9 @@ impl Connection {
                     TmfResponseCode::TASK_DOES_NOT_EXIST
                 }
             }
-            TmfFunction::ABORT_TASK_SET | TmfFunction::CLEAR_TASK_SET | TmfFunction::LOGICAL_UNIT_RESET => {
+            TmfFunction::ABORT_TASK_SET
+            | TmfFunction::CLEAR_TASK_SET
+            | TmfFunction::LOGICAL_UNIT_RESET => {
                 let Some(lun) = lun.filter(|_| lun_exists) else {
                     return TmfResponseCode::LUN_DOES_NOT_EXIST;
                 };
@@ -731,7 +908,13 @@ impl Connection {
                 self.session.abort_where(|_, r| r.lun == lun);
                 if t.function != TmfFunction::ABORT_TASK_SET {
                     // CLEAR TASK SET and LUN RESET affect every initiator's tasks on the LUN.
-                    for s in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).of_target(&target.name) {
+                    for s in self
+                        .shared
+                        .sessions
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .of_target(&target.name)
+                    {
                         s.abort_where(|_, r| r.lun == lun);
                     }
                 }
@@ -744,7 +927,12 @@ impl Connection {
             }
             TmfFunction::TARGET_WARM_RESET | TmfFunction::TARGET_COLD_RESET => {
                 self.pending.clear();
-                let sessions = self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).of_target(&target.name);
+                let sessions = self
+                    .shared
+                    .sessions
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .of_target(&target.name);
                 for s in &sessions {
                     s.abort_where(|_, _| true);
                 }
@@ -821,7 +1009,10 @@ impl Connection {
         let pairs = match text::parse(&data) {
             Ok(p) => p,
             Err(_) => {
-                let resp = Header::Reject(Reject { reason: RejectReason::PROTOCOL_ERROR, ..Default::default() });
+                let resp = Header::Reject(Reject {
+                    reason: RejectReason::PROTOCOL_ERROR,
+                    ..Default::default()
+                });
                 self.send(vec![OutPdu::status(resp, Bytes::new())]).await;
                 return;
             }
@@ -837,7 +1028,7 @@ impl Connection {
         }
         if !others.is_empty() {
             let mut neg = Negotiator::new(&self.shared.cfg.negotiation);
-            out.extend(neg.respond_full_feature(&others).answers);
+            out.extend(neg.respond_full_feature(&others).pairs);
         }
         let encoded = text::encode(&out);
         let mut chunks: Vec<Bytes> = Vec::new();
@@ -882,13 +1073,22 @@ impl Connection {
             name => self.shared.targets.get(name).into_iter().collect(),
         };
         names.sort_by(|a, b| a.name.cmp(&b.name));
-        let portals = self.shared.portals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let portals = self
+            .shared
+            .portals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let mut out = Vec::new();
         for t in names {
             out.push(("TargetName".to_string(), t.name.clone()));
             for p in &portals {
                 // A wildcard listener is reached at the address this connection came in on.
-                let ip = if p.ip().is_unspecified() { self.local.ip() } else { p.ip() };
+                let ip = if p.ip().is_unspecified() {
+                    self.local.ip()
+                } else {
+                    p.ip()
+                };
                 let addr = SocketAddr::new(ip, p.port());
                 out.push(("TargetAddress".to_string(), format!("{addr},{}", t.tpgt)));
             }
@@ -936,13 +1136,23 @@ fn response_pdus(
     let produced = resp.data_in.len() as u32;
     let (data, residual) = if cmd.read {
         let send = produced.min(edtl);
-        (resp.data_in.slice(..send as usize), Residual::of(edtl, produced))
+        (
+            resp.data_in.slice(..send as usize),
+            Residual::of(edtl, produced),
+        )
     } else if let Some(needed) = write_needed {
         (Bytes::new(), Residual::of(edtl, needed))
     } else {
         // No data direction, or data the initiator did not ask for: send none (the R bit
         // was off), and report what would have come as overflow.
-        (Bytes::new(), if produced > 0 || edtl > 0 { Residual::of(edtl, produced) } else { Residual::None })
+        (
+            Bytes::new(),
+            if produced > 0 || edtl > 0 {
+                Residual::of(edtl, produced)
+            } else {
+                Residual::None
+            },
+        )
     };
     let collapse = resp.sense.is_none() && !data.is_empty();
     let mut data_sn = exp_data_sn;
@@ -964,7 +1174,11 @@ fn response_pdus(
                     ..Default::default()
                 }),
                 data: data.slice(s.offset as usize..(s.offset + s.len) as usize),
-                mode: if last { writer::SnMode::Status } else { writer::SnMode::Current },
+                mode: if last {
+                    writer::SnMode::Status
+                } else {
+                    writer::SnMode::Current
+                },
             });
             data_sn = s.data_sn.next();
         }

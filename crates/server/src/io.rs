@@ -72,7 +72,11 @@ pub async fn read_header<R: AsyncRead + Unpin>(
 
 /// Read a data segment described by `plan` into `dst` (exactly `plan.data_len` bytes), then
 /// its padding and digest. On a data digest mismatch returns `Ok(false)`.
-pub async fn read_data_into<R: AsyncRead + Unpin>(r: &mut R, plan: &ReceivePlan, dst: &mut [u8]) -> std::io::Result<bool> {
+pub async fn read_data_into<R: AsyncRead + Unpin>(
+    r: &mut R,
+    plan: &ReceivePlan,
+    dst: &mut [u8],
+) -> std::io::Result<bool> {
     debug_assert_eq!(dst.len(), plan.data_len);
     r.read_exact(dst).await?;
     let mut tail = [0u8; 8];
@@ -80,7 +84,12 @@ pub async fn read_data_into<R: AsyncRead + Unpin>(r: &mut R, plan: &ReceivePlan,
     r.read_exact(&mut tail[..tail_len]).await?;
     if plan.data_digest_len == 4 {
         let crc = digest::crc32c_append(digest::crc32c(dst), &tail[..plan.pad_len]);
-        let got = u32::from_le_bytes([tail[plan.pad_len], tail[plan.pad_len + 1], tail[plan.pad_len + 2], tail[plan.pad_len + 3]]);
+        let got = u32::from_le_bytes([
+            tail[plan.pad_len],
+            tail[plan.pad_len + 1],
+            tail[plan.pad_len + 2],
+            tail[plan.pad_len + 3],
+        ]);
         return Ok(crc == got);
     }
     Ok(true)
@@ -99,13 +108,24 @@ pub async fn skip_data<R: AsyncRead + Unpin>(r: &mut R, plan: &ReceivePlan) -> s
 }
 
 /// Read one whole PDU (header and data).
-pub async fn read_pdu<R: AsyncRead + Unpin>(r: &mut R, digests: Digests, max_data: u32) -> Result<Received, ReadError> {
+pub async fn read_pdu<R: AsyncRead + Unpin>(
+    r: &mut R,
+    digests: Digests,
+    max_data: u32,
+) -> Result<Received, ReadError> {
     let (bhs, ahs, plan) = read_header(r, digests, max_data).await?;
     let mut data = BytesMut::zeroed(plan.data_len);
     if !read_data_into(r, &plan, &mut data).await? {
         return Err(ReadError::DataDigest(bhs));
     }
-    Ok(Received { bhs, pdu: Pdu { header: Header::decode(&bhs), ahs, data: data.freeze() } })
+    Ok(Received {
+        bhs,
+        pdu: Pdu {
+            header: Header::decode(&bhs),
+            ahs,
+            data: data.freeze(),
+        },
+    })
 }
 
 /// Encoded PDUs waiting to be written in one vectored write.
@@ -178,7 +198,13 @@ impl WriteBatch {
                 .iter()
                 .enumerate()
                 .take(1024)
-                .map(|(i, p)| if i == 0 { IoSlice::new(&p.as_slice()[off..]) } else { IoSlice::new(p.as_slice()) })
+                .map(|(i, p)| {
+                    if i == 0 {
+                        IoSlice::new(&p.as_slice()[off..])
+                    } else {
+                        IoSlice::new(p.as_slice())
+                    }
+                })
                 .collect();
             let mut n = w.write_vectored(&slices).await?;
             if n == 0 {

@@ -111,13 +111,20 @@ impl Server {
     pub async fn bind(cfg: ServerConfig) -> std::io::Result<Server> {
         let mut listeners = Vec::new();
         for addr in &cfg.listen {
-            let l = TcpListener::bind(addr)
-                .await
-                .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
+            let l = TcpListener::bind(addr).await.map_err(|e| {
+                std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}"))
+            })?;
             listeners.push(l);
         }
-        let portals = listeners.iter().filter_map(|l| l.local_addr().ok()).collect();
-        let targets = cfg.targets.iter().map(|t| (t.name.clone(), Arc::new(t.clone()))).collect();
+        let portals = listeners
+            .iter()
+            .filter_map(|l| l.local_addr().ok())
+            .collect();
+        let targets = cfg
+            .targets
+            .iter()
+            .map(|t| (t.name.clone(), Arc::new(t.clone())))
+            .collect();
         let (shutdown_tx, shutdown) = watch::channel(false);
         let shared = Arc::new(Shared {
             cfg,
@@ -128,17 +135,28 @@ impl Server {
             next_nexus_id: AtomicU64::new(1),
             shutdown,
         });
-        Ok(Server { shared, listeners, shutdown_tx })
+        Ok(Server {
+            shared,
+            listeners,
+            shutdown_tx,
+        })
     }
 
     /// The addresses actually bound (useful with port 0).
     pub fn local_addrs(&self) -> Vec<SocketAddr> {
-        self.listeners.iter().filter_map(|l| l.local_addr().ok()).collect()
+        self.listeners
+            .iter()
+            .filter_map(|l| l.local_addr().ok())
+            .collect()
     }
 
     /// A snapshot of the sessions (for admin views and tests).
     pub fn sessions(&self) -> Vec<SessionInfo> {
-        self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).info()
+        self.shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .info()
     }
 
     /// Serve until `stop` resolves, then close every connection.

@@ -23,7 +23,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug)]
 pub struct Running {
     pub lun: u64,
-    pub cmd_sn: CmdSn,
     pub abort: tokio::task::AbortHandle,
 }
 
@@ -120,7 +119,11 @@ impl Session {
     /// Abort running tasks that match `pred`; returns how many.
     pub fn abort_where(&self, pred: impl Fn(&Itt, &Running) -> bool) -> usize {
         let mut running = self.running();
-        let victims: Vec<Itt> = running.iter().filter(|(i, r)| pred(i, r)).map(|(i, _)| *i).collect();
+        let victims: Vec<Itt> = running
+            .iter()
+            .filter(|(i, r)| pred(i, r))
+            .map(|(i, _)| *i)
+            .collect();
         for itt in &victims {
             if let Some(r) = running.remove(itt) {
                 r.abort.abort();
@@ -137,12 +140,18 @@ impl Session {
             target_name: self.target.as_ref().map(|t| t.name.clone()),
             params: ironsan_proto::negotiate::describe(
                 &self.params,
-                &lock(&self.conns).first().map(|c| c.params.clone()).unwrap_or_default(),
+                &lock(&self.conns)
+                    .first()
+                    .map(|c| c.params.clone())
+                    .unwrap_or_default(),
             )
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect(),
-            connections: lock(&self.conns).iter().map(|c| (c.cid, c.peer)).collect(),
+            connections: lock(&self.conns)
+                .iter()
+                .map(|c| (c.cid, c.peer, c.local))
+                .collect(),
             commands: self.commands.load(Ordering::Relaxed),
         }
     }
@@ -156,7 +165,8 @@ pub struct SessionInfo {
     pub initiator_name: String,
     pub target_name: Option<String>,
     pub params: Vec<(String, String)>,
-    pub connections: Vec<(u16, SocketAddr)>,
+    /// (CID, initiator address, portal address) per connection.
+    pub connections: Vec<(u16, SocketAddr, SocketAddr)>,
     pub commands: u64,
 }
 
@@ -178,21 +188,38 @@ impl Registry {
     }
     /// Remove the session if it is still the registered one for its TSIH.
     pub fn remove(&mut self, s: &Arc<Session>) {
-        if self.by_tsih.get(&s.tsih.0).is_some_and(|cur| Arc::ptr_eq(cur, s)) {
+        if self
+            .by_tsih
+            .get(&s.tsih.0)
+            .is_some_and(|cur| Arc::ptr_eq(cur, s))
+        {
             self.by_tsih.remove(&s.tsih.0);
         }
     }
     /// The session with the same initiator name, ISID and target (RFC 7143 §6.3.5: a new
     /// leading login with TSIH 0 for an existing session reinstates it).
-    pub fn find_same_nexus(&self, initiator: &str, isid: Isid, target: Option<&str>) -> Option<Arc<Session>> {
+    pub fn find_same_nexus(
+        &self,
+        initiator: &str,
+        isid: Isid,
+        target: Option<&str>,
+    ) -> Option<Arc<Session>> {
         self.by_tsih
             .values()
-            .find(|s| s.initiator_name == initiator && s.isid == isid && s.target.as_ref().map(|t| t.name.as_str()) == target)
+            .find(|s| {
+                s.initiator_name == initiator
+                    && s.isid == isid
+                    && s.target.as_ref().map(|t| t.name.as_str()) == target
+            })
             .cloned()
     }
     /// Every session logged in to `target`.
     pub fn of_target(&self, target: &str) -> Vec<Arc<Session>> {
-        self.by_tsih.values().filter(|s| s.target.as_ref().is_some_and(|t| t.name == target)).cloned().collect()
+        self.by_tsih
+            .values()
+            .filter(|s| s.target.as_ref().is_some_and(|t| t.name == target))
+            .cloned()
+            .collect()
     }
     pub fn info(&self) -> Vec<SessionInfo> {
         let mut v: Vec<_> = self.by_tsih.values().map(|s| s.info()).collect();

@@ -31,10 +31,18 @@ pub struct OutPdu {
 
 impl OutPdu {
     pub fn status(header: Header, data: Bytes) -> Self {
-        OutPdu { header, data, mode: SnMode::Status }
+        OutPdu {
+            header,
+            data,
+            mode: SnMode::Status,
+        }
     }
     pub fn current(header: Header, data: Bytes) -> Self {
-        OutPdu { header, data, mode: SnMode::Current }
+        OutPdu {
+            header,
+            data,
+            mode: SnMode::Current,
+        }
     }
 }
 
