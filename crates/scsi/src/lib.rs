@@ -11,8 +11,9 @@
 //!   solicit at most that (bounded by the task's EDTL), then call [`Target::execute`].
 //! * If `data_out` is **shorter** than the CDB needs, the command fails with CHECK CONDITION,
 //!   ILLEGAL REQUEST and: INVALID FIELD IN CDB (24h/00h) pointing at the TRANSFER LENGTH field for
-//!   block data (WRITE, VERIFY BYTCHK, WRITE SAME, COMPARE AND WRITE: the CDB asks for more than
-//!   the initiator sent, as LIO does), PARAMETER LIST LENGTH ERROR (1Ah/00h) for parameter lists
+//!   block data (VERIFY BYTCHK, WRITE SAME, COMPARE AND WRITE: the CDB asks for more than
+//!   the initiator sent, as LIO does; WRITE instead writes only the whole blocks it was sent,
+//!   as libiscsi's residual tests expect), PARAMETER LIST LENGTH ERROR (1Ah/00h) for parameter lists
 //!   (MODE SELECT, UNMAP). Nothing is written in that case. If it is **longer**, only the first
 //!   bytes are used; the transport reports the residual.
 //! * `data_in` is never longer than the CDB's ALLOCATION LENGTH or TRANSFER LENGTH. It may be

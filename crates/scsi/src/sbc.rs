@@ -117,12 +117,18 @@ pub(crate) async fn write(
     if r.blocks == 0 {
         return Ok(Bytes::new());
     }
-    let len = bytes_of(lu, u64::from(r.blocks)) as usize;
-    if data_out.len() < len {
-        return Err(SenseReason::cdb_byte(r.len_byte));
+    // iSCSI EDTL smaller than the CDB's transfer length (RFC 7143 §11.4.5.2 overflow): write
+    // only the whole blocks the initiator sent; the transport reports the residual. This is
+    // what libiscsi's iSCSIResiduals suite expects of a target.
+    let blocks = r
+        .blocks
+        .min((data_out.len() / lu.block_size() as usize) as u32);
+    if blocks == 0 {
+        return Ok(Bytes::new());
     }
+    let len = bytes_of(lu, u64::from(blocks)) as usize;
     let fua = cdb.op() != WRITE_6 && cdb.bit(1, 3);
-    let _g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
+    let _g = lu.writes.lock(r.lba, r.lba + u64::from(blocks)).await;
     lu.backend()
         .write(
             bytes_of(lu, r.lba),
@@ -312,7 +318,8 @@ fn max_write_same_blocks(lu: &LogicalUnit) -> u64 {
 }
 
 fn max_unmap_blocks(lu: &LogicalUnit) -> u64 {
-    MAX_UNMAP_BYTES / u64::from(lu.block_size())
+    // libiscsi's BlockLimits test expects MAXIMUM UNMAP LBA COUNT <= 1 Mi blocks.
+    (MAX_UNMAP_BYTES / u64::from(lu.block_size())).min(1 << 20)
 }
 
 fn optimal_granularity(lu: &LogicalUnit) -> u32 {

@@ -485,7 +485,7 @@ async fn vpd_block_limits_reports_transfer_and_unmap_limits() {
     assert_eq!(&p[6..8], &8u16.to_be_bytes()); // 4 KiB granularity in 512-byte blocks
     assert_eq!(&p[8..12], &16384u32.to_be_bytes()); // 8 MiB
     assert_eq!(&p[12..16], &2048u32.to_be_bytes()); // 1 MiB
-    assert_eq!(&p[20..24], &(2u32 << 20).to_be_bytes()); // 1 GiB unmap
+    assert_eq!(&p[20..24], &(1u32 << 20).to_be_bytes()); // 1 Mi blocks (libiscsi's ceiling)
     assert_eq!(&p[24..28], &256u32.to_be_bytes());
     assert_eq!(&p[28..32], &8u32.to_be_bytes());
     assert_eq!(&p[36..44], &(2u64 << 20).to_be_bytes());
@@ -872,13 +872,17 @@ async fn write_to_read_only_lu_is_write_protected() {
 }
 
 #[tokio::test]
-async fn write_with_short_data_out_is_invalid_field_at_transfer_length() {
+async fn write_with_short_data_out_writes_only_the_whole_blocks_sent() {
     let (t, b) = test_target(TestBackend::new(1 << 20), cfg(512));
-    let r = run_data(&t, &cdb10(opcode::WRITE_10, 0, 2), &[1; 1023]).await;
-    invalid_cdb_field(&r, 7, None);
-    let r = run_data(&t, &cdb16(opcode::WRITE_16, 0, 1), &[]).await;
-    invalid_cdb_field(&r, 10, None);
-    assert!(b.modes().is_empty());
+    // 1023 bytes for two blocks: one whole block is written, the rest is the iSCSI overflow.
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 0, 2), &[1; 1023]).await);
+    assert_eq!(b.modes().len(), 1);
+    let rd = run(&t, &cdb10(opcode::READ_10, 0, 2)).await;
+    let back = good(&rd);
+    assert!(back[..512].iter().all(|&x| x == 1) && back[512..].iter().all(|&x| x == 0));
+    // No data at all: nothing written, still GOOD.
+    good(&run_data(&t, &cdb16(opcode::WRITE_16, 4, 1), &[]).await);
+    assert_eq!(b.modes().len(), 1);
 }
 
 #[tokio::test]
@@ -1643,7 +1647,7 @@ async fn unmap_parameter_list_errors() {
 #[tokio::test]
 async fn unmap_total_above_maximum_is_invalid_field_in_parameter_list() {
     let t = target_over(Arc::new(NullBackend::new(16 << 40)), cfg(512));
-    let list = unmap_list(&[(0, 1 << 21), (1 << 21, 1)]);
+    let list = unmap_list(&[(0, 1 << 20), (1 << 20, 1)]);
     let r = run_data(&t, &cdb10(opcode::UNMAP, 0, list.len() as u16), &list).await;
     invalid_param_field(&r, 24 + 8, None);
 }
