@@ -1,0 +1,579 @@
+//! In-process target ↔ initiator tests: a real server on 127.0.0.1:0 driven by the
+//! `ironsan-initiator` client over real sockets, covering the protocol paths libiscsi's tools
+//! do not choose themselves (digests, R2T-only writes, small segments, window abuse, task
+//! management, reinstatement, hostile PDUs).
+
+use bytes::Bytes;
+use ironsan_backend::RamBackend;
+use ironsan_initiator::{Client, LoginOptions};
+use ironsan_proto::pdu::*;
+use ironsan_proto::{CmdSn, DataSn};
+use ironsan_scsi::{LogicalUnit, LuConfig};
+use ironsan_server::{Server, ServerConfig, TargetDef};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+const TARGET: &str = "iqn.2026-11.org.ironsan:test";
+
+async fn start_with(
+    f: impl FnOnce(&mut ServerConfig),
+) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let mut scsi = ironsan_scsi::Target::new();
+    let lu = LogicalUnit::new(
+        Arc::new(RamBackend::new(64 << 20)),
+        LuConfig {
+            naa: 0x3000_0000_0000_0001,
+            ..Default::default()
+        },
+    );
+    scsi.add_lun(0, Arc::new(lu));
+    let t = TargetDef {
+        name: TARGET.into(),
+        alias: None,
+        tpgt: 1,
+        scsi: Arc::new(scsi),
+    };
+    let mut cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
+    f(&mut cfg);
+    let server = Server::bind(cfg).await.unwrap();
+    let addr = server.local_addrs()[0];
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(server.run(async {
+        let _ = rx.await;
+    }));
+    (addr, tx)
+}
+
+async fn start() -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    start_with(|_| {}).await
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect::<Vec<u8>>(),
+    )
+}
+
+async fn round_trip(c: &mut Client, lba: u64, len: usize, seed: u8) {
+    let data = pattern(len, seed);
+    let w = c.write16(0, lba, data.clone(), 512, false).await.unwrap();
+    assert_eq!(w.status, 0, "write sense {:?}", w.sense_key());
+    assert_eq!(w.residual, Residual::None);
+    let r = c.read16(0, lba, (len / 512) as u32, 512).await.unwrap();
+    assert_eq!(r.status, 0);
+    assert_eq!(r.data.len(), len);
+    assert!(r.data == data, "data read back differs");
+}
+
+#[tokio::test]
+async fn login_write_read_logout() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    round_trip(&mut c, 8, 4096, 1).await;
+    assert_eq!(c.logout().await.unwrap(), LogoutResponseCode::CLOSED);
+}
+
+#[tokio::test]
+async fn digests_are_computed_and_checked_both_ways() {
+    let (addr, _stop) = start().await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.header_digest = true;
+    o.data_digest = true;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    assert!(
+        c.header_digest && c.data_digest,
+        "target did not accept CRC32C: {:?}",
+        c.negotiated
+    );
+    // Odd lengths exercise padding inside the digest.
+    assert_eq!(
+        c.ping(Bytes::from_static(b"abcde")).await.unwrap(),
+        Bytes::from_static(b"abcde")
+    );
+    round_trip(&mut c, 0, 300 * 1024, 7).await;
+}
+
+#[tokio::test]
+async fn r2t_only_writes_with_small_segments_and_bursts() {
+    let (addr, _stop) = start_with(|c| {
+        c.negotiation.max_recv_data_segment_length = 4096;
+        c.negotiation.max_burst_length = 16384;
+    })
+    .await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.initial_r2t = true;
+    o.immediate_data = false;
+    o.max_recv_data_segment_length = 4096;
+    o.max_burst_length = 16384;
+    o.first_burst_length = 8192;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    assert!(c.initial_r2t && !c.immediate_data);
+    assert_eq!(c.target_mrdsl, 4096);
+    // 1 MiB: 64 R2Ts of 16 KiB, each answered with four 4 KiB Data-Out PDUs; read back as
+    // 256 Data-In PDUs in 16 KiB sequences.
+    round_trip(&mut c, 100, 1 << 20, 9).await;
+}
+
+#[tokio::test]
+async fn immediate_and_unsolicited_data_then_r2t() {
+    let (addr, _stop) = start().await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.initial_r2t = false;
+    o.immediate_data = true;
+    o.first_burst_length = 65536;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    assert!(!c.initial_r2t && c.immediate_data);
+    round_trip(&mut c, 3, 3 << 20, 3).await;
+}
+
+#[tokio::test]
+async fn read_residuals_are_reported() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    // READ(10) of 2 blocks with EDTL of 3 blocks: underflow of one block.
+    let cdb = [0x28, 0, 0, 0, 0, 0, 0, 0, 2, 0];
+    let r = c.command(0, &cdb, None, 1536).await.unwrap();
+    assert_eq!(r.status, 0);
+    assert_eq!(r.data.len(), 1024);
+    assert_eq!(r.residual, Residual::Underflow(512));
+    // EDTL of one block for two: overflow, and only one block is sent.
+    let r = c.command(0, &cdb, None, 512).await.unwrap();
+    assert_eq!(r.data.len(), 512);
+    assert_eq!(r.residual, Residual::Overflow(512));
+}
+
+#[tokio::test]
+async fn check_condition_carries_sense_for_lba_out_of_range() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    let r = c.read16(0, u64::MAX - 1, 4, 512).await.unwrap();
+    assert_eq!(r.status, 2);
+    assert_eq!(r.sense_key(), Some((0x5, 0x21, 0x00)));
+    assert!(r.data.is_empty());
+}
+
+#[tokio::test]
+async fn discovery_session_lists_targets_with_portal_and_tag() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(None)).await.unwrap();
+    let pairs = c.send_targets("All").await.unwrap();
+    assert_eq!(pairs[0], ("TargetName".to_string(), TARGET.to_string()));
+    assert_eq!(pairs[1], ("TargetAddress".to_string(), format!("{addr},1")));
+    // SCSI commands are not allowed in a discovery session: Reject.
+    c.send(
+        Header::ScsiCommand(ScsiCommand {
+            final_bit: true,
+            itt: Itt(77),
+            cmd_sn: c.cmd_sn,
+            cdb: [0; 16],
+            ..Default::default()
+        }),
+        Bytes::new(),
+    )
+    .await
+    .unwrap();
+    match c.recv().await.unwrap().header {
+        Header::Reject(r) => assert_eq!(r.reason, RejectReason::PROTOCOL_ERROR),
+        h => panic!("expected Reject, got {h:?}"),
+    }
+}
+
+#[tokio::test]
+async fn unknown_target_fails_login_with_0203() {
+    let (addr, _stop) = start().await;
+    let err = Client::login(
+        addr,
+        &LoginOptions::new(Some("iqn.2026-11.org.ironsan:nope")),
+    )
+    .await
+    .err()
+    .unwrap();
+    assert!(
+        matches!(err, ironsan_initiator::Error::Login(2, 3)),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn commands_outside_the_cmdsn_window_are_ignored() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    let max = c.max_cmd_sn;
+    // A TEST UNIT READY far above MaxCmdSN: no response may come for it.
+    let itt = c.itt();
+    c.send(
+        Header::ScsiCommand(ScsiCommand {
+            final_bit: true,
+            itt,
+            cmd_sn: max.plus(10),
+            cdb: [0; 16],
+            ..Default::default()
+        }),
+        Bytes::new(),
+    )
+    .await
+    .unwrap();
+    // The next in-window command is answered, and nothing for the ignored one arrived first.
+    let r = c.command(0, &[0u8; 6], None, 0).await.unwrap();
+    assert_eq!(r.status, 0);
+    assert!(
+        c.unsolicited.is_empty(),
+        "unexpected PDUs: {:?}",
+        c.unsolicited
+    );
+}
+
+#[tokio::test]
+async fn unknown_opcode_is_rejected_with_the_header_echoed() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    let mut bhs = Bhs::default();
+    bhs.0[0] = 0x1c;
+    bhs.0[16..20].copy_from_slice(&[1, 2, 3, 4]);
+    c.send_raw_bhs(&bhs, &[]).await.unwrap();
+    let pdu = c.recv().await.unwrap();
+    match pdu.header {
+        Header::Reject(r) => assert_eq!(r.reason, RejectReason::COMMAND_NOT_SUPPORTED),
+        h => panic!("expected Reject, got {h:?}"),
+    }
+    assert_eq!(&pdu.data[..], &bhs.0[..]);
+    // The connection still works.
+    assert_eq!(
+        c.ping(Bytes::from_static(b"x")).await.unwrap(),
+        Bytes::from_static(b"x")
+    );
+}
+
+#[tokio::test]
+async fn data_digest_error_rejects_and_fails_the_command_without_writing() {
+    let (addr, _stop) = start().await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.data_digest = true;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    // A WRITE(10) of one block with immediate data whose digest is wrong.
+    let itt = c.itt();
+    let cmd = ScsiCommand {
+        final_bit: true,
+        write: true,
+        itt,
+        expected_data_transfer_length: 512,
+        cmd_sn: c.cmd_sn,
+        exp_stat_sn: c.exp_stat_sn,
+        cdb: [0x2a, 0, 0, 0, 0, 9, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0],
+        ..Default::default()
+    };
+    c.cmd_sn = c.cmd_sn.next();
+    let pdu = Pdu::new(Header::ScsiCommand(cmd), Bytes::from(vec![0xee; 512]));
+    let bhs = pdu.bhs();
+    let mut raw = bhs.0.to_vec();
+    raw.extend_from_slice(&[0xee; 512]);
+    raw.extend_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
+    c.send_bytes(&raw).await.unwrap();
+    let mut saw_reject = false;
+    loop {
+        let p = c.recv().await.unwrap();
+        match p.header {
+            Header::Reject(r) => {
+                assert_eq!(r.reason, RejectReason::DATA_DIGEST_ERROR);
+                saw_reject = true;
+            }
+            Header::ScsiResponse(r) => {
+                assert_eq!(r.itt, itt);
+                assert_eq!(r.status, 2);
+                break;
+            }
+            h => panic!("unexpected {h:?}"),
+        }
+    }
+    assert!(saw_reject);
+    let r = c.read16(0, 9, 1, 512).await.unwrap();
+    assert!(
+        r.data.iter().all(|&b| b == 0),
+        "a write with a bad digest reached the disk"
+    );
+}
+
+#[tokio::test]
+async fn bad_data_sn_fails_the_write_and_writes_nothing() {
+    let (addr, _stop) = start().await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.initial_r2t = true;
+    o.immediate_data = false;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    let itt = c.itt();
+    let cmd = ScsiCommand {
+        final_bit: true,
+        write: true,
+        itt,
+        expected_data_transfer_length: 1024,
+        cmd_sn: c.cmd_sn,
+        cdb: [0x2a, 0, 0, 0, 0, 20, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0],
+        ..Default::default()
+    };
+    c.cmd_sn = c.cmd_sn.next();
+    c.send(Header::ScsiCommand(cmd), Bytes::new())
+        .await
+        .unwrap();
+    let Header::R2t(r2t) = c.recv().await.unwrap().header else {
+        panic!("expected R2T")
+    };
+    let d = DataOut {
+        final_bit: true,
+        itt,
+        ttt: r2t.ttt,
+        data_sn: DataSn(5),
+        buffer_offset: 0,
+        ..Default::default()
+    };
+    c.send(Header::DataOut(d), Bytes::from(vec![0xab; 1024]))
+        .await
+        .unwrap();
+    let mut status = None;
+    while status.is_none() {
+        match c.recv().await.unwrap().header {
+            Header::Reject(r) => assert_eq!(r.reason, RejectReason::PROTOCOL_ERROR),
+            Header::ScsiResponse(r) => status = Some(r.status),
+            h => panic!("unexpected {h:?}"),
+        }
+    }
+    assert_eq!(status, Some(2));
+    let r = c.read16(0, 20, 2, 512).await.unwrap();
+    assert!(r.data.iter().all(|&b| b == 0));
+}
+
+#[tokio::test]
+async fn abort_task_of_a_write_waiting_for_data() {
+    let (addr, _stop) = start().await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.initial_r2t = true;
+    o.immediate_data = false;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    let itt = c.itt();
+    let cmd_sn = c.cmd_sn;
+    let cmd = ScsiCommand {
+        final_bit: true,
+        write: true,
+        itt,
+        expected_data_transfer_length: 4096,
+        cmd_sn,
+        cdb: [0x2a, 0, 0, 0, 0, 40, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0],
+        ..Default::default()
+    };
+    c.cmd_sn = c.cmd_sn.next();
+    c.send(Header::ScsiCommand(cmd), Bytes::new())
+        .await
+        .unwrap();
+    let Header::R2t(_) = c.recv().await.unwrap().header else {
+        panic!("expected R2T")
+    };
+    let code = c
+        .task_mgmt(TmfFunction::ABORT_TASK, 0, itt, cmd_sn)
+        .await
+        .unwrap();
+    assert_eq!(code, TmfResponseCode::COMPLETE);
+    // An unknown task that was never sent does not exist.
+    let code = c
+        .task_mgmt(TmfFunction::ABORT_TASK, 0, Itt(999), c.cmd_sn.plus(5))
+        .await
+        .unwrap();
+    assert_eq!(code, TmfResponseCode::TASK_DOES_NOT_EXIST);
+    // LUN reset of a LUN that does not exist.
+    let code = c
+        .task_mgmt(TmfFunction::LOGICAL_UNIT_RESET, 7, Itt::RESERVED, CmdSn(0))
+        .await
+        .unwrap();
+    assert_eq!(code, TmfResponseCode::LUN_DOES_NOT_EXIST);
+    let code = c
+        .task_mgmt(TmfFunction::LOGICAL_UNIT_RESET, 0, Itt::RESERVED, CmdSn(0))
+        .await
+        .unwrap();
+    assert_eq!(code, TmfResponseCode::COMPLETE);
+    // The window slot of the aborted write was released: commands still flow.
+    let r = c.command(0, &[0u8; 6], None, 0).await.unwrap();
+    // The LUN reset raised a unit attention only for other nexuses, so this is GOOD.
+    assert_eq!(r.status, 0, "{:?}", r.sense_key());
+}
+
+#[tokio::test]
+async fn session_reinstatement_replaces_the_old_session() {
+    let (addr, _stop) = start().await;
+    let o = LoginOptions::new(Some(TARGET));
+    let mut old = Client::login(addr, &o).await.unwrap();
+    round_trip(&mut old, 0, 512, 1).await;
+    let mut new = Client::login(addr, &o).await.unwrap();
+    assert_ne!(new.tsih, old.tsih);
+    round_trip(&mut new, 0, 512, 2).await;
+    // The old connection was closed by the target.
+    let res = tokio::time::timeout(Duration::from_secs(5), old.recv())
+        .await
+        .expect("old connection still open");
+    assert!(res.is_err(), "old session still answering: {res:?}");
+}
+
+#[tokio::test]
+async fn non_login_pdu_before_login_closes_the_connection() {
+    let (addr, _stop) = start().await;
+    let (mut rd, mut wr) = Client::connect_raw(addr).await.unwrap();
+    let bhs = Pdu::new(
+        Header::NopOut(NopOut {
+            itt: Itt(1),
+            ..Default::default()
+        }),
+        Bytes::new(),
+    )
+    .bhs();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    wr.write_all(&bhs.0).await.unwrap();
+    let mut buf = [0u8; 48];
+    let n = tokio::time::timeout(Duration::from_secs(5), rd.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    assert_eq!(n, 0, "target answered a NOP-Out before login");
+}
+
+#[tokio::test]
+async fn data_segment_longer_than_negotiated_closes_the_connection() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    let mut bhs = Pdu::new(
+        Header::NopOut(NopOut {
+            itt: Itt(5),
+            immediate: true,
+            ..Default::default()
+        }),
+        Bytes::new(),
+    )
+    .bhs();
+    // Claim 16 MiB of data: the target must not try to read (or allocate) it.
+    bhs.set_lengths(0, (1 << 24) - 1);
+    c.send_raw_bhs(&bhs, &[]).await.unwrap();
+    let res = tokio::time::timeout(Duration::from_secs(5), c.recv())
+        .await
+        .expect("target kept the connection open");
+    assert!(res.is_err());
+}
+
+#[tokio::test]
+async fn unanswered_nop_in_closes_the_connection() {
+    let (addr, _stop) = start_with(|c| {
+        c.nop_interval = Duration::from_millis(200);
+        c.nop_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    // Read the ping but do not answer; the target must give up on us.
+    let first = tokio::time::timeout(Duration::from_secs(5), c.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    match first.header {
+        Header::NopIn(n) => {
+            assert_eq!(n.itt, Itt::RESERVED);
+            assert_ne!(n.ttt, Ttt::RESERVED);
+        }
+        h => panic!("expected NOP-In ping, got {h:?}"),
+    }
+    let res = tokio::time::timeout(Duration::from_secs(5), c.recv())
+        .await
+        .expect("connection not closed");
+    assert!(res.is_err());
+}
+
+#[tokio::test]
+async fn answered_nop_in_keeps_the_connection() {
+    let (addr, _stop) = start_with(|c| {
+        c.nop_interval = Duration::from_millis(100);
+        c.nop_timeout = Duration::from_millis(1000);
+    })
+    .await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let p = tokio::time::timeout(Duration::from_secs(5), c.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let Header::NopIn(n) = p.header else {
+            panic!("expected ping")
+        };
+        let reply = NopOut {
+            immediate: true,
+            itt: Itt::RESERVED,
+            ttt: n.ttt,
+            cmd_sn: c.cmd_sn,
+            exp_stat_sn: c.exp_stat_sn,
+            lun: n.lun,
+        };
+        c.send(Header::NopOut(reply), Bytes::new()).await.unwrap();
+    }
+    let r = c.command(0, &[0u8; 6], None, 0).await.unwrap();
+    assert_eq!(r.status, 0);
+}
+
+#[tokio::test]
+async fn many_commands_in_flight_on_one_connection() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    round_trip(&mut c, 0, 64 * 1024, 5).await;
+    // Pipeline 32 READ(10)s without waiting, then collect every status.
+    let mut itts = Vec::new();
+    for i in 0..32u32 {
+        let itt = c.itt();
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x28;
+        cdb[5] = (i * 4) as u8;
+        cdb[8] = 4;
+        let cmd = ScsiCommand {
+            final_bit: true,
+            read: true,
+            itt,
+            expected_data_transfer_length: 2048,
+            cmd_sn: c.cmd_sn,
+            cdb,
+            ..Default::default()
+        };
+        c.cmd_sn = c.cmd_sn.next();
+        c.send(Header::ScsiCommand(cmd), Bytes::new())
+            .await
+            .unwrap();
+        itts.push(itt);
+    }
+    let mut done = 0;
+    let mut stat_sns = Vec::new();
+    while done < 32 {
+        let p = c.recv().await.unwrap();
+        if let Header::DataIn(d) = p.header {
+            if let Some(s) = d.status {
+                assert_eq!(s, 0);
+                assert!(itts.contains(&d.itt));
+                stat_sns.push(d.sn.stat_sn.0);
+                done += 1;
+            }
+        }
+    }
+    // StatSN increments by one per status, in order.
+    for w in stat_sns.windows(2) {
+        assert_eq!(w[1], w[0] + 1);
+    }
+}
