@@ -14,6 +14,7 @@ use ironsan_proto::login::{Login, LoginPolicy, LoginStatus, LoginStep, TargetLoo
 use ironsan_proto::negotiate::{ConnParams, Negotiator, SessionType};
 use ironsan_proto::pdu::*;
 use ironsan_proto::task::{data_in_segments, DataOutError, WriteParams, WriteTransfer};
+use ironsan_proto::window::CmdWindow;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
 use ironsan_scsi::{Command, Response, SenseReason};
 use std::collections::HashMap;
@@ -330,8 +331,7 @@ async fn login_phase(
                             },
                             sparams,
                             nexus,
-                            req.cmd_sn,
-                            shared.cfg.queue_depth,
+                            CmdWindow::new(req.cmd_sn, shared.cfg.queue_depth),
                         ));
                         shared
                             .sessions
@@ -345,7 +345,7 @@ async fn login_phase(
                     cid: ready.cid.0,
                     peer,
                     local,
-                    params: cparams.clone(),
+                    params: cparams,
                     close: close_tx,
                 });
                 let _ = tx

@@ -61,8 +61,7 @@ impl Session {
         target: Option<Arc<TargetDef>>,
         params: SessionParams,
         nexus: ironsan_scsi::Nexus,
-        first_cmd_sn: CmdSn,
-        depth: u32,
+        window: CmdWindow<()>,
     ) -> Self {
         Session {
             tsih,
@@ -71,7 +70,7 @@ impl Session {
             target,
             params,
             nexus,
-            window: Mutex::new(CmdWindow::new(first_cmd_sn, depth)),
+            window: Mutex::new(window),
             running: Mutex::new(HashMap::new()),
             conns: Mutex::new(Vec::new()),
             commands: AtomicU64::new(0),
@@ -142,7 +141,7 @@ impl Session {
                 &self.params,
                 &lock(&self.conns)
                     .first()
-                    .map(|c| c.params.clone())
+                    .map(|c| c.params)
                     .unwrap_or_default(),
             )
             .into_iter()
