@@ -8,6 +8,7 @@ use config::{Backing, Plan};
 use ironsan_backend::{BlockDevice, FileBackend, FileOptions, NullBackend, RamBackend};
 use ironsan_scsi::{LogicalUnit, LuConfig};
 use ironsan_server::{Server, ServerConfig, TargetDef};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -209,6 +210,7 @@ fn main() -> Result<()> {
                         .unwrap_or_else(|_| "info".into()),
                 )
                 .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal())
                 .init();
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

@@ -97,7 +97,8 @@ impl FileBackend {
                     file.set_len(want)?;
                     want
                 }
-                Some(want) => want.min(cur.max(want)),
+                // Never beyond the end of a file we may not extend.
+                Some(want) => want.min(cur),
                 None => cur,
             }
         };

@@ -108,7 +108,9 @@ pub struct Client {
 
 impl Client {
     /// Connect without logging in (for raw protocol tests).
-    pub async fn connect_raw(addr: SocketAddr) -> Result<(BufReader<OwnedReadHalf>, OwnedWriteHalf)> {
+    pub async fn connect_raw(
+        addr: SocketAddr,
+    ) -> Result<(BufReader<OwnedReadHalf>, OwnedWriteHalf)> {
         let s = TcpStream::connect(addr).await?;
         s.set_nodelay(true)?;
         let (r, w) = s.into_split();
@@ -138,7 +140,8 @@ impl Client {
         };
         let yn = |b: bool| if b { "Yes" } else { "No" }.to_string();
         let dg = |b: bool| if b { "CRC32C" } else { "None" }.to_string();
-        let mut keys: Vec<(String, String)> = vec![("InitiatorName".into(), opts.initiator_name.clone())];
+        let mut keys: Vec<(String, String)> =
+            vec![("InitiatorName".into(), opts.initiator_name.clone())];
         match &opts.target_name {
             Some(t) => {
                 keys.push(("TargetName".into(), t.clone()));
@@ -149,13 +152,19 @@ impl Client {
         keys.extend([
             ("HeaderDigest".into(), dg(opts.header_digest)),
             ("DataDigest".into(), dg(opts.data_digest)),
-            ("MaxRecvDataSegmentLength".into(), opts.max_recv_data_segment_length.to_string()),
+            (
+                "MaxRecvDataSegmentLength".into(),
+                opts.max_recv_data_segment_length.to_string(),
+            ),
         ]);
         if opts.target_name.is_some() {
             keys.extend([
                 ("InitialR2T".into(), yn(opts.initial_r2t)),
                 ("ImmediateData".into(), yn(opts.immediate_data)),
-                ("FirstBurstLength".into(), opts.first_burst_length.to_string()),
+                (
+                    "FirstBurstLength".into(),
+                    opts.first_burst_length.to_string(),
+                ),
                 ("MaxBurstLength".into(), opts.max_burst_length.to_string()),
                 ("MaxOutstandingR2T".into(), "1".into()),
                 ("ErrorRecoveryLevel".into(), "0".into()),
@@ -184,14 +193,18 @@ impl Client {
             c.send(Header::LoginRequest(req), data.clone()).await?;
             let resp = c.recv().await?;
             let Header::LoginResponse(lr) = resp.header else {
-                return Err(Error::Protocol(format!("expected login response, got {:?}", resp.header)));
+                return Err(Error::Protocol(format!(
+                    "expected login response, got {:?}",
+                    resp.header
+                )));
             };
             if lr.status_class != 0 {
                 return Err(Error::Login(lr.status_class, lr.status_detail));
             }
             c.exp_stat_sn = lr.sn.stat_sn.next();
             c.max_cmd_sn = lr.sn.max_cmd_sn;
-            let pairs = text::parse(&resp.data).map_err(|e| Error::Protocol(format!("login text: {e:?}")))?;
+            let pairs = text::parse(&resp.data)
+                .map_err(|e| Error::Protocol(format!("login text: {e:?}")))?;
             c.negotiated.extend(pairs);
             if lr.transit && lr.nsg == Stage::FULL_FEATURE_PHASE {
                 c.tsih = lr.tsih;
@@ -199,16 +212,30 @@ impl Client {
             }
             data = Bytes::new();
         }
-        let get = |k: &str| c.negotiated.iter().rev().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+        let get = |k: &str| {
+            c.negotiated
+                .iter()
+                .rev()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.clone())
+        };
         c.header_digest = get("HeaderDigest").as_deref() == Some("CRC32C");
         c.data_digest = get("DataDigest").as_deref() == Some("CRC32C");
-        c.target_mrdsl = get("MaxRecvDataSegmentLength").and_then(|v| v.parse().ok()).unwrap_or(8192);
-        c.first_burst = get("FirstBurstLength").and_then(|v| v.parse().ok()).unwrap_or(65536);
-        c.max_burst = get("MaxBurstLength").and_then(|v| v.parse().ok()).unwrap_or(262144);
+        c.target_mrdsl = get("MaxRecvDataSegmentLength")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(8192);
+        c.first_burst = get("FirstBurstLength")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(65536);
+        c.max_burst = get("MaxBurstLength")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(262144);
         c.immediate_data = get("ImmediateData").as_deref() != Some("No");
         c.initial_r2t = get("InitialR2T").as_deref() != Some("No");
         if c.tsih.0 == 0 {
-            return Err(Error::Protocol("login did not reach full feature phase".into()));
+            return Err(Error::Protocol(
+                "login did not reach full feature phase".into(),
+            ));
         }
         Ok(c)
     }
@@ -275,7 +302,11 @@ impl Client {
             }
         }
         data.truncate(len);
-        Ok(Pdu { header: Header::decode(&bhs), ahs: Bytes::from(ahs), data: Bytes::from(data) })
+        Ok(Pdu {
+            header: Header::decode(&bhs),
+            ahs: Bytes::from(ahs),
+            data: Bytes::from(data),
+        })
     }
 
     fn note_sn(&mut self, sn: &TargetSn, advances: bool) {
@@ -287,15 +318,35 @@ impl Client {
 
     /// Run one SCSI command to completion: immediate/unsolicited data within the negotiated
     /// limits, R2Ts answered, Data-In collected.
-    pub async fn command(&mut self, lun: u64, cdb: &[u8], data_out: Option<Bytes>, read_len: u32) -> Result<CommandResult> {
+    pub async fn command(
+        &mut self,
+        lun: u64,
+        cdb: &[u8],
+        data_out: Option<Bytes>,
+        read_len: u32,
+    ) -> Result<CommandResult> {
         let itt = self.itt();
         let mut cdb16 = [0u8; 16];
         let n = cdb.len().min(16);
         cdb16[..n].copy_from_slice(&cdb[..n]);
         let out = data_out.unwrap_or_default();
-        let edtl = if out.is_empty() { read_len } else { out.len() as u32 };
-        let imm_len = if self.immediate_data { (out.len() as u32).min(self.first_burst).min(self.target_mrdsl) } else { 0 };
-        let unsolicited_end = if !self.initial_r2t { (out.len() as u32).min(self.first_burst) } else { imm_len };
+        let edtl = if out.is_empty() {
+            read_len
+        } else {
+            out.len() as u32
+        };
+        let imm_len = if self.immediate_data {
+            (out.len() as u32)
+                .min(self.first_burst)
+                .min(self.target_mrdsl)
+        } else {
+            0
+        };
+        let unsolicited_end = if !self.initial_r2t {
+            (out.len() as u32).min(self.first_burst)
+        } else {
+            imm_len
+        };
         let cmd = ScsiCommand {
             final_bit: unsolicited_end <= imm_len,
             read: read_len > 0,
@@ -310,7 +361,8 @@ impl Client {
             ..Default::default()
         };
         self.cmd_sn = self.cmd_sn.next();
-        self.send(Header::ScsiCommand(cmd), out.slice(..imm_len as usize)).await?;
+        self.send(Header::ScsiCommand(cmd), out.slice(..imm_len as usize))
+            .await?;
         // Unsolicited Data-Out.
         let mut off = imm_len;
         let mut sn = 0;
@@ -325,7 +377,11 @@ impl Client {
                 data_sn: DataSn(sn),
                 buffer_offset: off,
             };
-            self.send(Header::DataOut(d), out.slice(off as usize..(off + len) as usize)).await?;
+            self.send(
+                Header::DataOut(d),
+                out.slice(off as usize..(off + len) as usize),
+            )
+            .await?;
             off += len;
             sn += 1;
         }
@@ -336,7 +392,10 @@ impl Client {
                 Header::R2t(r) if r.itt == itt => {
                     self.note_sn(&r.sn, false);
                     let mut off = r.buffer_offset;
-                    let end = r.buffer_offset.saturating_add(r.desired_data_transfer_length).min(out.len() as u32);
+                    let end = r
+                        .buffer_offset
+                        .saturating_add(r.desired_data_transfer_length)
+                        .min(out.len() as u32);
                     let mut sn = 0;
                     while off < end {
                         let len = (end - off).min(self.target_mrdsl);
@@ -349,19 +408,31 @@ impl Client {
                             data_sn: DataSn(sn),
                             buffer_offset: off,
                         };
-                        self.send(Header::DataOut(d), out.slice(off as usize..(off + len) as usize)).await?;
+                        self.send(
+                            Header::DataOut(d),
+                            out.slice(off as usize..(off + len) as usize),
+                        )
+                        .await?;
                         off += len;
                         sn += 1;
                     }
                 }
                 Header::DataIn(d) if d.itt == itt => {
                     if d.buffer_offset as usize != data.len() {
-                        return Err(Error::Protocol(format!("Data-In out of order at {}", d.buffer_offset)));
+                        return Err(Error::Protocol(format!(
+                            "Data-In out of order at {}",
+                            d.buffer_offset
+                        )));
                     }
                     data.extend_from_slice(&pdu.data);
                     self.note_sn(&d.sn, d.status.is_some());
                     if let Some(status) = d.status {
-                        return Ok(CommandResult { status, data: data.freeze(), sense: Bytes::new(), residual: d.residual });
+                        return Ok(CommandResult {
+                            status,
+                            data: data.freeze(),
+                            sense: Bytes::new(),
+                            residual: d.residual,
+                        });
                     }
                 }
                 Header::ScsiResponse(r) if r.itt == itt => {
@@ -372,12 +443,24 @@ impl Client {
                     } else {
                         Bytes::new()
                     };
-                    return Ok(CommandResult { status: r.status, data: data.freeze(), sense, residual: r.residual });
+                    return Ok(CommandResult {
+                        status: r.status,
+                        data: data.freeze(),
+                        sense,
+                        residual: r.residual,
+                    });
                 }
                 Header::NopIn(n) if n.ttt != Ttt::RESERVED => {
                     // Answer the target's ping.
                     self.note_sn(&n.sn, false);
-                    let reply = NopOut { immediate: true, itt: Itt::RESERVED, ttt: n.ttt, cmd_sn: self.cmd_sn, exp_stat_sn: self.exp_stat_sn, lun: n.lun };
+                    let reply = NopOut {
+                        immediate: true,
+                        itt: Itt::RESERVED,
+                        ttt: n.ttt,
+                        cmd_sn: self.cmd_sn,
+                        exp_stat_sn: self.exp_stat_sn,
+                        lun: n.lun,
+                    };
                     self.send(Header::NopOut(reply), Bytes::new()).await?;
                 }
                 other => {
@@ -388,7 +471,13 @@ impl Client {
     }
 
     /// READ(16) of `blocks` blocks of `block_size` at `lba`.
-    pub async fn read16(&mut self, lun: u64, lba: u64, blocks: u32, block_size: u32) -> Result<CommandResult> {
+    pub async fn read16(
+        &mut self,
+        lun: u64,
+        lba: u64,
+        blocks: u32,
+        block_size: u32,
+    ) -> Result<CommandResult> {
         let mut cdb = [0u8; 16];
         cdb[0] = 0x88;
         cdb[2..10].copy_from_slice(&lba.to_be_bytes());
@@ -397,7 +486,14 @@ impl Client {
     }
 
     /// WRITE(16) of `data` at `lba`, with FUA if asked.
-    pub async fn write16(&mut self, lun: u64, lba: u64, data: Bytes, block_size: u32, fua: bool) -> Result<CommandResult> {
+    pub async fn write16(
+        &mut self,
+        lun: u64,
+        lba: u64,
+        data: Bytes,
+        block_size: u32,
+        fua: bool,
+    ) -> Result<CommandResult> {
         let mut cdb = [0u8; 16];
         cdb[0] = 0x8a;
         if fua {
@@ -416,12 +512,22 @@ impl Client {
         let mut data = text::encode(&[("SendTargets", value)]);
         let mut all = BytesMut::new();
         loop {
-            let req = TextRequest { final_bit: true, itt, ttt, cmd_sn: self.cmd_sn, exp_stat_sn: self.exp_stat_sn, ..Default::default() };
+            let req = TextRequest {
+                final_bit: true,
+                itt,
+                ttt,
+                cmd_sn: self.cmd_sn,
+                exp_stat_sn: self.exp_stat_sn,
+                ..Default::default()
+            };
             self.cmd_sn = self.cmd_sn.next();
             self.send(Header::TextRequest(req), data).await?;
             let pdu = self.recv().await?;
             let Header::TextResponse(t) = pdu.header else {
-                return Err(Error::Protocol(format!("expected text response, got {:?}", pdu.header)));
+                return Err(Error::Protocol(format!(
+                    "expected text response, got {:?}",
+                    pdu.header
+                )));
             };
             self.note_sn(&t.sn, true);
             all.extend_from_slice(&pdu.data);
@@ -437,7 +543,14 @@ impl Client {
     /// NOP-Out ping with `data`; returns the echoed data.
     pub async fn ping(&mut self, data: Bytes) -> Result<Bytes> {
         let itt = self.itt();
-        let n = NopOut { immediate: true, itt, ttt: Ttt::RESERVED, cmd_sn: self.cmd_sn, exp_stat_sn: self.exp_stat_sn, ..Default::default() };
+        let n = NopOut {
+            immediate: true,
+            itt,
+            ttt: Ttt::RESERVED,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: self.exp_stat_sn,
+            ..Default::default()
+        };
         self.send(Header::NopOut(n), data).await?;
         loop {
             let pdu = self.recv().await?;
@@ -452,7 +565,13 @@ impl Client {
     }
 
     /// Task management request; returns the response code.
-    pub async fn task_mgmt(&mut self, function: TmfFunction, lun: u64, referenced: Itt, ref_cmd_sn: CmdSn) -> Result<TmfResponseCode> {
+    pub async fn task_mgmt(
+        &mut self,
+        function: TmfFunction,
+        lun: u64,
+        referenced: Itt,
+        ref_cmd_sn: CmdSn,
+    ) -> Result<TmfResponseCode> {
         let itt = self.itt();
         let t = TaskMgmtRequest {
             immediate: true,
@@ -481,7 +600,14 @@ impl Client {
     /// Log out (close the session); returns the logout response code.
     pub async fn logout(&mut self) -> Result<LogoutResponseCode> {
         let itt = self.itt();
-        let l = LogoutRequest { immediate: true, reason: LogoutReason::CLOSE_SESSION, itt, cmd_sn: self.cmd_sn, exp_stat_sn: self.exp_stat_sn, ..Default::default() };
+        let l = LogoutRequest {
+            immediate: true,
+            reason: LogoutReason::CLOSE_SESSION,
+            itt,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: self.exp_stat_sn,
+            ..Default::default()
+        };
         self.send(Header::LogoutRequest(l), Bytes::new()).await?;
         loop {
             let pdu = self.recv().await?;

@@ -22,6 +22,7 @@ pub mod opcode {
     pub const READ_CAPACITY_10: u8 = 0x25;
     pub const READ_10: u8 = 0x28;
     pub const WRITE_10: u8 = 0x2A;
+    pub const WRITE_AND_VERIFY_10: u8 = 0x2E;
     pub const VERIFY_10: u8 = 0x2F;
     pub const SYNCHRONIZE_CACHE_10: u8 = 0x35;
     pub const WRITE_SAME_10: u8 = 0x41;
@@ -33,6 +34,7 @@ pub mod opcode {
     pub const READ_16: u8 = 0x88;
     pub const COMPARE_AND_WRITE: u8 = 0x89;
     pub const WRITE_16: u8 = 0x8A;
+    pub const WRITE_AND_VERIFY_16: u8 = 0x8E;
     pub const VERIFY_16: u8 = 0x8F;
     pub const SYNCHRONIZE_CACHE_16: u8 = 0x91;
     pub const WRITE_SAME_16: u8 = 0x93;
@@ -41,6 +43,7 @@ pub mod opcode {
     pub const MAINTENANCE_IN: u8 = 0xA3;
     pub const READ_12: u8 = 0xA8;
     pub const WRITE_12: u8 = 0xAA;
+    pub const WRITE_AND_VERIFY_12: u8 = 0xAE;
     pub const VERIFY_12: u8 = 0xAF;
 
     /// SERVICE ACTION IN (16) service actions (SBC-3 READ CAPACITY (16), GET LBA STATUS).
@@ -119,7 +122,7 @@ pub(crate) fn block_range(cdb: Cdb<'_>) -> BlockRange {
                 len_byte: 4,
             }
         }
-        READ_12 | WRITE_12 | VERIFY_12 => BlockRange {
+        READ_12 | WRITE_12 | VERIFY_12 | WRITE_AND_VERIFY_12 => BlockRange {
             lba: u64::from(cdb.u32(2)),
             blocks: cdb.u32(6),
             len_byte: 6,
@@ -130,7 +133,8 @@ pub(crate) fn block_range(cdb: Cdb<'_>) -> BlockRange {
             blocks: u32::from(cdb.u8(13)),
             len_byte: 13,
         },
-        READ_16 | WRITE_16 | VERIFY_16 | SYNCHRONIZE_CACHE_16 | WRITE_SAME_16 => BlockRange {
+        READ_16 | WRITE_16 | VERIFY_16 | WRITE_AND_VERIFY_16 | SYNCHRONIZE_CACHE_16
+        | WRITE_SAME_16 => BlockRange {
             lba: cdb.u64(2),
             blocks: cdb.u32(10),
             len_byte: 10,
@@ -191,7 +195,8 @@ pub fn data_out_len(cdb: &[u8], block_size: u32) -> Result<u32, SenseReason> {
         Ok(blocks * block_size)
     };
     match op {
-        WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 => {
+        WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 | WRITE_AND_VERIFY_10 | WRITE_AND_VERIFY_12
+        | WRITE_AND_VERIFY_16 => {
             needs_len(cdb_length(op).unwrap_or(16))?;
             let r = block_range(c);
             blocks_bytes(r.blocks, r.len_byte)

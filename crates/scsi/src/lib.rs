@@ -280,6 +280,9 @@ impl Target {
             },
             READ_6 | READ_10 | READ_12 | READ_16 => sbc::read(lu, cdb).await,
             WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 => sbc::write(lu, cdb, &cmd.data_out).await,
+            WRITE_AND_VERIFY_10 | WRITE_AND_VERIFY_12 | WRITE_AND_VERIFY_16 => {
+                sbc::write_and_verify(lu, cdb, &cmd.data_out).await
+            }
             VERIFY_10 | VERIFY_12 | VERIFY_16 => sbc::verify(lu, cdb, &cmd.data_out).await,
             SYNCHRONIZE_CACHE_10 | SYNCHRONIZE_CACHE_16 => sbc::synchronize_cache(lu, cdb).await,
             WRITE_SAME_10 | WRITE_SAME_16 => sbc::write_same(lu, cdb, &cmd.data_out).await,

@@ -140,6 +140,46 @@ pub(crate) async fn write(
     Ok(Bytes::new())
 }
 
+/// SBC-3 WRITE AND VERIFY (10), (12), (16): a write that is durable before the verify (the
+/// medium is verified, so the data must have reached it), then, with BYTCHK=1, a read-back
+/// compared with what was sent (MISCOMPARE with the offset). BYTCHK is byte 1 bit 1.
+pub(crate) async fn write_and_verify(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+    data_out: &Bytes,
+) -> Result<Bytes, SenseReason> {
+    check_no_protection(cdb)?;
+    check_writable(lu)?;
+    let r = block_range(cdb);
+    check_transfer(lu, &r)?;
+    check_range(lu, r.lba, u64::from(r.blocks))?;
+    let blocks = r
+        .blocks
+        .min((data_out.len() / lu.block_size() as usize) as u32);
+    if blocks == 0 {
+        return Ok(Bytes::new());
+    }
+    let len = bytes_of(lu, u64::from(blocks)) as usize;
+    let _g = lu.writes.lock(r.lba, r.lba + u64::from(blocks)).await;
+    lu.backend()
+        .write(
+            bytes_of(lu, r.lba),
+            data_out.slice(..len),
+            ironsan_backend::WriteMode::Durable,
+        )
+        .await
+        .map_err(backend_err(lu))?;
+    if cdb.bit(1, 1) {
+        let back = read_blocks(lu, r.lba, blocks).await?;
+        if let Some(offset) = first_difference(&back, &data_out[..len]) {
+            return Err(SenseReason::Miscompare {
+                offset: offset as u64,
+            });
+        }
+    }
+    Ok(Bytes::new())
+}
+
 /// Offset of the first differing byte.
 fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     a.iter().zip(b).position(|(x, y)| x != y)

@@ -633,7 +633,7 @@ async fn request_sense_descriptor_format_is_invalid_field() {
 #[tokio::test]
 async fn unknown_opcode_is_invalid_command_operation_code() {
     let t = ram_target();
-    for op in [0x02u8, 0x7F, 0xC0, 0xFF, 0x8E] {
+    for op in [0x02u8, 0x7F, 0xC0, 0xFF, 0x8D] {
         let mut c = vec![0u8; 16];
         c[0] = op;
         assert_eq!(
@@ -1891,4 +1891,25 @@ async fn third_party_reservation_is_invalid_field() {
     invalid_cdb_field(&r, 1, Some(1));
     let r = run(&t, &[0x16, 0x02, 0, 0, 0, 0]).await;
     invalid_cdb_field(&r, 1, Some(4));
+}
+
+#[tokio::test]
+async fn write_and_verify_writes_then_compares_with_bytchk() {
+    let t = target_over(Arc::new(RamBackend::new(1 << 20)), cfg(512));
+    for op in [opcode::WRITE_AND_VERIFY_10, opcode::WRITE_AND_VERIFY_16] {
+        let mut c = if op == opcode::WRITE_AND_VERIFY_10 {
+            cdb10(op, 8, 2).to_vec()
+        } else {
+            cdb16(op, 8, 2).to_vec()
+        };
+        c[1] |= 0x02; // BYTCHK
+        good(&run_data(&t, &c, &[0x5a; 1024]).await);
+        let rd = run(&t, &cdb10(opcode::READ_10, 8, 2)).await;
+        assert!(good(&rd).iter().all(|&b| b == 0x5a));
+    }
+    let c = cdb10(opcode::WRITE_AND_VERIFY_10, 2047, 2);
+    assert_eq!(
+        sense(&run_data(&t, &c, &[1; 1024]).await),
+        (ILLEGAL, 0x21, 0x00)
+    );
 }

@@ -890,9 +890,13 @@ impl Connection {
                 if self.session.abort_where(|itt, _| *itt == rtt) > 0 {
                     return TmfResponseCode::COMPLETE;
                 }
-                // RFC 7143 §11.5.1: a task already completed (its CmdSN is below ExpCmdSN)
-                // counts as aborted; one never received does not exist.
-                if t.ref_cmd_sn.lt(self.session.window().exp_cmd_sn()) {
+                // RFC 7143 §11.5.1: a referenced task that was never received (its CmdSN is
+                // inside the window and before this request) counts as aborted; a task that
+                // already completed (CmdSN below ExpCmdSN) does not exist any more.
+                let (exp, max) = self.session.window_sn();
+                let never_received =
+                    t.ref_cmd_sn.ge(exp) && t.ref_cmd_sn.le(max) && t.ref_cmd_sn.lt(t.cmd_sn);
+                if never_received {
                     TmfResponseCode::COMPLETE
                 } else {
                     TmfResponseCode::TASK_DOES_NOT_EXIST
