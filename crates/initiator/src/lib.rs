@@ -42,6 +42,7 @@ pub struct LoginOptions {
     pub immediate_data: bool,
     pub first_burst_length: u32,
     pub max_burst_length: u32,
+    pub max_outstanding_r2t: u32,
     /// Extra key=value pairs to send in the login.
     pub extra: Vec<(String, String)>,
 }
@@ -61,6 +62,7 @@ impl LoginOptions {
             immediate_data: true,
             first_burst_length: 65536,
             max_burst_length: 262144,
+            max_outstanding_r2t: 1,
             extra: Vec::new(),
         }
     }
@@ -166,7 +168,10 @@ impl Client {
                     opts.first_burst_length.to_string(),
                 ),
                 ("MaxBurstLength".into(), opts.max_burst_length.to_string()),
-                ("MaxOutstandingR2T".into(), "1".into()),
+                (
+                    "MaxOutstandingR2T".into(),
+                    opts.max_outstanding_r2t.to_string(),
+                ),
                 ("ErrorRecoveryLevel".into(), "0".into()),
                 ("DefaultTime2Wait".into(), "2".into()),
                 ("DefaultTime2Retain".into(), "0".into()),

@@ -577,3 +577,163 @@ async fn many_commands_in_flight_on_one_connection() {
         assert_eq!(w[1], w[0] + 1);
     }
 }
+
+#[tokio::test]
+async fn several_outstanding_r2ts_are_issued_and_honoured() {
+    let (addr, _stop) = start_with(|c| c.negotiation.max_burst_length = 65536).await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.initial_r2t = true;
+    o.immediate_data = false;
+    o.max_burst_length = 65536;
+    o.max_outstanding_r2t = 4;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    let itt = c.itt();
+    let len = 512 * 1024u32;
+    let cmd = ScsiCommand {
+        final_bit: true,
+        write: true,
+        itt,
+        expected_data_transfer_length: len,
+        cmd_sn: c.cmd_sn,
+        cdb: {
+            let mut cdb = [0u8; 16];
+            cdb[0] = 0x2a;
+            cdb[7..9].copy_from_slice(&((len / 512) as u16).to_be_bytes());
+            cdb
+        },
+        ..Default::default()
+    };
+    c.cmd_sn = c.cmd_sn.next();
+    c.send(Header::ScsiCommand(cmd), Bytes::new())
+        .await
+        .unwrap();
+    // Four R2Ts arrive before any data is sent: MaxOutstandingR2T=4 is in force.
+    let mut r2ts = Vec::new();
+    for _ in 0..4 {
+        match c.recv().await.unwrap().header {
+            Header::R2t(r) => r2ts.push(r),
+            h => panic!("expected R2T, got {h:?}"),
+        }
+    }
+    let offsets: Vec<u32> = r2ts.iter().map(|r| r.buffer_offset).collect();
+    assert_eq!(offsets, vec![0, 65536, 131072, 196608]);
+    assert!(r2ts.iter().all(|r| r.desired_data_transfer_length == 65536));
+    let data = pattern(len as usize, 42);
+    // Answer them (and the ones that follow) until the status arrives.
+    let mut pending = r2ts;
+    loop {
+        for r in pending.drain(..) {
+            let mut off = r.buffer_offset;
+            let end = off + r.desired_data_transfer_length;
+            let mut sn = 0;
+            while off < end {
+                let n = (end - off).min(c.target_mrdsl);
+                let d = DataOut {
+                    final_bit: off + n == end,
+                    itt,
+                    ttt: r.ttt,
+                    data_sn: DataSn(sn),
+                    buffer_offset: off,
+                    ..Default::default()
+                };
+                c.send(
+                    Header::DataOut(d),
+                    data.slice(off as usize..(off + n) as usize),
+                )
+                .await
+                .unwrap();
+                off += n;
+                sn += 1;
+            }
+        }
+        match c.recv().await.unwrap().header {
+            Header::R2t(r) => pending.push(r),
+            Header::ScsiResponse(r) => {
+                assert_eq!(r.status, 0);
+                assert_eq!(
+                    r.exp_data_sn,
+                    DataSn(8),
+                    "ExpDataSN of a write counts its R2Ts"
+                );
+                break;
+            }
+            h => panic!("unexpected {h:?}"),
+        }
+    }
+    let r = c.read16(0, 0, len / 512, 512).await.unwrap();
+    assert!(r.data == data);
+}
+
+#[tokio::test]
+async fn task_set_and_target_resets_complete() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    for f in [
+        TmfFunction::ABORT_TASK_SET,
+        TmfFunction::CLEAR_TASK_SET,
+        TmfFunction::TARGET_WARM_RESET,
+    ] {
+        assert_eq!(
+            c.task_mgmt(f, 0, Itt::RESERVED, CmdSn(0)).await.unwrap(),
+            TmfResponseCode::COMPLETE,
+            "{f:?}"
+        );
+    }
+    assert_eq!(
+        c.task_mgmt(TmfFunction::CLEAR_ACA, 0, Itt::RESERVED, CmdSn(0))
+            .await
+            .unwrap(),
+        TmfResponseCode::NOT_SUPPORTED
+    );
+    assert_eq!(
+        c.task_mgmt(TmfFunction::TASK_REASSIGN, 0, Itt(3), CmdSn(0))
+            .await
+            .unwrap(),
+        TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED
+    );
+    // A second session sees the warm reset as a unit attention on its next command.
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.isid = Isid([0x80, 0, 0, 0, 0, 9]);
+    let mut other = Client::login(addr, &o).await.unwrap();
+    let r = other.command(0, &[0u8; 6], None, 0).await.unwrap();
+    assert_eq!(
+        r.status, 0,
+        "a session that logged in after the reset has no UA"
+    );
+    assert_eq!(
+        c.task_mgmt(TmfFunction::TARGET_WARM_RESET, 0, Itt::RESERVED, CmdSn(0))
+            .await
+            .unwrap(),
+        TmfResponseCode::COMPLETE
+    );
+    let r = other.command(0, &[0u8; 6], None, 0).await.unwrap();
+    assert_eq!(r.status, 2);
+    assert_eq!(r.sense_key().map(|k| (k.0, k.1)), Some((0x6, 0x29)));
+    // Cold reset: answered, then the target closes the connection.
+    assert_eq!(
+        c.task_mgmt(TmfFunction::TARGET_COLD_RESET, 0, Itt::RESERVED, CmdSn(0))
+            .await
+            .unwrap(),
+        TmfResponseCode::COMPLETE
+    );
+    let res = tokio::time::timeout(Duration::from_secs(5), c.recv())
+        .await
+        .expect("connection not closed after cold reset");
+    assert!(res.is_err());
+}
+
+#[tokio::test]
+async fn text_request_in_full_feature_phase() {
+    let (addr, _stop) = start().await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    // In a normal session SendTargets with an empty value lists this session's target.
+    let pairs = c.send_targets("").await.unwrap();
+    assert_eq!(
+        pairs.first(),
+        Some(&("TargetName".to_string(), TARGET.to_string()))
+    );
+}
