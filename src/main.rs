@@ -65,6 +65,7 @@ fn build_lu(
     target: &str,
     n: usize,
     l: &config::LunPlan,
+    data_dir: &std::path::Path,
 ) -> Result<(Arc<dyn BlockDevice>, LogicalUnit)> {
     let backend: Arc<dyn BlockDevice> = match &l.backing {
         Backing::Null { size } => Arc::new(NullBackend::new(*size)),
@@ -99,6 +100,8 @@ fn build_lu(
         write_cache: l.write_cache,
         serial: l.serial.clone().unwrap_or_else(|| format!("{naa:016x}")),
         naa,
+        // Persistent reservations with APTPL are saved here (SPC-4 §5.13).
+        state_dir: Some(data_dir.join("state").join(target).join(n.to_string())),
         ..Default::default()
     };
     let lu = LogicalUnit::new(Arc::clone(&backend), cfg);
@@ -138,7 +141,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     for t in plan.targets.iter() {
         let mut scsi = ironsan_scsi::Target::new();
         for (n, l) in t.luns.iter().enumerate() {
-            let (backend, lu) = build_lu(&t.name, n, l)?;
+            let (backend, lu) = build_lu(&t.name, n, l, &plan.data_dir)?;
             let durability = if backend.capabilities().volatile {
                 "volatile: data is lost on exit".to_string()
             } else if l.write_cache {

@@ -16,34 +16,6 @@ use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
 
-/// iscsi-test-cu patterns run by `iscsi_test_cu_core_suites_pass` (FAMILY.SUITE[.TEST] as
-/// `iscsi-test-cu --test` takes them; `iscsi-test-cu -l` lists every name). Extend here.
-/// libiscsi 1.19 has no SynchronizeCache or NOP suites.
-const CONFORMANCE_SUITES: &[&str] = &[
-    // SPC/SBC foundation commands
-    "ALL.TestUnitReady",
-    "ALL.Inquiry",
-    "ALL.ReadCapacity10",
-    "ALL.ReadCapacity16",
-    "ALL.Read6",
-    "ALL.Read10",
-    "ALL.Read12",
-    "ALL.Read16",
-    "ALL.Write10",
-    "ALL.Write12",
-    "ALL.Write16",
-    "ALL.Verify10",
-    "ALL.Verify12",
-    "ALL.Verify16",
-    "ALL.ModeSense6",
-    "ALL.ReportSupportedOpcodes",
-    // iSCSI protocol level (RFC 7143)
-    "ALL.iSCSIcmdsn",
-    "ALL.iSCSIdatasn",
-    "ALL.iSCSIResiduals",
-    "ALL.iSCSITMF",
-];
-
 /// One `Target:... Portal:...` block of `iscsi-ls -s` output.
 #[derive(Debug)]
 struct Listed {
@@ -601,14 +573,14 @@ fn iscsi_test_cu_core_suites_pass() {
     // scripts/conformance.sh starts its own ironsan (IRONSAN_BIN) on a free port with a RAM
     // LUN, runs each pattern as its own iscsi-test-cu run, and judges the CUnit output with
     // scripts/cunit_report.py (failed tests, crashes, unwaived skips, server death, SIGTERM).
+    // The suite list is conformance/suites.txt, the same one the script uses on its own.
     let tmp = tempfile::tempdir().unwrap();
-    let suites = tmp.path().join("suites.txt");
-    std::fs::write(&suites, CONFORMANCE_SUITES.join("\n") + "\n").unwrap();
+    let suites = concat!(env!("CARGO_MANIFEST_DIR"), "/conformance/suites.txt");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/conformance.sh");
     let logs = tmp.path().join("logs").display().to_string();
     let out = run_env(
         "bash",
-        &[script, "--suites", &suites.display().to_string()],
+        &[script, "--suites", suites],
         &[
             ("IRONSAN_BIN", bin()),
             ("CONFORMANCE_LOG_DIR", &logs),

@@ -208,6 +208,17 @@ impl BlockDevice for FileBackend {
         }))
     }
 
+    fn map_status(&self, offset: u64, len: u64) -> IoFuture<'_, Vec<(u64, u64, bool)>> {
+        if !self.punch {
+            // Block devices: no hole information.
+            return Box::pin(async move { Ok(vec![(offset, len, true)]) });
+        }
+        let file = Arc::clone(&self.file);
+        Box::pin(self.pool.run(move || {
+            file_map(&file, offset, offset + len).map_err(|e| BackendError::Io(e.to_string()))
+        }))
+    }
+
     fn unmap(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
         if !self.punch {
             return Box::pin(async { Err(BackendError::Unsupported) });
@@ -220,6 +231,33 @@ impl BlockDevice for FileBackend {
             })
         }))
     }
+}
+
+/// Data/hole extents of `[offset, end)` by `SEEK_DATA`/`SEEK_HOLE`. A file system without
+/// them (EINVAL) reports everything mapped.
+fn file_map(file: &File, offset: u64, end: u64) -> std::io::Result<Vec<(u64, u64, bool)>> {
+    let mut out = Vec::new();
+    let mut pos = offset;
+    while pos < end {
+        let data = match sys::seek_data_or_hole(file, pos, true) {
+            Ok(d) => d.unwrap_or(end).min(end),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                crate::push_extent(&mut out, pos, end - pos, true);
+                break;
+            }
+            Err(e) => return Err(e),
+        };
+        crate::push_extent(&mut out, pos, data - pos, false);
+        if data >= end {
+            break;
+        }
+        let hole = sys::seek_data_or_hole(file, data, false)?
+            .unwrap_or(end)
+            .min(end);
+        crate::push_extent(&mut out, data, hole - data, true);
+        pos = hole;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -252,6 +290,31 @@ mod tests {
         assert_eq!(be.read(4096, 8192).await.unwrap(), data);
         be.unmap(0, 1 << 20).await.unwrap();
         assert!(be.read(4096, 8192).await.unwrap().iter().all(|&b| b == 0));
+    }
+
+    #[tokio::test]
+    async fn map_status_reports_holes_and_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = FileOptions {
+            size: Some(8 << 20),
+            ..Default::default()
+        };
+        let be = FileBackend::open(&dir.path().join("m.img"), &opts).unwrap();
+        be.write(1 << 20, Bytes::from(vec![9u8; 1 << 20]), WriteMode::Durable)
+            .await
+            .unwrap();
+        let m = be.map_status(0, 8 << 20).await.unwrap();
+        let total: u64 = m.iter().map(|e| e.1).sum();
+        assert_eq!(total, 8 << 20);
+        let mapped: Vec<_> = m.iter().filter(|e| e.2).collect();
+        // tmpfs and ext4/xfs report the written MiB as data (possibly rounded to pages).
+        assert!(
+            mapped
+                .iter()
+                .any(|e| e.0 <= 1 << 20 && e.0 + e.1 >= 2 << 20),
+            "{m:?}"
+        );
+        assert!(!m[0].2, "{m:?}");
     }
 
     #[tokio::test]

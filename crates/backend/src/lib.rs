@@ -117,6 +117,34 @@ pub trait BlockDevice: Send + Sync + 'static {
         let _ = (offset, len);
         Box::pin(async { Err(BackendError::Unsupported) })
     }
+    /// Allocation map of `[offset, offset+len)`: consecutive, non-empty extents
+    /// `(offset, len, mapped)` covering exactly that range, in order. The default reports
+    /// everything mapped (a backend that cannot tell). RAM reports its allocated chunks, files
+    /// their data and holes (`SEEK_DATA`/`SEEK_HOLE`).
+    fn map_status(&self, offset: u64, len: u64) -> IoFuture<'_, Vec<(u64, u64, bool)>> {
+        Box::pin(async move {
+            Ok(if len == 0 {
+                Vec::new()
+            } else {
+                vec![(offset, len, true)]
+            })
+        })
+    }
+}
+
+/// Append `(offset, len, mapped)` to `out`, merging with the previous extent when it has the
+/// same state and is contiguous (used by backends building a [`BlockDevice::map_status`]).
+pub fn push_extent(out: &mut Vec<(u64, u64, bool)>, offset: u64, len: u64, mapped: bool) {
+    if len == 0 {
+        return;
+    }
+    if let Some(last) = out.last_mut() {
+        if last.2 == mapped && last.0 + last.1 == offset {
+            last.1 += len;
+            return;
+        }
+    }
+    out.push((offset, len, mapped));
 }
 
 /// Parse a size such as `1G`, `512M`, `16T`, `4096` (bytes) or `100K`.

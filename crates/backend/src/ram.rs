@@ -139,6 +139,21 @@ impl BlockDevice for RamBackend {
         self.unmap_sync(offset, len);
         Box::pin(async { Ok(()) })
     }
+    /// Allocated 1 MiB chunks are mapped, the rest deallocated.
+    fn map_status(&self, offset: u64, len: u64) -> IoFuture<'_, Vec<(u64, u64, bool)>> {
+        let mut out = Vec::new();
+        let mut pos = offset;
+        for (idx, _within, n) in pieces(offset, len) {
+            let mapped = self
+                .shard(idx)
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&idx);
+            crate::push_extent(&mut out, pos, n as u64, mapped);
+            pos += n as u64;
+        }
+        Box::pin(async move { Ok(out) })
+    }
 }
 
 #[cfg(test)]
@@ -167,6 +182,28 @@ mod tests {
             .unwrap()
             .iter()
             .all(|&b| b == 0));
+    }
+
+    #[tokio::test]
+    async fn map_status_reports_allocated_chunks_as_mapped() {
+        let ram = RamBackend::new(4 * CHUNK);
+        ram.write(CHUNK + 5, Bytes::from(vec![1u8; 10]), WriteMode::Durable)
+            .await
+            .unwrap();
+        let m = ram.map_status(0, 4 * CHUNK).await.unwrap();
+        assert_eq!(
+            m,
+            vec![
+                (0, CHUNK, false),
+                (CHUNK, CHUNK, true),
+                (2 * CHUNK, 2 * CHUNK, false)
+            ]
+        );
+        ram.unmap(0, 4 * CHUNK).await.unwrap();
+        assert_eq!(
+            ram.map_status(512, 1024).await.unwrap(),
+            vec![(512, 1024, false)]
+        );
     }
 
     #[tokio::test]

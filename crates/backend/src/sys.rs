@@ -114,3 +114,24 @@ pub fn punch_hole(file: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> 
         Ok(())
     }
 }
+
+/// `lseek(fd, offset, SEEK_DATA)` (`data = true`) or `SEEK_HOLE`: the next data or hole
+/// offset at or after `offset`; `Ok(None)` when there is no more data (ENXIO).
+pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Result<Option<u64>> {
+    let whence = if data {
+        libc::SEEK_DATA
+    } else {
+        libc::SEEK_HOLE
+    };
+    // SAFETY: plain syscall on a valid descriptor owned by `file`; no memory is passed. The
+    // file position it moves is never used by this crate (all I/O is positional).
+    let ret = unsafe { libc::lseek(file.as_raw_fd(), offset as libc::off_t, whence) };
+    if ret < 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENXIO) {
+            return Ok(None);
+        }
+        return Err(e);
+    }
+    Ok(Some(ret as u64))
+}

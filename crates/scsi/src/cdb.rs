@@ -24,20 +24,28 @@ pub mod opcode {
     pub const WRITE_10: u8 = 0x2A;
     pub const WRITE_AND_VERIFY_10: u8 = 0x2E;
     pub const VERIFY_10: u8 = 0x2F;
+    pub const PRE_FETCH_10: u8 = 0x34;
     pub const SYNCHRONIZE_CACHE_10: u8 = 0x35;
+    pub const READ_DEFECT_DATA_10: u8 = 0x37;
     pub const WRITE_SAME_10: u8 = 0x41;
     pub const UNMAP: u8 = 0x42;
+    pub const SANITIZE: u8 = 0x48;
     pub const MODE_SELECT_10: u8 = 0x55;
     pub const RESERVE_10: u8 = 0x56;
     pub const RELEASE_10: u8 = 0x57;
     pub const MODE_SENSE_10: u8 = 0x5A;
+    pub const PERSISTENT_RESERVE_IN: u8 = 0x5E;
+    pub const PERSISTENT_RESERVE_OUT: u8 = 0x5F;
     pub const READ_16: u8 = 0x88;
     pub const COMPARE_AND_WRITE: u8 = 0x89;
     pub const WRITE_16: u8 = 0x8A;
+    pub const ORWRITE_16: u8 = 0x8B;
     pub const WRITE_AND_VERIFY_16: u8 = 0x8E;
     pub const VERIFY_16: u8 = 0x8F;
+    pub const PRE_FETCH_16: u8 = 0x90;
     pub const SYNCHRONIZE_CACHE_16: u8 = 0x91;
     pub const WRITE_SAME_16: u8 = 0x93;
+    pub const WRITE_ATOMIC_16: u8 = 0x9C;
     pub const SERVICE_ACTION_IN_16: u8 = 0x9E;
     pub const REPORT_LUNS: u8 = 0xA0;
     pub const MAINTENANCE_IN: u8 = 0xA3;
@@ -45,12 +53,32 @@ pub mod opcode {
     pub const WRITE_12: u8 = 0xAA;
     pub const WRITE_AND_VERIFY_12: u8 = 0xAE;
     pub const VERIFY_12: u8 = 0xAF;
+    pub const READ_DEFECT_DATA_12: u8 = 0xB7;
 
     /// SERVICE ACTION IN (16) service actions (SBC-3 READ CAPACITY (16), GET LBA STATUS).
     pub const SAI_READ_CAPACITY_16: u8 = 0x10;
     pub const SAI_GET_LBA_STATUS: u8 = 0x12;
     /// MAINTENANCE IN service action REPORT SUPPORTED OPERATION CODES (SPC-4 REPORT SUPPORTED OPERATION CODES).
     pub const MI_REPORT_SUPPORTED_OPCODES: u8 = 0x0C;
+    /// PERSISTENT RESERVE IN service actions (SPC-4).
+    pub const PRIN_READ_KEYS: u8 = 0x00;
+    pub const PRIN_READ_RESERVATION: u8 = 0x01;
+    pub const PRIN_REPORT_CAPABILITIES: u8 = 0x02;
+    pub const PRIN_READ_FULL_STATUS: u8 = 0x03;
+    /// PERSISTENT RESERVE OUT service actions (SPC-4).
+    pub const PROUT_REGISTER: u8 = 0x00;
+    pub const PROUT_RESERVE: u8 = 0x01;
+    pub const PROUT_RELEASE: u8 = 0x02;
+    pub const PROUT_CLEAR: u8 = 0x03;
+    pub const PROUT_PREEMPT: u8 = 0x04;
+    pub const PROUT_PREEMPT_AND_ABORT: u8 = 0x05;
+    pub const PROUT_REGISTER_AND_IGNORE: u8 = 0x06;
+    pub const PROUT_REGISTER_AND_MOVE: u8 = 0x07;
+    /// SANITIZE service actions (SBC-3).
+    pub const SA_SANITIZE_OVERWRITE: u8 = 0x01;
+    pub const SA_SANITIZE_BLOCK_ERASE: u8 = 0x02;
+    pub const SA_SANITIZE_CRYPTO_ERASE: u8 = 0x03;
+    pub const SA_SANITIZE_EXIT_FAILURE_MODE: u8 = 0x1F;
 }
 
 /// CDB length implied by the operation code's group code (SPC-4 operation code group codes);
@@ -133,8 +161,14 @@ pub(crate) fn block_range(cdb: Cdb<'_>) -> BlockRange {
             blocks: u32::from(cdb.u8(13)),
             len_byte: 13,
         },
+        // WRITE ATOMIC (16): TRANSFER LENGTH is bytes 12..13 (SBC-4).
+        WRITE_ATOMIC_16 => BlockRange {
+            lba: cdb.u64(2),
+            blocks: u32::from(cdb.u16(12)),
+            len_byte: 12,
+        },
         READ_16 | WRITE_16 | VERIFY_16 | WRITE_AND_VERIFY_16 | SYNCHRONIZE_CACHE_16
-        | WRITE_SAME_16 => BlockRange {
+        | WRITE_SAME_16 | ORWRITE_16 | PRE_FETCH_16 => BlockRange {
             lba: cdb.u64(2),
             blocks: cdb.u32(10),
             len_byte: 10,
@@ -151,7 +185,11 @@ pub(crate) fn block_range(cdb: Cdb<'_>) -> BlockRange {
 /// Largest single data transfer (READ/WRITE/VERIFY) this device server accepts, in bytes;
 /// reported as MAXIMUM TRANSFER LENGTH in the Block Limits VPD page and enforced on every
 /// command, so no command can make us allocate more than this.
-pub const MAX_TRANSFER_BYTES: u32 = 8 << 20;
+pub const MAX_TRANSFER_BYTES: u32 = 32 << 20;
+
+/// Largest parameter list accepted for PERSISTENT RESERVE OUT (and EXTENDED COPY): longer
+/// lists are cut here by `data_out_len` and refused by the command.
+pub const MAX_PARAMETER_LIST: u32 = 64 << 10;
 
 /// [`MAX_TRANSFER_BYTES`] in blocks of `block_size`.
 pub fn max_transfer_blocks(block_size: u32) -> u32 {
@@ -173,7 +211,9 @@ pub(crate) fn verify_bytchk(cdb: Cdb<'_>) -> u8 {
 /// * VERIFY(10/12/16): BYTCHK=01b → length × block size; 11b → one block; 00b → 0.
 /// * WRITE SAME(10/16): one block, unless NDOB (16 only).
 /// * COMPARE AND WRITE: 2 × NUMBER OF LOGICAL BLOCKS × block size.
-/// * MODE SELECT(6/10), UNMAP: PARAMETER LIST LENGTH.
+/// * ORWRITE (16), WRITE ATOMIC (16): TRANSFER LENGTH × block size.
+/// * MODE SELECT(6/10), UNMAP, SANITIZE: PARAMETER LIST LENGTH.
+/// * PERSISTENT RESERVE OUT: PARAMETER LIST LENGTH (at most [`MAX_PARAMETER_LIST`]).
 /// * everything else: 0.
 pub fn data_out_len(cdb: &[u8], block_size: u32) -> Result<u32, SenseReason> {
     use opcode::*;
@@ -196,7 +236,7 @@ pub fn data_out_len(cdb: &[u8], block_size: u32) -> Result<u32, SenseReason> {
     };
     match op {
         WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 | WRITE_AND_VERIFY_10 | WRITE_AND_VERIFY_12
-        | WRITE_AND_VERIFY_16 => {
+        | WRITE_AND_VERIFY_16 | ORWRITE_16 | WRITE_ATOMIC_16 => {
             needs_len(cdb_length(op).unwrap_or(16))?;
             let r = block_range(c);
             blocks_bytes(r.blocks, r.len_byte)
@@ -229,9 +269,13 @@ pub fn data_out_len(cdb: &[u8], block_size: u32) -> Result<u32, SenseReason> {
             needs_len(6)?;
             Ok(u32::from(c.u8(4)))
         }
-        MODE_SELECT_10 | UNMAP => {
+        MODE_SELECT_10 | UNMAP | SANITIZE => {
             needs_len(10)?;
             Ok(u32::from(c.u16(7)))
+        }
+        PERSISTENT_RESERVE_OUT => {
+            needs_len(10)?;
+            Ok(c.u32(5).min(MAX_PARAMETER_LIST))
         }
         _ => Ok(0),
     }

@@ -24,7 +24,12 @@
 //! * LUN numbers are plain numbers (0..=[`MAX_LUN`]); [`lun_to_wire`] and [`lun_from_wire`]
 //!   convert to and from the 8-byte SAM LUN field (single-level peripheral or flat space).
 //! * Call [`Target::nexus_lost`] when a session ends, [`LogicalUnit::reset`] on LOGICAL UNIT
-//!   RESET.
+//!   RESET (it raises 29h/00h on every I_T nexus of the LU, the requester's included).
+//! * After a PERSISTENT RESERVE OUT (5Fh) completes, call [`LogicalUnit::take_pr_aborts`] and
+//!   abort every task on that LU of the sessions whose (initiator port, target port) it lists
+//!   (PREEMPT AND ABORT).
+//! * Persistent reservations are keyed by [`Nexus::initiator_port`] + [`Nexus::target_port`]
+//!   and survive session loss; APTPL state lives in `LuConfig::state_dir`.
 //!
 //! ## Durability
 //! With WCE=0 (the default, `LuConfig::write_cache = false`) every write is
@@ -45,11 +50,14 @@
 //! * [`cdb`] — operation codes, panic-free CDB access, [`data_out_len`].
 //! * `spc` — INQUIRY/VPD, REPORT LUNS, REQUEST SENSE, TEST UNIT READY, reservations, RSOC.
 //! * `mode` — MODE SENSE / MODE SELECT and the mode pages.
-//! * `sbc` — READ/WRITE/VERIFY/capacity/cache/provisioning commands.
+//! * `sbc` — READ/WRITE/VERIFY/capacity/cache/provisioning commands, ORWRITE, WRITE ATOMIC,
+//!   PRE-FETCH, READ DEFECT DATA, SANITIZE.
+//! * `pr` — SPC-4 persistent reservations (PRIN/PROUT, conflicts, APTPL file).
 
 pub mod cdb;
 mod lu;
 mod mode;
+mod pr;
 mod sbc;
 pub mod sense;
 mod spc;
@@ -63,6 +71,7 @@ use std::sync::Arc;
 
 pub use cdb::{data_out_len, opcode, MAX_TRANSFER_BYTES};
 pub use lu::{local_naa, LogicalUnit, LuConfig};
+pub use pr::PR_STATE_FILE;
 pub use sense::{FieldPointer, SenseFields, SenseKey, SenseReason, UnitAttention};
 
 use cdb::{opcode::*, Cdb};
@@ -232,7 +241,7 @@ impl Target {
         let Some(lu) = self.luns.get(&lun) else {
             return self.execute_without_lu(cdb).map(Response::good);
         };
-        lu.register_nexus(nexus.id);
+        lu.register_nexus(nexus);
 
         // SAM-5 unit attention condition: a pending unit attention terminates the next command,
         // except INQUIRY, REPORT LUNS and REQUEST SENSE (which reports it as data).
@@ -249,6 +258,10 @@ impl Target {
             if holder != nexus.id && !spc::allowed_under_reservation(cdb) {
                 return Ok(Response::status_only(Status::RESERVATION_CONFLICT));
             }
+        }
+        // SPC-4 persistent reservations: the opcode table says how each command behaves.
+        if lock(&lu.pr).conflicts(&pr::PortPair::of(nexus), spc::pr_access(cdb)) {
+            return Ok(Response::status_only(Status::RESERVATION_CONFLICT));
         }
 
         let data = match op {
@@ -270,12 +283,21 @@ impl Target {
             },
             RELEASE_6 | RELEASE_10 => spc::release(lu, nexus, cdb),
             MAINTENANCE_IN => spc::report_supported_opcodes(cdb),
+            PERSISTENT_RESERVE_IN => pr::persistent_reserve_in(lu, cdb),
+            PERSISTENT_RESERVE_OUT => {
+                match pr::persistent_reserve_out(lu, nexus, cdb, &cmd.data_out)? {
+                    pr::ProutOutcome::Good => Ok(Bytes::new()),
+                    pr::ProutOutcome::Conflict => {
+                        return Ok(Response::status_only(Status::RESERVATION_CONFLICT))
+                    }
+                }
+            }
             PREVENT_ALLOW_MEDIUM_REMOVAL => spc::prevent_allow(lu, nexus, cdb),
             START_STOP_UNIT => sbc::start_stop_unit(lu, nexus, cdb).await,
             READ_CAPACITY_10 => sbc::read_capacity_10(lu, cdb),
             SERVICE_ACTION_IN_16 => match cdb.u8(1) & 0x1F {
                 SAI_READ_CAPACITY_16 => sbc::read_capacity_16(lu, cdb),
-                SAI_GET_LBA_STATUS => sbc::get_lba_status(lu, cdb),
+                SAI_GET_LBA_STATUS => sbc::get_lba_status(lu, cdb).await,
                 _ => Err(SenseReason::cdb_bit(1, 4)),
             },
             READ_6 | READ_10 | READ_12 | READ_16 => sbc::read(lu, cdb).await,
@@ -288,6 +310,17 @@ impl Target {
             WRITE_SAME_10 | WRITE_SAME_16 => sbc::write_same(lu, cdb, &cmd.data_out).await,
             UNMAP => sbc::unmap(lu, cdb, &cmd.data_out).await,
             COMPARE_AND_WRITE => sbc::compare_and_write(lu, cdb, &cmd.data_out).await,
+            ORWRITE_16 => sbc::orwrite(lu, cdb, &cmd.data_out).await,
+            WRITE_ATOMIC_16 => sbc::write_atomic(lu, cdb, &cmd.data_out).await,
+            PRE_FETCH_10 | PRE_FETCH_16 => {
+                return Ok(if sbc::pre_fetch(lu, cdb)? {
+                    Response::status_only(Status::CONDITION_MET)
+                } else {
+                    Response::good(Bytes::new())
+                });
+            }
+            READ_DEFECT_DATA_10 | READ_DEFECT_DATA_12 => sbc::read_defect_data(cdb),
+            SANITIZE => sbc::sanitize(lu, cdb).await,
             _ => Err(SenseReason::InvalidOpcode),
         }?;
         Ok(Response::good(data))

@@ -1,11 +1,13 @@
 //! One logical unit: configuration, mode state (WCE), per-I_T-nexus unit attention queues,
 //! SPC-2 reservation and the write range lock that makes COMPARE AND WRITE atomic.
 
+use crate::pr::{PortPair, PrState};
 use crate::sense::UnitAttention;
 use crate::Nexus;
 use ironsan_backend::BlockDevice;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -34,6 +36,11 @@ pub struct LuConfig {
     pub product: String,
     /// PRODUCT REVISION LEVEL (4 ASCII bytes, space padded).
     pub revision: String,
+    /// Directory for this LU's persistent state (one directory per LU, created if missing).
+    /// Persistent reservations with APTPL=1 are kept in `<state_dir>/pr-state` and reloaded
+    /// by [`LogicalUnit::new`]. `None` (the default): APTPL=1 is refused with INVALID FIELD
+    /// IN PARAMETER LIST and REPORT CAPABILITIES reports PTPL_C=0.
+    pub state_dir: Option<PathBuf>,
 }
 
 impl Default for LuConfig {
@@ -47,6 +54,7 @@ impl Default for LuConfig {
             vendor: "IRONSAN".into(),
             product: "ironsan LU".into(),
             revision: "0001".into(),
+            state_dir: None,
         }
     }
 }
@@ -73,14 +81,27 @@ pub struct LogicalUnit {
     block_size: u32,
     capacity: u64,
     wce: AtomicBool,
+    /// SWP (software write protect) of the control mode page.
+    swp: AtomicBool,
     /// Serialises MODE SELECT so validation and update are one step.
     pub(crate) mode_select: Mutex<()>,
-    ua: Mutex<HashMap<u64, VecDeque<UnitAttention>>>,
+    ua: Mutex<HashMap<u64, NexusUa>>,
     pub(crate) writes: RangeLock,
     /// SPC-2 RESERVE(6/10) holder, by I_T nexus id.
     pub(crate) reservation: Mutex<Option<u64>>,
     /// I_T nexuses that issued PREVENT ALLOW MEDIUM REMOVAL with PREVENT=01b.
     pub(crate) prevent: Mutex<HashSet<u64>>,
+    /// SPC-4 persistent reservations.
+    pub(crate) pr: Mutex<PrState>,
+    /// I_T nexuses whose tasks a PREEMPT AND ABORT asked the transport to abort.
+    pub(crate) pr_aborts: Mutex<Vec<PortPair>>,
+}
+
+/// Unit attention queue of one I_T nexus, with the port names that identify it to
+/// persistent reservations.
+struct NexusUa {
+    who: PortPair,
+    q: VecDeque<UnitAttention>,
 }
 
 impl std::fmt::Debug for LogicalUnit {
@@ -114,8 +135,10 @@ impl LogicalUnit {
             "block size {bs} is not a power of two in 512..=65536"
         );
         let capacity = backend.size() / u64::from(bs);
+        let pr = crate::pr::load(cfg.state_dir.as_deref());
         LogicalUnit {
             wce: AtomicBool::new(cfg.write_cache),
+            swp: AtomicBool::new(false),
             backend,
             block_size: bs,
             capacity,
@@ -125,6 +148,8 @@ impl LogicalUnit {
             writes: RangeLock::default(),
             reservation: Mutex::new(None),
             prevent: Mutex::new(HashSet::new()),
+            pr: Mutex::new(pr),
+            pr_aborts: Mutex::new(Vec::new()),
         }
     }
 
@@ -143,6 +168,14 @@ impl LogicalUnit {
     pub(crate) fn set_wce(&self, on: bool) {
         self.wce.store(on, Ordering::Release);
     }
+    /// Current SWP (software write protect) of the control mode page: writes fail with DATA
+    /// PROTECT / WRITE PROTECTED while it is set.
+    pub fn swp(&self) -> bool {
+        self.swp.load(Ordering::Acquire)
+    }
+    pub(crate) fn set_swp(&self, on: bool) {
+        self.swp.store(on, Ordering::Release);
+    }
     /// The backing device.
     pub fn backend(&self) -> &Arc<dyn BlockDevice> {
         &self.backend
@@ -154,12 +187,36 @@ impl LogicalUnit {
 
     /// LOGICAL UNIT RESET (SAM-5 task management functions): release the SPC-2 reservation and medium-removal
     /// prevention, and establish POWER ON, RESET, OR BUS DEVICE RESET OCCURRED (29h/00h) for
-    /// every other I_T nexus known to this LU. Mode parameters keep their current values (not
+    /// every I_T nexus known to this LU, the requesting one included (SAM-5: every I_T nexus;
+    /// multipath initiators look for it on each path). Persistent reservations are kept
+    /// (SPC-4: they survive resets). Mode parameters keep their current values (not
     /// reverted to defaults), so a reset never silently turns a write cache back on or off.
     pub fn reset(&self, by: &Nexus) {
+        let _ = by;
         *lock(&self.reservation) = None;
         lock(&self.prevent).clear();
-        self.establish_unit_attention(UnitAttention::PowerOnReset, Some(by.id));
+        self.establish_unit_attention(UnitAttention::PowerOnReset, None);
+    }
+
+    /// PREEMPT AND ABORT: the I_T nexuses, as (initiator port name, target port name), whose
+    /// tasks on this LU the transport must abort (SAM-5 TASK ABORTED semantics, as for
+    /// CLEAR TASK SET limited to those nexuses). Call it after a PERSISTENT RESERVE OUT
+    /// (opcode 5Fh) completes; each list is returned once.
+    pub fn take_pr_aborts(&self) -> Vec<(Arc<str>, Arc<str>)> {
+        std::mem::take(&mut *lock(&self.pr_aborts))
+            .into_iter()
+            .map(|p| (p.initiator, p.target))
+            .collect()
+    }
+
+    /// Establish `ua` for every known I_T nexus with the port names `who`.
+    pub(crate) fn establish_unit_attention_for(&self, who: &PortPair, ua: UnitAttention) {
+        let mut map = lock(&self.ua);
+        for e in map.values_mut().filter(|e| &e.who == who) {
+            if !e.q.contains(&ua) && e.q.len() < MAX_UA_PER_NEXUS {
+                e.q.push_back(ua);
+            }
+        }
     }
 
     /// Establish `ua` for every I_T nexus that has addressed this LU, except `except`.
@@ -167,11 +224,11 @@ impl LogicalUnit {
     /// contact).
     pub fn establish_unit_attention(&self, ua: UnitAttention, except: Option<u64>) {
         let mut map = lock(&self.ua);
-        for (id, q) in map.iter_mut() {
-            if Some(*id) == except || q.contains(&ua) || q.len() >= MAX_UA_PER_NEXUS {
+        for (id, e) in map.iter_mut() {
+            if Some(*id) == except || e.q.contains(&ua) || e.q.len() >= MAX_UA_PER_NEXUS {
                 continue;
             }
-            q.push_back(ua);
+            e.q.push_back(ua);
         }
     }
 
@@ -186,23 +243,26 @@ impl LogicalUnit {
         }
     }
 
-    /// Make `nexus_id` known (lazily creating its queue).
-    pub(crate) fn register_nexus(&self, nexus_id: u64) {
-        lock(&self.ua).entry(nexus_id).or_default();
+    /// Make `nexus` known (lazily creating its queue).
+    pub(crate) fn register_nexus(&self, nexus: &Nexus) {
+        lock(&self.ua).entry(nexus.id).or_insert_with(|| NexusUa {
+            who: PortPair::of(nexus),
+            q: VecDeque::new(),
+        });
     }
 
     /// Pop the oldest pending unit attention of `nexus_id`.
     pub(crate) fn take_unit_attention(&self, nexus_id: u64) -> Option<UnitAttention> {
         lock(&self.ua)
             .get_mut(&nexus_id)
-            .and_then(|q| q.pop_front())
+            .and_then(|e| e.q.pop_front())
     }
 
     /// Drop a pending `ua` of `nexus_id` without reporting it (REPORT LUNS clears REPORTED
     /// LUNS DATA HAS CHANGED, SPC-4 REPORT LUNS).
     pub(crate) fn clear_unit_attention(&self, nexus_id: u64, ua: UnitAttention) {
-        if let Some(q) = lock(&self.ua).get_mut(&nexus_id) {
-            q.retain(|&u| u != ua);
+        if let Some(e) = lock(&self.ua).get_mut(&nexus_id) {
+            e.q.retain(|&u| u != ua);
         }
     }
 

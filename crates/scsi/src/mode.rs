@@ -18,6 +18,8 @@ const PAGES: [u8; 3] = [CACHING, CONTROL, INFO_EXCEPTIONS];
 
 /// Caching page byte 2 bit 2.
 const WCE: u8 = 0x04;
+/// Control page byte 4 bit 3.
+const SWP: u8 = 0x08;
 
 /// PAGE CONTROL of MODE SENSE (SPC-4); 11b (saved) is refused before this is built.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -47,14 +49,22 @@ fn page(lu: &LogicalUnit, code: u8, pc: PageControl) -> Option<Vec<u8>> {
         CONTROL => {
             // SPC-4 Control mode page: page length 0Ah. TST=000b, D_SENSE=0 (fixed sense only),
             // GLTSD=1 (no log parameters saved), QUEUE ALGORITHM MODIFIER=1 (unrestricted
-            // reordering: commands really do run concurrently), QERR=00b, TAS=0. Nothing
-            // changeable.
+            // reordering: commands really do run concurrently), QERR=00b, TAS=0. Only SWP
+            // (software write protect, byte 4 bit 3) is changeable.
             let mut p = vec![0u8; 0x0C];
             p[0] = CONTROL;
             p[1] = 0x0A;
-            if pc != Changeable {
-                p[2] = 0x02;
-                p[3] = 0x10;
+            match pc {
+                Changeable => p[4] = SWP,
+                Current => {
+                    p[2] = 0x02;
+                    p[3] = 0x10;
+                    p[4] = u8::from(lu.swp()) * SWP;
+                }
+                Default => {
+                    p[2] = 0x02;
+                    p[3] = 0x10;
+                }
             }
             p
         }
@@ -124,8 +134,12 @@ pub(crate) fn mode_sense(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseR
             bd.extend_from_slice(&lu.block_size().to_be_bytes()[1..4]);
         }
     }
-    // DEVICE-SPECIFIC PARAMETER (SBC-3 mode parameter header): WP, DPOFUA=1.
-    let dsp = if lu.config().read_only { 0x80 } else { 0 } | 0x10;
+    // DEVICE-SPECIFIC PARAMETER (SBC-3 mode parameter header): WP (read-only or SWP), DPOFUA=1.
+    let dsp = if lu.config().read_only || lu.swp() {
+        0x80
+    } else {
+        0
+    } | 0x10;
 
     let mut d = Vec::with_capacity(8 + bd.len() + pages.len());
     if ten {
@@ -237,6 +251,7 @@ pub(crate) async fn mode_select(
 
     let _serial = lock(&lu.mode_select);
     let mut new_wce = None;
+    let mut new_swp = None;
     while off < len {
         let code_byte = at(off);
         if code_byte & 0x40 != 0 {
@@ -268,6 +283,9 @@ pub(crate) async fn mode_select(
         if code == CACHING {
             new_wce = Some(at(off + 2) & WCE != 0);
         }
+        if code == CONTROL {
+            new_swp = Some(at(off + 4) & SWP != 0);
+        }
         off += cur.len();
     }
     let mut flush = false;
@@ -275,6 +293,12 @@ pub(crate) async fn mode_select(
         if w != lu.wce() {
             lu.set_wce(w);
             flush = !w;
+            lu.establish_unit_attention(UnitAttention::ModeParametersChanged, Some(nexus.id));
+        }
+    }
+    if let Some(w) = new_swp {
+        if w != lu.swp() {
+            lu.set_swp(w);
             lu.establish_unit_attention(UnitAttention::ModeParametersChanged, Some(nexus.id));
         }
     }

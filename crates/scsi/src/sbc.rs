@@ -61,7 +61,7 @@ fn check_range(lu: &LogicalUnit, lba: u64, blocks: u64) -> Result<(), SenseReaso
 }
 
 fn check_writable(lu: &LogicalUnit) -> Result<(), SenseReason> {
-    if lu.config().read_only {
+    if lu.config().read_only || lu.swp() {
         return Err(SenseReason::WriteProtected);
     }
     Ok(())
@@ -334,22 +334,66 @@ pub(crate) fn read_capacity_16(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, 
     Ok(truncate(d, alloc))
 }
 
-/// SBC-3 GET LBA STATUS: one descriptor from the starting LBA to the end of the medium
-/// (capped at 2^32-1 blocks), reported mapped: backends do not expose allocation maps.
-pub(crate) fn get_lba_status(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+/// Most blocks one GET LBA STATUS looks at (bounds the backend map query).
+const LBA_STATUS_SPAN_BYTES: u64 = 64 << 30;
+
+/// SBC-3 GET LBA STATUS: descriptors from the starting LBA on, mapped (0h) or deallocated
+/// (1h) as the backend's allocation map says ([`BlockDevice::map_status`]; a backend that
+/// cannot tell reports mapped), covering at most [`LBA_STATUS_SPAN_BYTES`] and as many
+/// descriptors as the allocation length holds.
+///
+/// [`BlockDevice::map_status`]: ironsan_backend::BlockDevice::map_status
+pub(crate) async fn get_lba_status(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
     let lba = cdb.u64(2);
     let alloc = cdb.u32(10) as usize;
     if lba >= lu.capacity_blocks() {
         return Err(SenseReason::LbaOutOfRange);
     }
-    let n = u32::try_from(lu.capacity_blocks() - lba).unwrap_or(u32::MAX);
-    let mut d = Vec::with_capacity(24);
-    d.extend_from_slice(&20u32.to_be_bytes()); // PARAMETER DATA LENGTH
-    d.extend_from_slice(&[0; 4]);
-    d.extend_from_slice(&lba.to_be_bytes());
-    d.extend_from_slice(&n.to_be_bytes());
-    d.push(0); // PROVISIONING STATUS: mapped
-    d.extend_from_slice(&[0; 3]);
+    let bs = u64::from(lu.block_size());
+    let span = (lu.capacity_blocks() - lba).min(LBA_STATUS_SPAN_BYTES / bs);
+    let map = lu
+        .backend()
+        .map_status(lba * bs, span * bs)
+        .await
+        .map_err(backend_err(lu))?;
+    let max_desc = (alloc.saturating_sub(8) / 16).max(1);
+    // Extents in blocks: a block partly mapped counts as mapped.
+    let mut descs: Vec<(u64, u64, bool)> = Vec::new();
+    for (off, len, mapped) in map {
+        let first = off / bs;
+        let end = (off + len).div_ceil(bs);
+        match descs.last_mut() {
+            Some(last) if last.2 == mapped && last.0 + last.1 >= first => {
+                last.1 = end.max(last.0 + last.1) - last.0;
+            }
+            Some(last) if last.0 + last.1 > first => {
+                // Overlapping block of differing state: it stays with the mapped side.
+                if mapped {
+                    last.1 = first - last.0;
+                    descs.push((first, end - first, mapped));
+                } else if end > last.0 + last.1 {
+                    let s = last.0 + last.1;
+                    descs.push((s, end - s, mapped));
+                }
+            }
+            _ => descs.push((first, end - first, mapped)),
+        }
+    }
+    descs.retain(|d| d.1 > 0);
+    if descs.is_empty() {
+        descs.push((lba, span, true));
+    }
+    let mut d = Vec::with_capacity(8 + 16 * descs.len().min(max_desc));
+    d.extend_from_slice(&[0; 8]);
+    for &(start, mut n, mapped) in descs.iter().take(max_desc) {
+        n = n.min(u64::from(u32::MAX));
+        d.extend_from_slice(&start.to_be_bytes());
+        d.extend_from_slice(&(n as u32).to_be_bytes());
+        d.push(u8::from(!mapped)); // PROVISIONING STATUS: 0 mapped, 1 deallocated
+        d.extend_from_slice(&[0; 3]);
+    }
+    let len = (d.len() - 4) as u32;
+    d[0..4].copy_from_slice(&len.to_be_bytes()); // PARAMETER DATA LENGTH
     Ok(truncate(d, alloc))
 }
 
@@ -385,13 +429,23 @@ pub(crate) fn block_limits_vpd(lu: &LogicalUnit) -> Vec<u8> {
         p[24..28].copy_from_slice(&optimal_granularity(lu).to_be_bytes());
     }
     p[32..40].copy_from_slice(&max_write_same_blocks(lu).to_be_bytes());
+    // SBC-4 atomic fields: MAXIMUM ATOMIC TRANSFER LENGTH, ATOMIC ALIGNMENT 0 (none),
+    // ATOMIC TRANSFER LENGTH GRANULARITY 0 (none); no atomic boundary support.
+    p[40..44].copy_from_slice(&max_atomic_blocks(lu).to_be_bytes());
     p
 }
 
-/// Block Device Characteristics VPD page (B1h, SBC-3): non-rotating medium.
+/// MAXIMUM ATOMIC TRANSFER LENGTH: 1 MiB.
+fn max_atomic_blocks(lu: &LogicalUnit) -> u32 {
+    ((1u32 << 20) / lu.block_size()).min(lu.max_transfer_blocks())
+}
+
+/// Block Device Characteristics VPD page (B1h, SBC-3): non-rotating medium; WABEREQ=01b and
+/// WACEREQ=01b (reads after a SANITIZE BLOCK/CRYPTOGRAPHIC ERASE succeed, returning zeros).
 pub(crate) fn block_characteristics_vpd() -> Vec<u8> {
     let mut p = vec![0u8; 0x3C];
     p[0..2].copy_from_slice(&1u16.to_be_bytes()); // MEDIUM ROTATION RATE: 0001h
+    p[3] = 0x40 | 0x10; // WABEREQ=01b, WACEREQ=01b
     p
 }
 
@@ -565,6 +619,12 @@ pub(crate) async fn compare_and_write(
     }
     check_range(lu, r.lba, u64::from(r.blocks))?;
     if r.blocks == 0 {
+        // NUMBER OF LOGICAL BLOCKS 0 transfers nothing; an initiator that sends data anyway
+        // (e.g. a 256-block request whose count wrapped to 0 in the one-byte field) gets
+        // INVALID FIELD IN CDB rather than a silent no-op, as LIO does.
+        if !data_out.is_empty() {
+            return Err(SenseReason::cdb_byte(r.len_byte));
+        }
         return Ok(Bytes::new());
     }
     let len = bytes_of(lu, u64::from(r.blocks)) as usize;
@@ -587,5 +647,153 @@ pub(crate) async fn compare_and_write(
         )
         .await
         .map_err(backend_err(lu))?;
+    Ok(Bytes::new())
+}
+
+/// SBC-3 ORWRITE (16): read the range, OR the Data-Out buffer into it, write it back, all under
+/// the write range lock (atomic against every other writer). ORPROTECT must be 000b.
+pub(crate) async fn orwrite(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+    data_out: &Bytes,
+) -> Result<Bytes, SenseReason> {
+    check_no_protection(cdb)?;
+    check_writable(lu)?;
+    let r = block_range(cdb);
+    check_transfer(lu, &r)?;
+    check_range(lu, r.lba, u64::from(r.blocks))?;
+    if r.blocks == 0 {
+        return Ok(Bytes::new());
+    }
+    let len = bytes_of(lu, u64::from(r.blocks)) as usize;
+    if data_out.len() < len {
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    let fua = cdb.bit(1, 3);
+    let _g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
+    let current = read_blocks(lu, r.lba, r.blocks).await?;
+    let mut merged = BytesMut::from(&current[..]);
+    for (m, o) in merged.iter_mut().zip(&data_out[..len]) {
+        *m |= *o;
+    }
+    lu.backend()
+        .write(bytes_of(lu, r.lba), merged.freeze(), write_mode(lu, fua))
+        .await
+        .map_err(backend_err(lu))?;
+    Ok(Bytes::new())
+}
+
+/// SBC-4 WRITE ATOMIC (16): one backend write, holding the write range lock, so no other
+/// command that modifies the medium (WRITE, COMPARE AND WRITE, WRITE SAME, UNMAP, ...)
+/// interleaves with it. TRANSFER LENGTH above MAXIMUM ATOMIC TRANSFER LENGTH, and any
+/// ATOMIC BOUNDARY (we report no boundary support), are INVALID FIELD IN CDB.
+pub(crate) async fn write_atomic(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+    data_out: &Bytes,
+) -> Result<Bytes, SenseReason> {
+    check_no_protection(cdb)?;
+    check_writable(lu)?;
+    let r = block_range(cdb);
+    if cdb.u16(10) != 0 {
+        return Err(SenseReason::cdb_byte(10));
+    }
+    if r.blocks > max_atomic_blocks(lu) {
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    check_range(lu, r.lba, u64::from(r.blocks))?;
+    if r.blocks == 0 {
+        return Ok(Bytes::new());
+    }
+    let len = bytes_of(lu, u64::from(r.blocks)) as usize;
+    if data_out.len() < len {
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    let fua = cdb.bit(1, 3);
+    let _g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
+    lu.backend()
+        .write(
+            bytes_of(lu, r.lba),
+            data_out.slice(..len),
+            write_mode(lu, fua),
+        )
+        .await
+        .map_err(backend_err(lu))?;
+    Ok(Bytes::new())
+}
+
+/// SBC-3 PRE-FETCH (10) / (16): range checked; nothing to stage (RAM is memory, files use the
+/// page cache on demand), so the blocks are "in cache" as far as the initiator can tell and
+/// the answer is CONDITION MET (SBC-3: the cache has room for all the blocks). Returns
+/// whether CONDITION MET applies (always, for a valid range).
+pub(crate) fn pre_fetch(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<bool, SenseReason> {
+    let r = block_range(cdb);
+    let blocks = if cdb.op() == PRE_FETCH_10 {
+        u64::from(cdb.u16(7))
+    } else {
+        u64::from(cdb.u32(10))
+    };
+    check_range(lu, r.lba, blocks)?;
+    Ok(true)
+}
+
+/// SBC-3 READ DEFECT DATA (10) / (12): an empty list in the requested format (we have no
+/// defects). PLISTV/GLISTV echo what was asked for.
+pub(crate) fn read_defect_data(cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+    let mut d = Vec::new();
+    if cdb.op() == READ_DEFECT_DATA_10 {
+        let b2 = cdb.u8(2);
+        d.extend_from_slice(&[0, b2 & 0x1F, 0, 0]);
+        Ok(truncate(d, usize::from(cdb.u16(7))))
+    } else {
+        let b1 = cdb.u8(1);
+        d.extend_from_slice(&[0, b1 & 0x1F, 0, 0, 0, 0, 0, 0]);
+        Ok(truncate(d, cdb.u32(6) as usize))
+    }
+}
+
+/// SBC-3 SANITIZE: BLOCK ERASE and CRYPTOGRAPHIC ERASE deallocate the whole medium (unmap,
+/// so it reads back as zeros and GET LBA STATUS reports it deallocated; without unmap support
+/// zeros are written), EXIT FAILURE MODE is GOOD (a sanitize never fails half way here).
+/// OVERWRITE is not offered (the test suites expect it only of rotating media, and it would
+/// have to run in the background for minutes). The parameter list length must be 0; the
+/// operation completes before status (IMMED is accepted and changes nothing).
+pub(crate) async fn sanitize(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+    let sa = cdb.u8(1) & 0x1F;
+    match sa {
+        SA_SANITIZE_BLOCK_ERASE | SA_SANITIZE_CRYPTO_ERASE | SA_SANITIZE_EXIT_FAILURE_MODE => {}
+        _ => return Err(SenseReason::cdb_bit(1, 4)),
+    }
+    if cdb.bit(1, 6) {
+        return Err(SenseReason::cdb_bit(1, 6)); // reserved
+    }
+    if let Some(i) = (2..=6).find(|&i| cdb.u8(i) != 0) {
+        return Err(SenseReason::cdb_byte(i as u16)); // reserved
+    }
+    if cdb.u16(7) != 0 {
+        return Err(SenseReason::cdb_byte(7));
+    }
+    check_writable(lu)?;
+    if sa == SA_SANITIZE_EXIT_FAILURE_MODE {
+        return Ok(Bytes::new());
+    }
+    let cap = lu.capacity_blocks();
+    let _g = lu.writes.lock(0, cap).await;
+    let bs = u64::from(lu.block_size());
+    let step = (1u64 << 30) / bs;
+    let mut lba = 0;
+    while lba < cap {
+        let n = step.min(cap - lba);
+        if unmap_supported(lu) {
+            lu.backend()
+                .unmap(lba * bs, n * bs)
+                .await
+                .map_err(backend_err(lu))?;
+        } else {
+            write_repeated(lu, lba, n, &vec![0u8; bs as usize], WriteMode::Cached).await?;
+        }
+        lba += n;
+    }
+    lu.backend().flush().await.map_err(backend_err(lu))?;
     Ok(Bytes::new())
 }

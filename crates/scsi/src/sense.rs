@@ -34,8 +34,12 @@ pub enum UnitAttention {
     NexusLoss,
     /// 2Ah/01h MODE PARAMETERS CHANGED.
     ModeParametersChanged,
+    /// 2Ah/03h RESERVATIONS PREEMPTED.
+    ReservationsPreempted,
     /// 2Ah/04h RESERVATIONS RELEASED.
     ReservationsReleased,
+    /// 2Ah/05h REGISTRATIONS PREEMPTED.
+    RegistrationsPreempted,
     /// 2Ah/09h CAPACITY DATA HAS CHANGED.
     CapacityDataChanged,
     /// 3Fh/03h INQUIRY DATA HAS CHANGED.
@@ -51,7 +55,9 @@ impl UnitAttention {
             UnitAttention::PowerOnReset => (0x29, 0x00),
             UnitAttention::NexusLoss => (0x29, 0x07),
             UnitAttention::ModeParametersChanged => (0x2A, 0x01),
+            UnitAttention::ReservationsPreempted => (0x2A, 0x03),
             UnitAttention::ReservationsReleased => (0x2A, 0x04),
+            UnitAttention::RegistrationsPreempted => (0x2A, 0x05),
             UnitAttention::CapacityDataChanged => (0x2A, 0x09),
             UnitAttention::InquiryDataChanged => (0x3F, 0x03),
             UnitAttention::ReportedLunsDataChanged => (0x3F, 0x0E),
@@ -108,6 +114,10 @@ pub enum SenseReason {
     /// (by its length field or by the data the initiator actually sent) or inconsistent.
     #[error("parameter list length error")]
     ParameterListLengthError,
+    /// ILLEGAL REQUEST, 26h/04h INVALID RELEASE OF PERSISTENT RESERVATION (SPC-4 RELEASE with
+    /// a type or scope other than the reservation's).
+    #[error("invalid release of persistent reservation")]
+    InvalidReleaseOfPersistentReservation,
     /// ILLEGAL REQUEST, 21h/00h LOGICAL BLOCK ADDRESS OUT OF RANGE.
     #[error("logical block address out of range")]
     LbaOutOfRange,
@@ -203,6 +213,7 @@ impl SenseReason {
                 ..f(K::ILLEGAL_REQUEST, 0x26, 0x00)
             },
             SenseReason::ParameterListLengthError => f(K::ILLEGAL_REQUEST, 0x1A, 0x00),
+            SenseReason::InvalidReleaseOfPersistentReservation => f(K::ILLEGAL_REQUEST, 0x26, 0x04),
             SenseReason::LbaOutOfRange => f(K::ILLEGAL_REQUEST, 0x21, 0x00),
             SenseReason::LogicalUnitNotSupported => f(K::ILLEGAL_REQUEST, 0x25, 0x00),
             SenseReason::SavingParametersNotSupported => f(K::ILLEGAL_REQUEST, 0x39, 0x00),

@@ -3,6 +3,7 @@
 
 use crate::cdb::{opcode::*, Cdb};
 use crate::lu::lock;
+use crate::pr::PrAccess;
 use crate::sense::SenseReason;
 use crate::{LogicalUnit, Nexus, Target, MAX_LUN};
 use bytes::Bytes;
@@ -334,384 +335,106 @@ pub(crate) fn prevent_allow(
 // REPORT SUPPORTED OPERATION CODES (SPC-4)
 // ---------------------------------------------------------------------------------------------
 
-/// One supported command: operation code, service action, CDB USAGE DATA (SPC-4 one_command parameter data).
+/// One supported command: operation code, service action, how it behaves under a persistent
+/// reservation held by another I_T nexus, CDB USAGE DATA (SPC-4 one_command parameter data).
 pub(crate) struct OpEntry {
     pub op: u8,
     pub sa: Option<u8>,
+    pub pr: PrAccess,
     pub usage: &'static [u8],
 }
 
 const C: u8 = 0x07; // CONTROL byte: NACA, FLAG (obsolete), LINK are examined.
 
-/// Every command the dispatcher executes; the single list that RSOC reports.
+const fn e(op: u8, sa: Option<u8>, pr: PrAccess, usage: &'static [u8]) -> OpEntry {
+    OpEntry { op, sa, pr, usage }
+}
+
+use PrAccess::{Allowed, Conflict, Read, Write};
+
+/// Every command the dispatcher executes: the single list that RSOC reports and that says how
+/// each command behaves under each persistent reservation type ([`PrAccess`]; exceptions by
+/// field value are in [`pr_access`]).
+#[rustfmt::skip]
 pub(crate) const SUPPORTED: &[OpEntry] = &[
-    OpEntry {
-        op: TEST_UNIT_READY,
-        sa: None,
-        usage: &[TEST_UNIT_READY, 0, 0, 0, 0, C],
-    },
-    OpEntry {
-        op: REQUEST_SENSE,
-        sa: None,
-        usage: &[REQUEST_SENSE, 0x01, 0, 0, 0xFF, C],
-    },
-    OpEntry {
-        op: READ_6,
-        sa: None,
-        usage: &[READ_6, 0x1F, 0xFF, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: WRITE_6,
-        sa: None,
-        usage: &[WRITE_6, 0x1F, 0xFF, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: INQUIRY,
-        sa: None,
-        usage: &[INQUIRY, 0x03, 0xFF, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: MODE_SELECT_6,
-        sa: None,
-        usage: &[MODE_SELECT_6, 0x11, 0, 0, 0xFF, C],
-    },
-    OpEntry {
-        op: RESERVE_6,
-        sa: None,
-        usage: &[RESERVE_6, 0, 0, 0, 0, C],
-    },
-    OpEntry {
-        op: RELEASE_6,
-        sa: None,
-        usage: &[RELEASE_6, 0, 0, 0, 0, C],
-    },
-    OpEntry {
-        op: MODE_SENSE_6,
-        sa: None,
-        usage: &[MODE_SENSE_6, 0x08, 0xFF, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: START_STOP_UNIT,
-        sa: None,
-        usage: &[START_STOP_UNIT, 0x01, 0, 0x0F, 0xF7, C],
-    },
-    OpEntry {
-        op: PREVENT_ALLOW_MEDIUM_REMOVAL,
-        sa: None,
-        usage: &[PREVENT_ALLOW_MEDIUM_REMOVAL, 0, 0, 0, 0x03, C],
-    },
-    OpEntry {
-        op: READ_CAPACITY_10,
-        sa: None,
-        usage: &[READ_CAPACITY_10, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0x01, C],
-    },
-    OpEntry {
-        op: READ_10,
-        sa: None,
-        usage: &[READ_10, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: WRITE_10,
-        sa: None,
-        usage: &[WRITE_10, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: WRITE_AND_VERIFY_10,
-        sa: None,
-        usage: &[
-            WRITE_AND_VERIFY_10,
-            0xF2,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            0xFF,
-            0xFF,
-            C,
-        ],
-    },
-    OpEntry {
-        op: VERIFY_10,
-        sa: None,
-        usage: &[VERIFY_10, 0xF6, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: SYNCHRONIZE_CACHE_10,
-        sa: None,
-        usage: &[
-            SYNCHRONIZE_CACHE_10,
-            0x02,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            0xFF,
-            0xFF,
-            C,
-        ],
-    },
-    OpEntry {
-        op: WRITE_SAME_10,
-        sa: None,
-        usage: &[
-            WRITE_SAME_10,
-            0xE8,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            0xFF,
-            0xFF,
-            C,
-        ],
-    },
-    OpEntry {
-        op: UNMAP,
-        sa: None,
-        usage: &[UNMAP, 0x01, 0, 0, 0, 0, 0, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: MODE_SELECT_10,
-        sa: None,
-        usage: &[MODE_SELECT_10, 0x11, 0, 0, 0, 0, 0, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: RESERVE_10,
-        sa: None,
-        usage: &[RESERVE_10, 0x12, 0, 0, 0, 0, 0, 0, 0, C],
-    },
-    OpEntry {
-        op: RELEASE_10,
-        sa: None,
-        usage: &[RELEASE_10, 0x12, 0, 0, 0, 0, 0, 0, 0, C],
-    },
-    OpEntry {
-        op: MODE_SENSE_10,
-        sa: None,
-        usage: &[MODE_SENSE_10, 0x18, 0xFF, 0xFF, 0, 0, 0, 0xFF, 0xFF, C],
-    },
-    OpEntry {
-        op: READ_16,
-        sa: None,
-        usage: &[
-            READ_16, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,
-            0, C,
-        ],
-    },
-    OpEntry {
-        op: COMPARE_AND_WRITE,
-        sa: None,
-        usage: &[
-            COMPARE_AND_WRITE,
-            0xF8,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            0,
-            0,
-            0xFF,
-            0,
-            C,
-        ],
-    },
-    OpEntry {
-        op: WRITE_16,
-        sa: None,
-        usage: &[
-            WRITE_16, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,
-            0, C,
-        ],
-    },
-    OpEntry {
-        op: WRITE_AND_VERIFY_16,
-        sa: None,
-        usage: &[
-            WRITE_AND_VERIFY_16,
-            0xF2,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            C,
-        ],
-    },
-    OpEntry {
-        op: VERIFY_16,
-        sa: None,
-        usage: &[
-            VERIFY_16, 0xF6, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,
-            0xFF, 0, C,
-        ],
-    },
-    OpEntry {
-        op: SYNCHRONIZE_CACHE_16,
-        sa: None,
-        usage: &[
-            SYNCHRONIZE_CACHE_16,
-            0x02,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            C,
-        ],
-    },
-    OpEntry {
-        op: WRITE_SAME_16,
-        sa: None,
-        usage: &[
-            WRITE_SAME_16,
-            0xE9,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            C,
-        ],
-    },
-    OpEntry {
-        op: SERVICE_ACTION_IN_16,
-        sa: Some(SAI_READ_CAPACITY_16),
-        usage: &[
-            SERVICE_ACTION_IN_16,
-            0x1F,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0x01,
-            C,
-        ],
-    },
-    OpEntry {
-        op: SERVICE_ACTION_IN_16,
-        sa: Some(SAI_GET_LBA_STATUS),
-        usage: &[
-            SERVICE_ACTION_IN_16,
-            0x1F,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            C,
-        ],
-    },
-    OpEntry {
-        op: REPORT_LUNS,
-        sa: None,
-        usage: &[REPORT_LUNS, 0, 0xFF, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, C],
-    },
-    OpEntry {
-        op: MAINTENANCE_IN,
-        sa: Some(MI_REPORT_SUPPORTED_OPCODES),
-        usage: &[
-            MAINTENANCE_IN,
-            0x1F,
-            0x87,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            C,
-        ],
-    },
-    OpEntry {
-        op: READ_12,
-        sa: None,
-        usage: &[
-            READ_12, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C,
-        ],
-    },
-    OpEntry {
-        op: WRITE_12,
-        sa: None,
-        usage: &[
-            WRITE_12, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C,
-        ],
-    },
-    OpEntry {
-        op: WRITE_AND_VERIFY_12,
-        sa: None,
-        usage: &[
-            WRITE_AND_VERIFY_12,
-            0xF2,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-            0,
-            C,
-        ],
-    },
-    OpEntry {
-        op: VERIFY_12,
-        sa: None,
-        usage: &[
-            VERIFY_12, 0xF6, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C,
-        ],
-    },
+    e(TEST_UNIT_READY, None, Allowed, &[TEST_UNIT_READY, 0, 0, 0, 0, C]),
+    e(REQUEST_SENSE, None, Allowed, &[REQUEST_SENSE, 0x01, 0, 0, 0xFF, C]),
+    e(READ_6, None, Read, &[READ_6, 0x1F, 0xFF, 0xFF, 0xFF, C]),
+    e(WRITE_6, None, Write, &[WRITE_6, 0x1F, 0xFF, 0xFF, 0xFF, C]),
+    e(INQUIRY, None, Allowed, &[INQUIRY, 0x03, 0xFF, 0xFF, 0xFF, C]),
+    e(MODE_SELECT_6, None, Write, &[MODE_SELECT_6, 0x11, 0, 0, 0xFF, C]),
+    e(RESERVE_6, None, Conflict, &[RESERVE_6, 0, 0, 0, 0, C]),
+    e(RELEASE_6, None, Conflict, &[RELEASE_6, 0, 0, 0, 0, C]),
+    e(MODE_SENSE_6, None, Allowed, &[MODE_SENSE_6, 0x08, 0xFF, 0xFF, 0xFF, C]),
+    e(START_STOP_UNIT, None, Write, &[START_STOP_UNIT, 0x01, 0, 0x0F, 0xF7, C]),
+    e(PREVENT_ALLOW_MEDIUM_REMOVAL, None, Write, &[PREVENT_ALLOW_MEDIUM_REMOVAL, 0, 0, 0, 0x03, C]),
+    e(READ_CAPACITY_10, None, Allowed, &[READ_CAPACITY_10, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0x01, C]),
+    e(READ_10, None, Read, &[READ_10, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C]),
+    e(WRITE_10, None, Write, &[WRITE_10, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C]),
+    e(WRITE_AND_VERIFY_10, None, Write, &[WRITE_AND_VERIFY_10, 0xF2, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C]),
+    e(VERIFY_10, None, Read, &[VERIFY_10, 0xF6, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C]),
+    e(PRE_FETCH_10, None, Read, &[PRE_FETCH_10, 0x02, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C]),
+    e(SYNCHRONIZE_CACHE_10, None, Write, &[SYNCHRONIZE_CACHE_10, 0x02, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C]),
+    e(READ_DEFECT_DATA_10, None, Read, &[READ_DEFECT_DATA_10, 0, 0x1F, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(WRITE_SAME_10, None, Write, &[WRITE_SAME_10, 0xE8, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0xFF, 0xFF, C]),
+    e(UNMAP, None, Write, &[UNMAP, 0x01, 0, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(SANITIZE, Some(SA_SANITIZE_BLOCK_ERASE), Write, &[SANITIZE, 0xBF, 0, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(SANITIZE, Some(SA_SANITIZE_CRYPTO_ERASE), Write, &[SANITIZE, 0xBF, 0, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(SANITIZE, Some(SA_SANITIZE_EXIT_FAILURE_MODE), Write, &[SANITIZE, 0xBF, 0, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(MODE_SELECT_10, None, Write, &[MODE_SELECT_10, 0x11, 0, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(RESERVE_10, None, Conflict, &[RESERVE_10, 0x12, 0, 0, 0, 0, 0, 0, 0, C]),
+    e(RELEASE_10, None, Conflict, &[RELEASE_10, 0x12, 0, 0, 0, 0, 0, 0, 0, C]),
+    e(MODE_SENSE_10, None, Allowed, &[MODE_SENSE_10, 0x18, 0xFF, 0xFF, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_IN, Some(PRIN_READ_KEYS), Allowed, &[PERSISTENT_RESERVE_IN, 0x1F, 0, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_IN, Some(PRIN_READ_RESERVATION), Allowed, &[PERSISTENT_RESERVE_IN, 0x1F, 0, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_IN, Some(PRIN_REPORT_CAPABILITIES), Allowed, &[PERSISTENT_RESERVE_IN, 0x1F, 0, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_IN, Some(PRIN_READ_FULL_STATUS), Allowed, &[PERSISTENT_RESERVE_IN, 0x1F, 0, 0, 0, 0, 0, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_OUT, Some(PROUT_REGISTER), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_OUT, Some(PROUT_RESERVE), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_OUT, Some(PROUT_RELEASE), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_OUT, Some(PROUT_CLEAR), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_OUT, Some(PROUT_PREEMPT), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_OUT, Some(PROUT_PREEMPT_AND_ABORT), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_OUT, Some(PROUT_REGISTER_AND_IGNORE), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
+    e(PERSISTENT_RESERVE_OUT, Some(PROUT_REGISTER_AND_MOVE), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
+    e(READ_16, None, Read, &[READ_16, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(COMPARE_AND_WRITE, None, Write, &[COMPARE_AND_WRITE, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0xFF, 0, C]),
+    e(WRITE_16, None, Write, &[WRITE_16, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(ORWRITE_16, None, Write, &[ORWRITE_16, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(WRITE_AND_VERIFY_16, None, Write, &[WRITE_AND_VERIFY_16, 0xF2, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(VERIFY_16, None, Read, &[VERIFY_16, 0xF6, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(PRE_FETCH_16, None, Read, &[PRE_FETCH_16, 0x02, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(SYNCHRONIZE_CACHE_16, None, Write, &[SYNCHRONIZE_CACHE_16, 0x02, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(WRITE_SAME_16, None, Write, &[WRITE_SAME_16, 0xE9, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(WRITE_ATOMIC_16, None, Write, &[WRITE_ATOMIC_16, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0xFF, 0xFF, 0, C]),
+    e(SERVICE_ACTION_IN_16, Some(SAI_READ_CAPACITY_16), Allowed, &[SERVICE_ACTION_IN_16, 0x1F, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0x01, C]),
+    e(SERVICE_ACTION_IN_16, Some(SAI_GET_LBA_STATUS), Read, &[SERVICE_ACTION_IN_16, 0x1F, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(REPORT_LUNS, None, Allowed, &[REPORT_LUNS, 0, 0xFF, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(MAINTENANCE_IN, Some(MI_REPORT_SUPPORTED_OPCODES), Allowed, &[MAINTENANCE_IN, 0x1F, 0x87, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(READ_12, None, Read, &[READ_12, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(WRITE_12, None, Write, &[WRITE_12, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(WRITE_AND_VERIFY_12, None, Write, &[WRITE_AND_VERIFY_12, 0xF2, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(VERIFY_12, None, Read, &[VERIFY_12, 0xF6, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(READ_DEFECT_DATA_12, None, Read, &[READ_DEFECT_DATA_12, 0x1F, 0, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
 ];
+
+/// How `cdb` behaves under another I_T nexus's persistent reservation: the table entry, with
+/// the field-dependent cases of SPC-4/SBC-3 (START STOP UNIT with START=1 and PREVENT ALLOW
+/// MEDIUM REMOVAL with PREVENT=00b are allowed).
+pub(crate) fn pr_access(cdb: Cdb<'_>) -> PrAccess {
+    let op = cdb.op();
+    match op {
+        START_STOP_UNIT if cdb.bit(4, 0) => return Allowed,
+        PREVENT_ALLOW_MEDIUM_REMOVAL if cdb.u8(4) & 0x03 == 0 => return Allowed,
+        _ => {}
+    }
+    let sa = cdb.u8(1) & 0x1F;
+    SUPPORTED
+        .iter()
+        .find(|x| x.op == op && x.sa.is_none_or(|s| s == sa))
+        .or_else(|| SUPPORTED.iter().find(|x| x.op == op))
+        .map_or(Write, |x| x.pr)
+}
 
 /// Command timeouts descriptor (SPC-4 command timeouts descriptor): no timeouts reported (zero = not specified).
 fn timeouts_descriptor(out: &mut Vec<u8>) {

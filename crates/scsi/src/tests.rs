@@ -36,6 +36,7 @@ fn cfg(bs: u32) -> LuConfig {
         vendor: "IRONSAN".into(),
         product: "RAMDISK".into(),
         revision: "0.1".into(),
+        state_dir: None,
     }
 }
 
@@ -483,12 +484,13 @@ async fn vpd_block_limits_reports_transfer_and_unmap_limits() {
     assert_eq!(p[4], 0x01); // WSNZ
     assert_eq!(p[5], 64); // MAXIMUM COMPARE AND WRITE LENGTH
     assert_eq!(&p[6..8], &8u16.to_be_bytes()); // 4 KiB granularity in 512-byte blocks
-    assert_eq!(&p[8..12], &16384u32.to_be_bytes()); // 8 MiB
+    assert_eq!(&p[8..12], &65536u32.to_be_bytes()); // 32 MiB
     assert_eq!(&p[12..16], &2048u32.to_be_bytes()); // 1 MiB
     assert_eq!(&p[20..24], &(1u32 << 20).to_be_bytes()); // 1 Mi blocks (libiscsi's ceiling)
     assert_eq!(&p[24..28], &256u32.to_be_bytes());
     assert_eq!(&p[28..32], &8u32.to_be_bytes());
     assert_eq!(&p[36..44], &(2u64 << 20).to_be_bytes());
+    assert_eq!(&p[44..48], &2048u32.to_be_bytes()); // MAXIMUM ATOMIC TRANSFER LENGTH 1 MiB
 }
 
 #[tokio::test]
@@ -498,7 +500,8 @@ async fn vpd_block_characteristics_reports_non_rotating() {
     let p = good(&r);
     assert_eq!(p.len(), 64);
     assert_eq!(&p[..6], &[0x00, 0xB1, 0x00, 0x3C, 0x00, 0x01]);
-    assert!(p[6..].iter().all(|&b| b == 0));
+    assert_eq!(p[7], 0x50); // WABEREQ=01b, WACEREQ=01b
+    assert!(p[8..].iter().all(|&b| b == 0));
 }
 
 #[tokio::test]
@@ -919,7 +922,7 @@ async fn protection_fields_are_invalid_field_bit_7() {
 #[tokio::test]
 async fn transfer_length_above_maximum_is_invalid_field() {
     let t = ram_target();
-    invalid_cdb_field(&run(&t, &cdb16(opcode::READ_16, 0, 16385)).await, 10, None);
+    invalid_cdb_field(&run(&t, &cdb16(opcode::READ_16, 0, 65537)).await, 10, None);
     invalid_cdb_field(
         &run(&t, &cdb12(opcode::READ_12, 0, u32::MAX)).await,
         6,
@@ -1149,8 +1152,11 @@ async fn mode_sense_changeable_and_default_values() {
     let mut cdb = mode_sense6(0x48, 255); // changeable, caching
     cdb[1] = 0x08;
     assert_eq!(&good(&run(&t, &cdb).await)[4..], &caching(true)[..]);
-    cdb[2] = 0x4A; // changeable, control: nothing changeable
-    assert_eq!(&good(&run(&t, &cdb).await)[6..], &[0u8; 10][..]);
+    cdb[2] = 0x4A; // changeable, control: only SWP
+    assert_eq!(
+        &good(&run(&t, &cdb).await)[6..],
+        &[0, 0, 0x08, 0, 0, 0, 0, 0, 0, 0][..]
+    );
     cdb[2] = 0x88; // default caching: WCE from config
     assert_eq!(&good(&run(&t, &cdb).await)[4..], &caching(true)[..]);
 }
@@ -1326,12 +1332,16 @@ async fn no_unit_attention_at_first_contact() {
 }
 
 #[tokio::test]
-async fn lun_reset_raises_power_on_reset_for_other_nexuses_only() {
+async fn lun_reset_raises_power_on_reset_once_per_nexus() {
     let t = ram_target();
     let (n1, n2) = (nexus(1), nexus(2));
     good(&run_on(&t, 0, &n1, &[0; 6], &[]).await);
     good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
     t.lun(0).unwrap().reset(&n1);
+    assert_eq!(
+        sense(&run_on(&t, 0, &n1, &[0; 6], &[]).await),
+        (0x6, 0x29, 0x00)
+    );
     good(&run_on(&t, 0, &n1, &[0; 6], &[]).await);
     // REPORT LUNS does not consume it either.
     good(&run_on(&t, 0, &n2, &[0xA0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0], &[]).await);
@@ -1460,7 +1470,7 @@ async fn random_cdbs_never_panic_and_keep_the_response_contract() {
                 assert_eq!(s.len(), 18);
                 assert!(r.data_in.is_empty());
             }
-            Status::RESERVATION_CONFLICT => assert!(r.sense.is_none()),
+            Status::RESERVATION_CONFLICT | Status::CONDITION_MET => assert!(r.sense.is_none()),
             other => panic!("unexpected status {other:?} for {cdb:02x?}"),
         }
         assert!(r.data_in.len() <= MAX_TRANSFER_BYTES as usize);
@@ -1673,14 +1683,17 @@ async fn unmap_on_read_only_lu_is_write_protected() {
 }
 
 #[tokio::test]
-async fn get_lba_status_reports_rest_of_medium_mapped() {
+async fn get_lba_status_reports_rest_of_medium_by_allocation() {
     let t = ram_target();
     let mut c = cdb16(0x9E, 100, 1024);
     c[1] = 0x12;
     let mut want = vec![0, 0, 0, 20, 0, 0, 0, 0];
     want.extend_from_slice(&100u64.to_be_bytes());
     want.extend_from_slice(&1948u32.to_be_bytes());
-    want.extend_from_slice(&[0; 4]);
+    want.extend_from_slice(&[1, 0, 0, 0]); // never written: deallocated
+    assert_eq!(good(&run(&t, &c).await), &want[..]);
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 0, 1), &[1u8; 512]).await);
+    want[20] = 0; // the 1 MiB RAM chunk holding it is now allocated
     assert_eq!(good(&run(&t, &c).await), &want[..]);
     let mut c = cdb16(0x9E, 2048, 1024);
     c[1] = 0x12;
@@ -1876,6 +1889,8 @@ async fn reservation_is_released_by_lun_reset_and_nexus_loss() {
     let (n1, n2) = (nexus(1), nexus(2));
     good(&run_on(&t, 0, &n1, &[0x16, 0, 0, 0, 0, 0], &[]).await);
     t.lun(0).unwrap().reset(&n1);
+    clear_uas(&t, &n1).await;
+    clear_uas(&t, &n2).await;
     good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
     good(&run_on(&t, 0, &n1, &[0x16, 0, 0, 0, 0, 0], &[]).await);
     t.nexus_lost(1);
@@ -1912,4 +1927,306 @@ async fn write_and_verify_writes_then_compares_with_bytchk() {
         sense(&run_data(&t, &c, &[1; 1024]).await),
         (ILLEGAL, 0x21, 0x00)
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Persistent reservations, SANITIZE, ORWRITE, WRITE ATOMIC, PRE-FETCH, READ DEFECT DATA
+// ---------------------------------------------------------------------------------------------
+
+fn prout(sa: u8, ptype: u8) -> Vec<u8> {
+    let mut c = vec![0u8; 10];
+    c[0] = opcode::PERSISTENT_RESERVE_OUT;
+    c[1] = sa;
+    c[2] = ptype;
+    c[8] = 24;
+    c
+}
+
+fn prout_params(rk: u64, sark: u64, aptpl: bool) -> Vec<u8> {
+    let mut p = vec![0u8; 24];
+    p[0..8].copy_from_slice(&rk.to_be_bytes());
+    p[8..16].copy_from_slice(&sark.to_be_bytes());
+    p[20] = u8::from(aptpl);
+    p
+}
+
+fn prin(sa: u8) -> Vec<u8> {
+    let mut c = vec![0u8; 10];
+    c[0] = opcode::PERSISTENT_RESERVE_IN;
+    c[1] = sa;
+    c[7] = 0x10;
+    c
+}
+
+async fn register(t: &Target, n: &Nexus, key: u64) {
+    let r = run_on(t, 0, n, &prout(0x06, 0), &prout_params(0, key, false)).await;
+    good(&r);
+}
+
+async fn clear_uas(t: &Target, n: &Nexus) {
+    while run_on(t, 0, n, &[0; 6], &[]).await.status != Status::GOOD {}
+}
+
+#[tokio::test]
+async fn pr_register_read_keys_and_generation() {
+    let t = ram_target();
+    let (a, b) = (nexus(1), nexus(2));
+    register(&t, &a, 0xAA).await;
+    register(&t, &b, 0xBB).await;
+    let r = run_on(&t, 0, &a, &prin(0x00), &[]).await;
+    let d = good(&r);
+    assert_eq!(&d[0..4], &2u32.to_be_bytes()); // PRGENERATION
+    assert_eq!(&d[4..8], &16u32.to_be_bytes());
+    assert_eq!(&d[8..16], &0xAAu64.to_be_bytes());
+    assert_eq!(&d[16..24], &0xBBu64.to_be_bytes());
+    // REGISTER with a wrong key conflicts.
+    let r = run_on(&t, 0, &a, &prout(0x00, 0), &prout_params(0x1, 0xCC, false)).await;
+    assert_eq!(r.status, Status::RESERVATION_CONFLICT);
+}
+
+#[tokio::test]
+async fn pr_exclusive_access_blocks_reads_and_writes_of_others() {
+    let t = ram_target();
+    let (a, b) = (nexus(1), nexus(2));
+    register(&t, &a, 0xAA).await;
+    good(&run_on(&t, 0, &a, &prout(0x01, 0x03), &prout_params(0xAA, 0, false)).await);
+    let read = cdb10(opcode::READ_10, 0, 1);
+    good(&run_on(&t, 0, &a, &read, &[]).await);
+    assert_eq!(
+        run_on(&t, 0, &b, &read, &[]).await.status,
+        Status::RESERVATION_CONFLICT
+    );
+    // INQUIRY and PRIN stay allowed.
+    good(&run_on(&t, 0, &b, &inquiry(false, 0, 96), &[]).await);
+    good(&run_on(&t, 0, &b, &prin(0x01), &[]).await);
+    let rr = run_on(&t, 0, &b, &prin(0x01), &[]).await;
+    assert_eq!(&good(&rr)[8..16], &0xAAu64.to_be_bytes());
+    assert_eq!(good(&rr)[21], 0x03);
+}
+
+#[tokio::test]
+async fn pr_write_exclusive_registrants_only_lets_registered_nexus_write() {
+    let t = ram_target();
+    let (a, b, c) = (nexus(1), nexus(2), nexus(3));
+    register(&t, &a, 0xAA).await;
+    register(&t, &b, 0xBB).await;
+    good(&run_on(&t, 0, &a, &prout(0x01, 0x05), &prout_params(0xAA, 0, false)).await);
+    let w = cdb10(opcode::WRITE_10, 0, 1);
+    good(&run_on(&t, 0, &b, &w, &[0u8; 512]).await);
+    assert_eq!(
+        run_on(&t, 0, &c, &w, &[0u8; 512]).await.status,
+        Status::RESERVATION_CONFLICT
+    );
+    good(&run_on(&t, 0, &c, &cdb10(opcode::READ_10, 0, 1), &[]).await);
+}
+
+#[tokio::test]
+async fn pr_release_with_wrong_type_is_invalid_release() {
+    let t = ram_target();
+    let a = nexus(1);
+    register(&t, &a, 0xAA).await;
+    good(&run_on(&t, 0, &a, &prout(0x01, 0x01), &prout_params(0xAA, 0, false)).await);
+    let r = run_on(&t, 0, &a, &prout(0x02, 0x03), &prout_params(0xAA, 0, false)).await;
+    assert_eq!(sense(&r), (0x05, 0x26, 0x04));
+}
+
+#[tokio::test]
+async fn pr_preempt_and_abort_removes_registration_queues_abort_and_ua() {
+    let t = ram_target();
+    let (a, b) = (nexus(1), nexus(2));
+    register(&t, &a, 0xAA).await;
+    register(&t, &b, 0xBB).await;
+    good(&run_on(&t, 0, &a, &prout(0x01, 0x03), &prout_params(0xAA, 0, false)).await);
+    good(
+        &run_on(
+            &t,
+            0,
+            &b,
+            &prout(0x05, 0x03),
+            &prout_params(0xBB, 0xAA, false),
+        )
+        .await,
+    );
+    let lu = t.lun(0).unwrap();
+    let aborts = lu.take_pr_aborts();
+    assert_eq!(aborts.len(), 1);
+    assert_eq!(aborts[0].0, a.initiator_port);
+    assert!(lu.take_pr_aborts().is_empty());
+    let r = run_on(&t, 0, &a, &[0; 6], &[]).await;
+    assert_eq!(sense(&r), (0x06, 0x2A, 0x05)); // REGISTRATIONS PREEMPTED
+    let rr = run_on(&t, 0, &b, &prin(0x01), &[]).await;
+    assert_eq!(&good(&rr)[8..16], &0xBBu64.to_be_bytes());
+}
+
+#[tokio::test]
+async fn pr_clear_removes_everything_and_reports_reservations_preempted() {
+    let t = ram_target();
+    let (a, b) = (nexus(1), nexus(2));
+    register(&t, &a, 0xAA).await;
+    register(&t, &b, 0xBB).await;
+    clear_uas(&t, &b).await;
+    good(&run_on(&t, 0, &a, &prout(0x03, 0), &prout_params(0xAA, 0, false)).await);
+    let r = run_on(&t, 0, &b, &[0; 6], &[]).await;
+    assert_eq!(sense(&r), (0x06, 0x2A, 0x03));
+    let r = run_on(&t, 0, &a, &prin(0x00), &[]).await;
+    assert_eq!(&good(&r)[4..8], &0u32.to_be_bytes());
+}
+
+#[tokio::test]
+async fn pr_aptpl_without_state_dir_is_refused_and_with_one_survives_restart() {
+    let t = ram_target();
+    let r = run_on(
+        &t,
+        0,
+        &nexus(1),
+        &prout(0x06, 0),
+        &prout_params(0, 0xAA, true),
+    )
+    .await;
+    invalid_param_field(&r, 20, Some(0));
+
+    let dir = std::env::temp_dir().join(format!("ironsan-pr-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let c = LuConfig {
+        state_dir: Some(dir.clone()),
+        ..cfg(512)
+    };
+    let backend: Arc<dyn BlockDevice> = Arc::new(RamBackend::new(1 << 20));
+    let t = target_over(Arc::clone(&backend), c.clone());
+    let a = nexus(1);
+    good(&run_on(&t, 0, &a, &prout(0x06, 0), &prout_params(0, 0xAA, true)).await);
+    good(&run_on(&t, 0, &a, &prout(0x01, 0x01), &prout_params(0xAA, 0, false)).await);
+    assert!(dir.join(PR_STATE_FILE).exists());
+    drop(t);
+    let t = target_over(backend, c);
+    let rr = run_on(&t, 0, &nexus(2), &prin(0x01), &[]).await;
+    let d = good(&rr);
+    assert_eq!(&d[8..16], &0xAAu64.to_be_bytes());
+    assert_eq!(d[21], 0x01);
+    let caps = run_on(&t, 0, &a, &prin(0x02), &[]).await;
+    assert_eq!(good(&caps)[2] & 0x01, 0x01); // PTPL_C
+    assert_eq!(good(&caps)[3] & 0x01, 0x01); // PTPL_A
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn lun_reset_reports_unit_attention_to_every_nexus_including_the_requester() {
+    let t = ram_target();
+    let (a, b) = (nexus(1), nexus(2));
+    good(&run_on(&t, 0, &a, &[0; 6], &[]).await);
+    good(&run_on(&t, 0, &b, &[0; 6], &[]).await);
+    t.lun(0).unwrap().reset(&a);
+    assert_eq!(
+        sense(&run_on(&t, 0, &a, &[0; 6], &[]).await),
+        (0x06, 0x29, 0x00)
+    );
+    assert_eq!(
+        sense(&run_on(&t, 0, &b, &[0; 6], &[]).await),
+        (0x06, 0x29, 0x00)
+    );
+}
+
+#[tokio::test]
+async fn compare_and_write_zero_blocks_with_data_is_invalid_field() {
+    let t = ram_target();
+    let mut c = cdb16(opcode::COMPARE_AND_WRITE, 0, 0);
+    c[13] = 0;
+    let r = run_data(&t, &c, &[0u8; 1024]).await;
+    invalid_cdb_field(&r, 13, None);
+    good(&run_data(&t, &c, &[]).await);
+}
+
+#[tokio::test]
+async fn orwrite_ors_data_into_the_medium() {
+    let t = ram_target();
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 3, 1), &[0x0Fu8; 512]).await);
+    good(&run_data(&t, &cdb16(opcode::ORWRITE_16, 3, 1), &[0xF0u8; 512]).await);
+    let r = run(&t, &cdb10(opcode::READ_10, 3, 1)).await;
+    assert!(good(&r).iter().all(|&b| b == 0xFF));
+    let r = run_data(&t, &cdb16(opcode::ORWRITE_16, 2048, 1), &[0u8; 512]).await;
+    assert_eq!(sense(&r), (0x05, 0x21, 0x00));
+}
+
+#[tokio::test]
+async fn write_atomic_writes_and_refuses_atomic_boundary() {
+    let t = ram_target();
+    let mut c = vec![0u8; 16];
+    c[0] = opcode::WRITE_ATOMIC_16;
+    c[13] = 2;
+    good(&run_data(&t, &c, &[7u8; 1024]).await);
+    let r = run(&t, &cdb10(opcode::READ_10, 0, 2)).await;
+    assert!(good(&r).iter().all(|&b| b == 7));
+    c[11] = 1; // ATOMIC BOUNDARY
+    invalid_cdb_field(&run_data(&t, &c, &[7u8; 1024]).await, 10, None);
+}
+
+#[tokio::test]
+async fn pre_fetch_is_condition_met_and_range_checked() {
+    let t = ram_target();
+    let r = run(&t, &cdb10(opcode::PRE_FETCH_10, 0, 16)).await;
+    assert_eq!(r.status, Status::CONDITION_MET);
+    let r = run(&t, &cdb16(opcode::PRE_FETCH_16, 2040, 16)).await;
+    assert_eq!(sense(&r), (0x05, 0x21, 0x00));
+}
+
+#[tokio::test]
+async fn read_defect_data_is_an_empty_list() {
+    let t = ram_target();
+    let mut c = vec![0u8; 10];
+    c[0] = opcode::READ_DEFECT_DATA_10;
+    c[2] = 0x0C | 0x04;
+    c[8] = 4;
+    assert_eq!(good(&run(&t, &c).await), &[0, 0x0C | 0x04, 0, 0]);
+}
+
+#[tokio::test]
+async fn sanitize_block_erase_deallocates_everything_and_get_lba_status_says_so() {
+    let t = ram_target();
+    good(&run_data(&t, &cdb10(opcode::WRITE_10, 0, 4), &[1u8; 2048]).await);
+    let mut gls = cdb16(opcode::SERVICE_ACTION_IN_16, 0, 0);
+    gls[1] = opcode::SAI_GET_LBA_STATUS;
+    gls[13] = 64;
+    let r = run(&t, &gls).await;
+    assert_eq!(good(&r)[20], 0, "mapped before SANITIZE");
+    let mut c = vec![0u8; 10];
+    c[0] = opcode::SANITIZE;
+    c[1] = opcode::SA_SANITIZE_BLOCK_ERASE;
+    good(&run(&t, &c).await);
+    let r = run(&t, &cdb10(opcode::READ_10, 0, 4)).await;
+    assert!(good(&r).iter().all(|&b| b == 0));
+    let r = run(&t, &gls).await;
+    let d = good(&r);
+    assert_eq!(&d[8..16], &0u64.to_be_bytes());
+    assert_eq!(&d[16..20], &2048u32.to_be_bytes());
+    assert_eq!(d[20], 1, "deallocated after SANITIZE");
+    c[1] = opcode::SA_SANITIZE_OVERWRITE;
+    invalid_cdb_field(&run(&t, &c).await, 1, Some(4));
+}
+
+#[tokio::test]
+async fn software_write_protect_refuses_writes_until_cleared() {
+    let t = ram_target();
+    let (a, b) = (nexus(1), nexus(2));
+    good(&run_on(&t, 0, &b, &[0; 6], &[]).await);
+    // MODE SELECT(6) control page with SWP=1.
+    let mut page = vec![0u8; 4 + 12];
+    page[4] = 0x0A;
+    page[5] = 0x0A;
+    page[6] = 0x02;
+    page[7] = 0x10;
+    page[8] = 0x08;
+    let sel = [opcode::MODE_SELECT_6, 0x10, 0, 0, 16, 0];
+    good(&run_on(&t, 0, &a, &sel, &page).await);
+    let w = cdb10(opcode::WRITE_10, 0, 1);
+    assert_eq!(
+        sense(&run_on(&t, 0, &a, &w, &[0u8; 512]).await),
+        (0x07, 0x27, 0x00)
+    );
+    assert_eq!(
+        sense(&run_on(&t, 0, &b, &[0; 6], &[]).await),
+        (0x06, 0x2A, 0x01)
+    );
+    page[8] = 0;
+    good(&run_on(&t, 0, &a, &sel, &page).await);
+    good(&run_on(&t, 0, &a, &w, &[0u8; 512]).await);
 }

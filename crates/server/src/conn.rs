@@ -745,7 +745,9 @@ impl Connection {
         slot: Slot,
     ) {
         let session = Arc::clone(&self.session);
+        let shared = Arc::clone(&self.shared);
         let tx = self.tx.clone();
+        let scmd_op = cdb.first().copied().unwrap_or(0);
         let max_xmit = self.params.max_xmit_data_segment_length;
         let max_burst = session.params.max_burst_length;
         let lun = cmd.lun.number().unwrap_or(u64::MAX);
@@ -771,6 +773,9 @@ impl Connection {
                 // Whoever removes the entry owns the completion: TMF or us, never both.
                 if session.running().remove(&itt).is_none() {
                     return;
+                }
+                if scmd_op == ironsan_scsi::opcode::PERSISTENT_RESERVE_OUT {
+                    abort_preempted(&shared, &target, lun);
                 }
                 let pdus =
                     response_pdus(&cmd, resp, write_needed, exp_data_sn, max_xmit, max_burst);
@@ -1098,6 +1103,31 @@ impl Connection {
             }
         }
         out
+    }
+}
+
+/// PREEMPT AND ABORT (SPC-4): the SCSI layer names the I_T nexuses whose tasks on the LUN
+/// must be aborted; find their sessions and abort those tasks (no responses are sent for them).
+fn abort_preempted(shared: &Shared, target: &TargetDef, lun: u64) {
+    let Some(lu) = target.scsi.lun(lun) else {
+        return;
+    };
+    let victims = lu.take_pr_aborts();
+    if victims.is_empty() {
+        return;
+    }
+    let sessions = shared
+        .sessions
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .of_target(&target.name);
+    for s in sessions {
+        let hit = victims
+            .iter()
+            .any(|(i, t)| *i == s.nexus.initiator_port && *t == s.nexus.target_port);
+        if hit {
+            s.abort_where(|_, r| r.lun == lun);
+        }
     }
 }
 
