@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The one test command (README, CI via .ci/run):
+#
+#   scripts/test.sh            deps, fmt, clippy, release build, tests, conformance
+#   scripts/test.sh --quick    the same without fmt/clippy/shellcheck
+#   scripts/test.sh --long     also run long soak modes (IRONSAN_LONG=1)
+#
+# Stops at the first failing step with a non-zero exit status.
+#
+# The workspace tests run with IRONSAN_REQUIRE_TOOLS=1: tests that drive
+# external initiators (iscsi-test-cu, qemu-img, ...) fail instead of
+# skipping when a tool is missing, so a broken install cannot turn into a
+# quietly green run. IRONSAN_BIN points them at the release binary built here.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+QUICK=0
+for arg in "$@"; do
+    case $arg in
+        --quick) QUICK=1 ;;
+        --long) export IRONSAN_LONG=1 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
+        *) echo "test.sh: unknown argument: $arg (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+# cargo may not be on PATH in a non-login shell (CI, sudo).
+if ! command -v cargo >/dev/null 2>&1 && [[ -f ${HOME:-/root}/.cargo/env ]]; then
+    # shellcheck source=/dev/null
+    . "${HOME:-/root}/.cargo/env"
+fi
+
+START=$(date +%s)
+SECTION=""
+SECTION_START=$START
+
+fmt_secs() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+
+end_section() {
+    if [[ -n $SECTION ]]; then
+        printf '    (%s: %s)\n' "$SECTION" "$(fmt_secs $(($(date +%s) - SECTION_START)))"
+    fi
+}
+
+section() {
+    end_section
+    SECTION=$1
+    SECTION_START=$(date +%s)
+    printf '\n==== %s ====\n' "$SECTION"
+}
+
+on_exit() {
+    local rc=$?
+    local total
+    total=$(fmt_secs $(($(date +%s) - START)))
+    if [[ $rc -eq 0 ]]; then
+        end_section
+        printf '\n==== ALL PASSED (total %s) ====\n' "$total"
+    else
+        printf '\n==== FAILED in step "%s" (exit %d, total %s) ====\n' "$SECTION" "$rc" "$total"
+    fi
+}
+trap on_exit EXIT
+
+TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
+
+section "install dependencies"
+bash scripts/install-deps.sh
+
+if [[ $QUICK -eq 0 ]]; then
+    section "cargo fmt --check"
+    cargo fmt --all -- --check
+
+    section "cargo clippy"
+    cargo clippy --workspace --all-targets -- -D warnings
+
+    section "shellcheck"
+    # Gate on warnings and errors; info-level notes (e.g. SC2317 "unreachable"
+    # for functions only called from traps) are advice, not defects.
+    shellcheck -S warning scripts/*.sh bench/*.sh .ci/run
+fi
+
+section "cargo build --release"
+cargo build --release
+
+section "cargo test --workspace --release"
+IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" \
+    cargo test --workspace --release
+
+section "conformance (iscsi-test-cu)"
+# The report parser guards the verdict, so check it can still fail first.
+python3 scripts/cunit_report.py --self-test
+IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/conformance.sh
