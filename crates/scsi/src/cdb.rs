@@ -36,6 +36,8 @@ pub mod opcode {
     pub const MODE_SENSE_10: u8 = 0x5A;
     pub const PERSISTENT_RESERVE_IN: u8 = 0x5E;
     pub const PERSISTENT_RESERVE_OUT: u8 = 0x5F;
+    pub const EXTENDED_COPY: u8 = 0x83;
+    pub const RECEIVE_COPY_RESULTS: u8 = 0x84;
     pub const READ_16: u8 = 0x88;
     pub const COMPARE_AND_WRITE: u8 = 0x89;
     pub const WRITE_16: u8 = 0x8A;
@@ -74,6 +76,11 @@ pub mod opcode {
     pub const PROUT_PREEMPT_AND_ABORT: u8 = 0x05;
     pub const PROUT_REGISTER_AND_IGNORE: u8 = 0x06;
     pub const PROUT_REGISTER_AND_MOVE: u8 = 0x07;
+    /// EXTENDED COPY service action (SPC-4: LID1; LID4 is 01h and not supported).
+    pub const SA_EXTENDED_COPY_LID1: u8 = 0x00;
+    /// RECEIVE COPY RESULTS service actions (SPC-4, LID1).
+    pub const SA_RCR_COPY_STATUS: u8 = 0x00;
+    pub const SA_RCR_OPERATING_PARAMETERS: u8 = 0x03;
     /// SANITIZE service actions (SBC-3).
     pub const SA_SANITIZE_OVERWRITE: u8 = 0x01;
     pub const SA_SANITIZE_BLOCK_ERASE: u8 = 0x02;
@@ -213,7 +220,8 @@ pub(crate) fn verify_bytchk(cdb: Cdb<'_>) -> u8 {
 /// * COMPARE AND WRITE: 2 × NUMBER OF LOGICAL BLOCKS × block size.
 /// * ORWRITE (16), WRITE ATOMIC (16): TRANSFER LENGTH × block size.
 /// * MODE SELECT(6/10), UNMAP, SANITIZE: PARAMETER LIST LENGTH.
-/// * PERSISTENT RESERVE OUT: PARAMETER LIST LENGTH (at most [`MAX_PARAMETER_LIST`]).
+/// * PERSISTENT RESERVE OUT, EXTENDED COPY: PARAMETER LIST LENGTH (at most
+///   [`MAX_PARAMETER_LIST`]).
 /// * everything else: 0.
 pub fn data_out_len(cdb: &[u8], block_size: u32) -> Result<u32, SenseReason> {
     use opcode::*;
@@ -276,6 +284,10 @@ pub fn data_out_len(cdb: &[u8], block_size: u32) -> Result<u32, SenseReason> {
         PERSISTENT_RESERVE_OUT => {
             needs_len(10)?;
             Ok(c.u32(5).min(MAX_PARAMETER_LIST))
+        }
+        EXTENDED_COPY => {
+            needs_len(16)?;
+            Ok(c.u32(10).min(MAX_PARAMETER_LIST))
         }
         _ => Ok(0),
     }

@@ -15,7 +15,13 @@
 //!   the initiator sent, as LIO does; WRITE instead writes only the whole blocks it was sent,
 //!   as libiscsi's residual tests expect), PARAMETER LIST LENGTH ERROR (1Ah/00h) for parameter lists
 //!   (MODE SELECT, UNMAP). Nothing is written in that case. If it is **longer**, only the first
-//!   bytes are used; the transport reports the residual.
+//!   bytes are used and the transport reports the residual, except for WRITE SAME and COMPARE
+//!   AND WRITE, whose buffer is one unit laid out by the CDB (one pattern block; verify half +
+//!   write half): any size other than the exact one is INVALID FIELD IN CDB, nothing written.
+//!   So pass **all** the Data-Out received (immediate and unsolicited included), not only
+//!   the first `data_out_len` bytes.
+//! * EXTENDED COPY (83h) is executed by [`Target::execute`] itself: its copy targets are the
+//!   LUs of this `Target` (named by their NAA designator), so a `Target` is the copy domain.
 //! * `data_in` is never longer than the CDB's ALLOCATION LENGTH or TRANSFER LENGTH. It may be
 //!   longer than the task's EDTL; the transport truncates and reports the overflow residual
 //!   (RFC 7143 SCSI Response residual count).
@@ -53,6 +59,9 @@
 //! * `sbc` — READ/WRITE/VERIFY/capacity/cache/provisioning commands, ORWRITE, WRITE ATOMIC,
 //!   PRE-FETCH, READ DEFECT DATA, SANITIZE.
 //! * `pr` — SPC-4 persistent reservations (PRIN/PROUT, conflicts, APTPL file).
+//! * `xcopy` — SPC-4 EXTENDED COPY (LID1) between LUs of one [`Target`], RECEIVE COPY
+//!   RESULTS, the Third-party Copy VPD page. EXTENDED COPY is executed here, at the target
+//!   level, because its copy targets are other LUs of the same target (named by their NAA).
 
 pub mod cdb;
 mod lu;
@@ -61,6 +70,7 @@ mod pr;
 mod sbc;
 pub mod sense;
 mod spc;
+mod xcopy;
 
 #[cfg(test)]
 mod tests;
@@ -321,6 +331,18 @@ impl Target {
             }
             READ_DEFECT_DATA_10 | READ_DEFECT_DATA_12 => sbc::read_defect_data(cdb),
             SANITIZE => sbc::sanitize(lu, cdb).await,
+            EXTENDED_COPY => {
+                return Ok(
+                    match xcopy::extended_copy(self, lu, nexus, cdb, &cmd.data_out).await? {
+                        xcopy::Outcome::Good => Response::good(Bytes::new()),
+                        xcopy::Outcome::ReservationConflict => {
+                            Response::status_only(Status::RESERVATION_CONFLICT)
+                        }
+                        xcopy::Outcome::Busy => Response::status_only(Status::BUSY),
+                    },
+                );
+            }
+            RECEIVE_COPY_RESULTS => xcopy::receive_copy_results(lu, nexus, cdb),
             _ => Err(SenseReason::InvalidOpcode),
         }?;
         Ok(Response::good(data))

@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
@@ -18,6 +18,15 @@ use std::task::{Context, Poll, Waker};
 pub struct LuConfig {
     /// Logical block size in bytes: 512 or 4096 (any power of two in 512..=65536 is accepted).
     pub block_size: u32,
+    /// Physical block size in bytes reported to initiators (READ CAPACITY (16) LOGICAL BLOCKS
+    /// PER PHYSICAL BLOCK EXPONENT; Block Limits optimal granularities). 0 (the default), or a
+    /// value that is not a power of two larger than `block_size`, means "same as the logical
+    /// block". 4096 with 512-byte blocks is the 512e layout: initiators align to 4 KiB (Linux
+    /// reports physical_block_size 4096), which saves the page cache a read-modify-write for
+    /// partial pages. A backend that needs a larger alignment (O_DIRECT) raises it.
+    /// Not the default because libiscsi's GetLBAStatus.UnmapSingle cannot pass with
+    /// LBPPB > 1 (see docs/ARCHITECTURE.md).
+    pub physical_block_size: u32,
     /// Refuse writes with DATA PROTECT / WRITE PROTECTED; MODE SENSE reports WP=1.
     pub read_only: bool,
     /// Initial (and default) value of WCE in the caching mode page.
@@ -47,6 +56,7 @@ impl Default for LuConfig {
     fn default() -> Self {
         LuConfig {
             block_size: 512,
+            physical_block_size: 0,
             read_only: false,
             write_cache: false,
             serial: String::new(),
@@ -95,6 +105,10 @@ pub struct LogicalUnit {
     pub(crate) pr: Mutex<PrState>,
     /// I_T nexuses whose tasks a PREEMPT AND ABORT asked the transport to abort.
     pub(crate) pr_aborts: Mutex<Vec<PortPair>>,
+    /// EXTENDED COPY commands this LU (as copy manager) runs or has results of.
+    pub(crate) copies: Mutex<crate::xcopy::CopyResults>,
+    /// EXTENDED COPY commands running now (bounded by TOTAL CONCURRENT COPIES).
+    pub(crate) copies_running: AtomicUsize,
 }
 
 /// Unit attention queue of one I_T nexus, with the port names that identify it to
@@ -150,6 +164,8 @@ impl LogicalUnit {
             prevent: Mutex::new(HashSet::new()),
             pr: Mutex::new(pr),
             pr_aborts: Mutex::new(Vec::new()),
+            copies: Mutex::new(Default::default()),
+            copies_running: AtomicUsize::new(0),
         }
     }
 
@@ -160,6 +176,21 @@ impl LogicalUnit {
     /// Logical block size in bytes.
     pub fn block_size(&self) -> u32 {
         self.block_size
+    }
+    /// Physical block size in bytes as reported (a power-of-two multiple of the logical
+    /// block, at most 2^15 of them): the configured one, raised to the backend's alignment.
+    pub fn physical_block_size(&self) -> u32 {
+        let bs = self.block_size;
+        let cfg = self.cfg.physical_block_size;
+        let cfg = if cfg.is_power_of_two() && cfg > bs {
+            cfg
+        } else {
+            bs
+        };
+        let align = self.backend.capabilities().alignment;
+        let align = if align.is_power_of_two() { align } else { 1 };
+        let p = u64::from(cfg.max(align));
+        u32::try_from(p.min(u64::from(bs) << 15)).unwrap_or(bs)
     }
     /// Current WCE (write cache enable) of the caching mode page.
     pub fn wce(&self) -> bool {
@@ -236,6 +267,7 @@ impl LogicalUnit {
     /// reservation or medium-removal prevention it held.
     pub fn nexus_lost(&self, nexus_id: u64) {
         lock(&self.ua).remove(&nexus_id);
+        lock(&self.copies).forget_nexus(nexus_id);
         lock(&self.prevent).remove(&nexus_id);
         let mut r = lock(&self.reservation);
         if *r == Some(nexus_id) {

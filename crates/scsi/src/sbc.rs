@@ -60,7 +60,7 @@ fn check_range(lu: &LogicalUnit, lba: u64, blocks: u64) -> Result<(), SenseReaso
     Ok(())
 }
 
-fn check_writable(lu: &LogicalUnit) -> Result<(), SenseReason> {
+pub(crate) fn check_writable(lu: &LogicalUnit) -> Result<(), SenseReason> {
     if lu.config().read_only || lu.swp() {
         return Err(SenseReason::WriteProtected);
     }
@@ -68,7 +68,7 @@ fn check_writable(lu: &LogicalUnit) -> Result<(), SenseReason> {
 }
 
 /// SBC-3 caching model, FUA bit: WCE=0 → durable; WCE=1 → cached unless FUA.
-fn write_mode(lu: &LogicalUnit, fua: bool) -> WriteMode {
+pub(crate) fn write_mode(lu: &LogicalUnit, fua: bool) -> WriteMode {
     if fua || !lu.wce() {
         WriteMode::Durable
     } else {
@@ -304,14 +304,9 @@ pub(crate) fn read_capacity_10(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, 
     Ok(Bytes::from(d))
 }
 
-/// LOGICAL BLOCKS PER PHYSICAL BLOCK EXPONENT from the backend's preferred alignment.
+/// LOGICAL BLOCKS PER PHYSICAL BLOCK EXPONENT ([`LogicalUnit::physical_block_size`]).
 fn lbppbe(lu: &LogicalUnit) -> u8 {
-    let align = lu.backend().capabilities().alignment;
-    if align > lu.block_size() && align.is_power_of_two() {
-        ((align / lu.block_size()).trailing_zeros() as u8).min(15)
-    } else {
-        0
-    }
+    ((lu.physical_block_size() / lu.block_size()).trailing_zeros() as u8).min(15)
 }
 
 fn unmap_supported(lu: &LogicalUnit) -> bool {
@@ -406,9 +401,10 @@ fn max_unmap_blocks(lu: &LogicalUnit) -> u64 {
     (MAX_UNMAP_BYTES / u64::from(lu.block_size())).min(1 << 20)
 }
 
+/// OPTIMAL TRANSFER LENGTH GRANULARITY and OPTIMAL UNMAP GRANULARITY: the physical block,
+/// and at least 4 KiB (the page size every backend works in).
 fn optimal_granularity(lu: &LogicalUnit) -> u32 {
-    let align = lu.backend().capabilities().alignment.max(4096);
-    (align / lu.block_size()).max(1)
+    (lu.physical_block_size().max(4096) / lu.block_size()).max(1)
 }
 
 /// Block Limits VPD page (B0h, SBC-3), page length 3Ch.
@@ -491,8 +487,16 @@ async fn write_repeated(
 
 /// SBC-3 WRITE SAME (10) / WRITE SAME (16), with UNMAP and SBC-4's NDOB.
 /// UNMAP=1 deallocates when the backend can and the block is all zeros (LBPRZ: deallocated
-/// blocks read as zeros, so the result is the same); otherwise the block is written. NUMBER OF
-/// LOGICAL BLOCKS 0 is refused (WSNZ=1), larger than MAXIMUM WRITE SAME LENGTH too.
+/// blocks read as zeros, so the result is the same); otherwise the block is written.
+/// NUMBER OF LOGICAL BLOCKS 0 is refused with INVALID FIELD IN CDB (WSNZ=1): "to the last
+/// LBA" would make one command write up to MAXIMUM WRITE SAME LENGTH, and libiscsi 1.19's
+/// WriteSame10.UnmapUntilEnd then expects UNMAP=1 with a non-zero pattern to read back zeros,
+/// which contradicts the rule below. The LBA is checked first, so an LBA past the end is LBA
+/// OUT OF RANGE even with a count of 0. A count above MAXIMUM WRITE SAME LENGTH (MAXIMUM UNMAP
+/// LBA COUNT with UNMAP=1) is INVALID FIELD IN CDB. The Data-Out buffer must
+/// be exactly one logical block (none with NDOB): any other size means the initiator and we
+/// disagree on the block size, and writing a guessed pattern over a range is refused
+/// (INVALID FIELD IN CDB at the length field).
 pub(crate) async fn write_same(
     lu: &LogicalUnit,
     cdb: Cdb<'_>,
@@ -514,23 +518,30 @@ pub(crate) async fn write_same(
     let ndob = !ten && b1 & 0x01 != 0;
     check_writable(lu)?;
     let r = block_range(cdb);
-    let blocks = u64::from(r.blocks);
     let limit = if unmap {
         max_unmap_blocks(lu)
     } else {
         max_write_same_blocks(lu)
     };
-    if blocks == 0 || blocks > limit {
+    let blocks = u64::from(r.blocks);
+    if blocks == 0 {
+        check_range(lu, r.lba, 0)?;
+        return Err(SenseReason::cdb_byte(r.len_byte));
+    }
+    if blocks > limit {
         return Err(SenseReason::cdb_byte(r.len_byte));
     }
     check_range(lu, r.lba, blocks)?;
     let bs = lu.block_size() as usize;
     let zeros;
     let pattern: &[u8] = if ndob {
+        if !data_out.is_empty() {
+            return Err(SenseReason::cdb_byte(r.len_byte));
+        }
         zeros = vec![0u8; bs];
         &zeros
     } else {
-        if data_out.len() < bs {
+        if data_out.len() != bs {
             return Err(SenseReason::cdb_byte(r.len_byte));
         }
         &data_out[..bs]
@@ -628,7 +639,9 @@ pub(crate) async fn compare_and_write(
         return Ok(Bytes::new());
     }
     let len = bytes_of(lu, u64::from(r.blocks)) as usize;
-    if data_out.len() < 2 * len {
+    // The buffer is verify data then write data, split by the CDB's count: with any other
+    // size the halves would be guessed, so both too little and too much are refused.
+    if data_out.len() != 2 * len {
         return Err(SenseReason::cdb_byte(r.len_byte));
     }
     let fua = cdb.bit(1, 3);

@@ -21,6 +21,7 @@ impl SenseKey {
     pub const ILLEGAL_REQUEST: SenseKey = SenseKey(0x5);
     pub const UNIT_ATTENTION: SenseKey = SenseKey(0x6);
     pub const DATA_PROTECT: SenseKey = SenseKey(0x7);
+    pub const COPY_ABORTED: SenseKey = SenseKey(0xA);
     pub const ABORTED_COMMAND: SenseKey = SenseKey(0xB);
     pub const MISCOMPARE: SenseKey = SenseKey(0xE);
 }
@@ -88,6 +89,9 @@ pub struct SenseFields {
     pub information: Option<u64>,
     /// Sense-key specific field pointer (SKSV=1) when present.
     pub field_pointer: Option<FieldPointer>,
+    /// COMMAND-SPECIFIC INFORMATION (bytes 8..11): for COPY ABORTED, the number (0-based) of
+    /// the segment descriptor being processed (SPC-4 EXTENDED COPY errors).
+    pub command_specific: Option<u32>,
 }
 
 /// Every way a SCSI command can fail with CHECK CONDITION, plus [`SenseReason::NoSense`] for
@@ -160,6 +164,29 @@ pub enum SenseReason {
     /// UNIT ATTENTION with the condition's ASC/ASCQ.
     #[error("unit attention {0:?}")]
     UnitAttention(UnitAttention),
+    /// ILLEGAL REQUEST, 26h/06h TOO MANY TARGET DESCRIPTORS (EXTENDED COPY: more CSCD
+    /// descriptors than RECEIVE COPY RESULTS / OPERATING PARAMETERS allows).
+    #[error("too many target descriptors")]
+    TooManyTargetDescriptors,
+    /// ILLEGAL REQUEST, 26h/07h UNSUPPORTED TARGET DESCRIPTOR TYPE CODE.
+    #[error("unsupported target descriptor type code")]
+    UnsupportedTargetDescriptorType,
+    /// ILLEGAL REQUEST, 26h/08h TOO MANY SEGMENT DESCRIPTORS.
+    #[error("too many segment descriptors")]
+    TooManySegmentDescriptors,
+    /// ILLEGAL REQUEST, 26h/09h UNSUPPORTED SEGMENT DESCRIPTOR TYPE CODE.
+    #[error("unsupported segment descriptor type code")]
+    UnsupportedSegmentDescriptorType,
+    /// ILLEGAL REQUEST, 00h/16h OPERATION IN PROGRESS: an EXTENDED COPY with this LIST
+    /// IDENTIFIER is still running for the I_T nexus.
+    #[error("operation in progress")]
+    OperationInProgress,
+    /// COPY ABORTED with `asc`/`ascq`, COMMAND-SPECIFIC INFORMATION = the segment descriptor
+    /// number: an EXTENDED COPY could not process segment `segment` (08h/04h UNREACHABLE COPY
+    /// TARGET, 0Dh/02h COPY TARGET DEVICE NOT REACHABLE, 00h/00h for a range outside a copy
+    /// target, or the ASC of the medium error that stopped it).
+    #[error("copy aborted in segment {segment} ({asc:02x}h/{ascq:02x}h)")]
+    CopyAborted { segment: u32, asc: u8, ascq: u8 },
 }
 
 impl SenseReason {
@@ -190,6 +217,7 @@ impl SenseReason {
             ascq,
             information: None,
             field_pointer: None,
+            command_specific: None,
         };
         use SenseKey as K;
         match *self {
@@ -239,6 +267,15 @@ impl SenseReason {
                 let (asc, ascq) = ua.asc_ascq();
                 f(K::UNIT_ATTENTION, asc, ascq)
             }
+            SenseReason::TooManyTargetDescriptors => f(K::ILLEGAL_REQUEST, 0x26, 0x06),
+            SenseReason::UnsupportedTargetDescriptorType => f(K::ILLEGAL_REQUEST, 0x26, 0x07),
+            SenseReason::TooManySegmentDescriptors => f(K::ILLEGAL_REQUEST, 0x26, 0x08),
+            SenseReason::UnsupportedSegmentDescriptorType => f(K::ILLEGAL_REQUEST, 0x26, 0x09),
+            SenseReason::OperationInProgress => f(K::ILLEGAL_REQUEST, 0x00, 0x16),
+            SenseReason::CopyAborted { segment, asc, ascq } => SenseFields {
+                command_specific: Some(segment),
+                ..f(K::COPY_ABORTED, asc, ascq)
+            },
         }
     }
 
@@ -257,6 +294,9 @@ impl SenseReason {
         }
         b[2] = s.key.0 & 0x0F;
         b[7] = (FIXED_SENSE_LEN - 8) as u8; // ADDITIONAL SENSE LENGTH
+        if let Some(csi) = s.command_specific {
+            b[8..12].copy_from_slice(&csi.to_be_bytes());
+        }
         b[12] = s.asc;
         b[13] = s.ascq;
         if let Some(fp) = s.field_pointer {

@@ -25,7 +25,7 @@ const PQ_NO_LU: u8 = 0x7F;
 /// Length of our standard INQUIRY data (through the version descriptors, SPC-4 table 139).
 const STD_INQUIRY_LEN: usize = 96;
 /// VPD pages we return, ascending (SPC-4 Supported VPD Pages page).
-const VPD_PAGES: [u8; 6] = [0x00, 0x80, 0x83, 0xB0, 0xB1, 0xB2];
+const VPD_PAGES: [u8; 7] = [0x00, 0x80, 0x83, 0x8F, 0xB0, 0xB1, 0xB2];
 /// Cap on the unit serial number we report.
 const MAX_SERIAL: usize = 64;
 
@@ -58,7 +58,8 @@ fn standard_inquiry(pq_pdt: u8, vendor: &str, product: &str, revision: &str) -> 
     d[2] = 0x06; // VERSION: SPC-4
     d[3] = 0x12; // HISUP=1, RESPONSE DATA FORMAT=2
     d[4] = (STD_INQUIRY_LEN - 5) as u8; // ADDITIONAL LENGTH
-    d[5] = 0x00; // SCCS/ACC/TPGS=00b (no ALUA)/3PC/PROTECT all zero
+                                        // SCCS/ACC/TPGS=00b (no ALUA)/PROTECT zero; 3PC=1 (EXTENDED COPY) for a logical unit.
+    d[5] = if pq_pdt == PDT_DISK { 0x08 } else { 0x00 };
     d[6] = 0x00; // ENCSERV/MULTIP zero
     d[7] = 0x02; // CMDQUE=1
     ascii_field(
@@ -95,6 +96,7 @@ pub(crate) fn inquiry(lu: &LogicalUnit, nexus: &Nexus, cdb: Cdb<'_>) -> Result<B
             0x00 => VPD_PAGES.to_vec(),
             0x80 => serial(lu).into_bytes(),
             0x83 => device_identification(lu, nexus),
+            0x8F => crate::xcopy::third_party_copy_vpd(lu),
             0xB0 => crate::sbc::block_limits_vpd(lu),
             0xB1 => crate::sbc::block_characteristics_vpd(),
             0xB2 => crate::sbc::provisioning_vpd(lu),
@@ -397,6 +399,9 @@ pub(crate) const SUPPORTED: &[OpEntry] = &[
     e(PERSISTENT_RESERVE_OUT, Some(PROUT_PREEMPT_AND_ABORT), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
     e(PERSISTENT_RESERVE_OUT, Some(PROUT_REGISTER_AND_IGNORE), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
     e(PERSISTENT_RESERVE_OUT, Some(PROUT_REGISTER_AND_MOVE), Allowed, &[PERSISTENT_RESERVE_OUT, 0x1F, 0xFF, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, C]),
+    e(EXTENDED_COPY, Some(SA_EXTENDED_COPY_LID1), Allowed, &[EXTENDED_COPY, 0x1F, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(RECEIVE_COPY_RESULTS, Some(SA_RCR_COPY_STATUS), Allowed, &[RECEIVE_COPY_RESULTS, 0x1F, 0xFF, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(RECEIVE_COPY_RESULTS, Some(SA_RCR_OPERATING_PARAMETERS), Allowed, &[RECEIVE_COPY_RESULTS, 0x1F, 0xFF, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
     e(READ_16, None, Read, &[READ_16, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
     e(COMPARE_AND_WRITE, None, Write, &[COMPARE_AND_WRITE, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0xFF, 0, C]),
     e(WRITE_16, None, Write, &[WRITE_16, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
