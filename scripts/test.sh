@@ -89,7 +89,13 @@ section "cargo test --workspace --release"
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" \
     cargo test --workspace --release
 
-section "conformance (iscsi-test-cu)"
+section "conformance (iscsi-test-cu ALL: RAM LUN, file LUN, 4K-physical and read-only passes)"
 # The report parser guards the verdict, so check it can still fail first.
 python3 scripts/cunit_report.py --self-test
-IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/conformance.sh
+export IRONSAN_BIN="$TARGET_DIR/release/ironsan"
+# Every test on a RAM LUN and on a file LUN; skips must be in conformance/waivers.txt.
+bash scripts/conformance.sh --all --lun ram:256M
+bash scripts/conformance.sh --all --lun file:lun0.img:256M
+# The waived tests that need another LU shape, run on that shape with no waivers.
+bash scripts/conformance.sh --suites conformance/suites-pbs4k.txt --waivers conformance/no-waivers.txt --lun ram:256M,pbs=4096
+bash scripts/conformance.sh --suites conformance/suites-readonly.txt --waivers conformance/no-waivers.txt --lun ram:256M,ro

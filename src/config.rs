@@ -51,7 +51,61 @@ pub struct LunPlan {
     pub write_cache: bool,
     pub read_only: bool,
     pub block_size: u32,
+    /// Reported physical block size; 0 = the logical block size.
+    pub physical_block_size: u32,
     pub serial: Option<String>,
+}
+
+impl LunPlan {
+    /// A LUN with the given backing and default options.
+    pub fn new(backing: Backing) -> Self {
+        LunPlan {
+            backing,
+            direct: false,
+            write_cache: false,
+            read_only: false,
+            block_size: 512,
+            physical_block_size: 0,
+            serial: None,
+        }
+    }
+}
+
+/// Parse a full `--lun` value: `SPEC[,OPTION]...` where OPTION is `ro`, `direct`, `wce`,
+/// `bs=N` (logical block size), `pbs=N` (reported physical block size) or `serial=S`.
+pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
+    let mut parts = value.split(',');
+    let spec = parts.next().unwrap_or_default();
+    let mut plan = LunPlan::new(parse_lun_spec(spec, data_dir)?);
+    for opt in parts {
+        match opt.split_once('=') {
+            None if opt == "ro" => plan.read_only = true,
+            None if opt == "direct" => plan.direct = true,
+            None if opt == "wce" => plan.write_cache = true,
+            Some(("bs", v)) => {
+                plan.block_size = v
+                    .parse()
+                    .map_err(|_| format!("'{value}': bs={v} is not a number"))
+                    .and_then(check_block_size)?
+            }
+            Some(("pbs", v)) => {
+                plan.physical_block_size = v
+                    .parse()
+                    .map_err(|_| format!("'{value}': pbs={v} is not a number"))
+                    .and_then(check_block_size)?
+            }
+            Some(("serial", v)) if !v.is_empty() => plan.serial = Some(v.to_string()),
+            _ => {
+                return Err(format!(
+                    "'{value}': unknown LUN option '{opt}' (ro, direct, wce, bs=N, pbs=N, serial=S)"
+                ))
+            }
+        }
+    }
+    if plan.physical_block_size != 0 && plan.physical_block_size < plan.block_size {
+        return Err(format!("'{value}': pbs must be at least bs"));
+    }
+    Ok(plan)
 }
 
 /// One target, validated.
@@ -142,6 +196,7 @@ struct FileLun {
     #[serde(default)]
     read_only: bool,
     block_size: Option<Spanned<u32>>,
+    physical_block_size: Option<Spanned<u32>>,
     serial: Option<String>,
 }
 
@@ -269,9 +324,13 @@ fn lun_from_file(
     data_dir: &Path,
     at: &dyn Fn(std::ops::Range<usize>, String) -> String,
 ) -> Result<LunPlan, String> {
+    let mut from_spec = None;
     let backing = match (&l.spec, &l.backend) {
         (Some(spec), None) => {
-            parse_lun_spec(spec.get_ref(), data_dir).map_err(|e| at(spec.span(), e))?
+            let plan = parse_lun(spec.get_ref(), data_dir).map_err(|e| at(spec.span(), e))?;
+            let backing = plan.backing.clone();
+            from_spec = Some(plan);
+            backing
         }
         (None, Some(b)) => {
             let size = match &l.size {
@@ -324,17 +383,23 @@ fn lun_from_file(
             return Err("a [[target.lun]] needs spec = \"...\" or backend = \"...\"".into())
         }
     };
+    let base = from_spec.unwrap_or_else(|| LunPlan::new(backing.clone()));
     let block_size = match &l.block_size {
         Some(b) => check_block_size(*b.get_ref()).map_err(|e| at(b.span(), e))?,
-        None => 512,
+        None => base.block_size,
+    };
+    let physical_block_size = match &l.physical_block_size {
+        Some(b) => check_block_size(*b.get_ref()).map_err(|e| at(b.span(), e))?,
+        None => base.physical_block_size,
     };
     Ok(LunPlan {
         backing,
-        direct: l.direct,
-        write_cache: l.write_cache,
-        read_only: l.read_only,
+        direct: l.direct || base.direct,
+        write_cache: l.write_cache || base.write_cache,
+        read_only: l.read_only || base.read_only,
         block_size,
-        serial: l.serial,
+        physical_block_size,
+        serial: l.serial.or(base.serial),
     })
 }
 
@@ -364,29 +429,20 @@ pub fn from_flags(
     let name = target.unwrap_or(DEFAULT_TARGET).to_string();
     check_iscsi_name(&name).map_err(|e| format!("--target: {e}"))?;
     let mut plans = Vec::new();
-    for spec in luns {
-        let backing = parse_lun_spec(spec, data_dir).map_err(|e| format!("--lun {e}"))?;
-        plans.push(LunPlan {
-            backing,
-            direct,
-            write_cache,
-            read_only: false,
-            block_size: 512,
-            serial: None,
-        });
+    for value in luns {
+        let mut plan = parse_lun(value, data_dir).map_err(|e| format!("--lun {e}"))?;
+        plan.direct |= direct;
+        plan.write_cache |= write_cache;
+        plans.push(plan);
     }
     if plans.is_empty() {
-        plans.push(LunPlan {
-            backing: Backing::File {
-                path: data_dir.join("lun0.img"),
-                size: Some(1 << 30),
-            },
-            direct,
-            write_cache,
-            read_only: false,
-            block_size: 512,
-            serial: None,
+        let mut plan = LunPlan::new(Backing::File {
+            path: data_dir.join("lun0.img"),
+            size: Some(1 << 30),
         });
+        plan.direct = direct;
+        plan.write_cache = write_cache;
+        plans.push(plan);
     }
     Ok(Plan {
         listen: addrs,
@@ -437,6 +493,25 @@ mod tests {
             .contains("unknown backend 'tape'"));
         assert!(parse_lun_spec("ram", d).is_err());
         assert!(parse_lun_spec("ram:0", d).is_err());
+    }
+
+    #[test]
+    fn lun_options_follow_the_spec() {
+        let d = Path::new("/data");
+        let p = parse_lun("ram:1G,ro,wce,bs=4096,pbs=8192,serial=AB12", d).unwrap();
+        assert!(p.read_only && p.write_cache && !p.direct);
+        assert_eq!((p.block_size, p.physical_block_size), (4096, 8192));
+        assert_eq!(p.serial.as_deref(), Some("AB12"));
+        assert!(parse_lun("file:x.img:1G,direct", d).unwrap().direct);
+        assert!(parse_lun("ram:1G,fast", d)
+            .unwrap_err()
+            .contains("unknown LUN option 'fast'"));
+        assert!(parse_lun("ram:1G,bs=1000", d)
+            .unwrap_err()
+            .contains("power of two"));
+        assert!(parse_lun("ram:1G,bs=4096,pbs=512", d)
+            .unwrap_err()
+            .contains("pbs"));
     }
 
     #[test]

@@ -96,6 +96,7 @@ fn build_lu(
     let naa = ironsan_scsi::local_naa(&seed);
     let cfg = LuConfig {
         block_size: l.block_size,
+        physical_block_size: l.physical_block_size,
         read_only: l.read_only,
         write_cache: l.write_cache,
         serial: l.serial.clone().unwrap_or_else(|| format!("{naa:016x}")),
