@@ -22,9 +22,19 @@
 //!
 //! [[target.lun]]
 //! spec = "ram:1G"           # the same shorthand as --lun
+//!
+//! # Access control (docs/SECURITY.md): per target, and for discovery sessions.
+//! # acl = ["iqn.1993-08.org.debian:01:host1", "iqn.2005-03.org.open-iscsi:*@10.0.0.0/24"]
+//! # chap = { user = "host1", secret_file = "/etc/ironsan/host1.secret" }
+//! # mutual_chap = { user = "disk1", secret_env = "IRONSAN_DISK1_SECRET" }
+//! # [discovery]
+//! # chap = { user = "discover", secret = "..." }
+//! # [limits]
+//! # max_connections = 1024
 //! ```
 
 use ironsan_backend::parse_size;
+use ironsan_server::{Access, AclRule, ChapAccount};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -114,6 +124,39 @@ pub struct TargetPlan {
     pub name: String,
     pub alias: Option<String>,
     pub luns: Vec<LunPlan>,
+    /// ACL and CHAP (open when default).
+    pub access: Access,
+}
+
+/// Resource limits (docs/SECURITY.md). Defaults are safe for a storage node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    pub login_timeout_secs: u64,
+    pub nop_interval_secs: u64,
+    pub nop_timeout_secs: u64,
+    pub max_connections: usize,
+    pub max_sessions: usize,
+    pub max_sessions_per_initiator: usize,
+    pub write_buffer_per_session: u64,
+    pub max_r2ts_per_connection: usize,
+    pub tx_buffer_per_connection: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        let d = ironsan_server::ServerConfig::new(Vec::new(), Vec::new());
+        Limits {
+            login_timeout_secs: d.login_timeout.as_secs(),
+            nop_interval_secs: d.nop_interval.as_secs(),
+            nop_timeout_secs: d.nop_timeout.as_secs(),
+            max_connections: d.max_connections,
+            max_sessions: d.max_sessions,
+            max_sessions_per_initiator: d.max_sessions_per_initiator,
+            write_buffer_per_session: d.write_buffer_per_session,
+            max_r2ts_per_connection: d.max_r2ts_per_connection,
+            tx_buffer_per_connection: d.tx_buffer_per_connection,
+        }
+    }
 }
 
 /// Everything `serve` needs.
@@ -123,6 +166,156 @@ pub struct Plan {
     pub data_dir: PathBuf,
     pub queue_depth: u32,
     pub targets: Vec<TargetPlan>,
+    /// ACL and CHAP of discovery sessions.
+    pub discovery: Access,
+    pub limits: Limits,
+}
+
+/// Shortest CHAP secret accepted (RFC 3720 §8.2.1 asks for at least 96 bits; Windows and
+/// several initiators require 12 bytes).
+pub const MIN_SECRET_LEN: usize = 12;
+/// Longest CHAP secret accepted (what open-iscsi and libiscsi can store).
+pub const MAX_SECRET_LEN: usize = 255;
+
+fn check_chap_user(user: &str) -> Result<(), String> {
+    if user.is_empty() || user.len() > 255 || user.chars().any(|c| c.is_control()) {
+        return Err(format!(
+            "CHAP user name '{}' must be 1 to 255 printable characters",
+            user.escape_debug()
+        ));
+    }
+    Ok(())
+}
+
+fn check_secret(secret: &[u8]) -> Result<(), String> {
+    if !(MIN_SECRET_LEN..=MAX_SECRET_LEN).contains(&secret.len()) {
+        return Err(format!(
+            "CHAP secret is {} bytes; it must be {MIN_SECRET_LEN} to {MAX_SECRET_LEN} bytes",
+            secret.len()
+        ));
+    }
+    if secret.contains(&0) {
+        return Err("CHAP secret contains a NUL byte".into());
+    }
+    Ok(())
+}
+
+/// Read a secret from a file: its content less one trailing newline.
+fn read_secret_file(path: &Path) -> Result<Vec<u8>, String> {
+    let mut b = std::fs::read(path)
+        .map_err(|e| format!("cannot read secret file {}: {e}", path.display()))?;
+    if b.ends_with(b"\n") {
+        b.pop();
+        if b.ends_with(b"\r") {
+            b.pop();
+        }
+    }
+    Ok(b)
+}
+
+fn read_secret_env(var: &str) -> Result<Vec<u8>, String> {
+    std::env::var_os(var)
+        .map(|v| {
+            use std::os::unix::ffi::OsStrExt;
+            v.as_bytes().to_vec()
+        })
+        .ok_or_else(|| format!("environment variable {var} (CHAP secret) is not set"))
+}
+
+/// Parse a credential flag: `USER:SECRET`, where SECRET is `@PATH` (read from a file),
+/// `env:VAR` (from the environment) or the secret itself. With `secret_file`, the whole value
+/// is the user name (which may then contain ':').
+pub fn parse_credential(
+    flag: &str,
+    value: &str,
+    secret_file: Option<&Path>,
+) -> Result<ChapAccount, String> {
+    let (user, secret) = match secret_file {
+        Some(f) => (
+            value,
+            read_secret_file(f).map_err(|e| format!("--chap-secret-file: {e}"))?,
+        ),
+        None => {
+            let (user, spec) = value.split_once(':').ok_or_else(|| {
+                format!("{flag}: expected USER:SECRET, USER:@FILE or USER:env:VAR")
+            })?;
+            let secret = if let Some(path) = spec.strip_prefix('@') {
+                read_secret_file(Path::new(path)).map_err(|e| format!("{flag}: {e}"))?
+            } else if let Some(var) = spec.strip_prefix("env:") {
+                read_secret_env(var).map_err(|e| format!("{flag}: {e}"))?
+            } else {
+                spec.as_bytes().to_vec()
+            };
+            (user, secret)
+        }
+    };
+    check_chap_user(user).map_err(|e| format!("{flag}: {e}"))?;
+    check_secret(&secret).map_err(|e| format!("{flag}: {e}"))?;
+    Ok(ChapAccount::new(user, secret))
+}
+
+/// Access-control flags for the flag-defined target and for discovery.
+#[derive(Debug, Default, Clone)]
+pub struct AuthFlags {
+    pub chap: Option<String>,
+    pub mutual_chap: Option<String>,
+    pub chap_secret_file: Option<PathBuf>,
+    pub discovery_chap: Option<String>,
+    pub discovery_mutual_chap: Option<String>,
+    pub acl: Vec<String>,
+    pub discovery_acl: Vec<String>,
+}
+
+impl AuthFlags {
+    fn access(
+        chap: &Option<String>,
+        chap_flag: &str,
+        secret_file: Option<&Path>,
+        mutual: &Option<String>,
+        mutual_flag: &str,
+        acl: &[String],
+        acl_flag: &str,
+    ) -> Result<Access, String> {
+        let mut a = Access::default();
+        if let Some(v) = chap {
+            a.chap = Some(parse_credential(chap_flag, v, secret_file)?);
+        }
+        if let Some(v) = mutual {
+            a.mutual_chap = Some(parse_credential(mutual_flag, v, None)?);
+        }
+        for e in acl {
+            a.acl
+                .push(AclRule::parse(e).map_err(|e| format!("{acl_flag} {e}"))?);
+        }
+        a.validate().map_err(|e| format!("{mutual_flag}: {e}"))?;
+        Ok(a)
+    }
+
+    /// (target access, discovery access)
+    pub fn plan(&self) -> Result<(Access, Access), String> {
+        if self.chap_secret_file.is_some() && self.chap.is_none() {
+            return Err("--chap-secret-file: needs --chap USER".into());
+        }
+        let target = Self::access(
+            &self.chap,
+            "--chap",
+            self.chap_secret_file.as_deref(),
+            &self.mutual_chap,
+            "--mutual-chap",
+            &self.acl,
+            "--acl",
+        )?;
+        let discovery = Self::access(
+            &self.discovery_chap,
+            "--discovery-chap",
+            None,
+            &self.discovery_mutual_chap,
+            "--discovery-mutual-chap",
+            &self.discovery_acl,
+            "--discovery-acl",
+        )?;
+        Ok((target, discovery))
+    }
 }
 
 /// Parse a `--lun` SPEC: `null:SIZE`, `ram:SIZE`, `file:PATH` or `file:PATH:SIZE`. Relative
@@ -171,6 +364,8 @@ struct FileConfig {
     queue_depth: Option<Spanned<u32>>,
     #[serde(default)]
     target: Vec<FileTarget>,
+    discovery: Option<FileAccess>,
+    limits: Option<FileLimits>,
 }
 
 #[derive(Deserialize)]
@@ -180,6 +375,204 @@ struct FileTarget {
     alias: Option<String>,
     #[serde(default)]
     lun: Vec<FileLun>,
+    acl: Option<Vec<Spanned<String>>>,
+    chap: Option<Spanned<FileChap>>,
+    mutual_chap: Option<Spanned<FileChap>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileAccess {
+    acl: Option<Vec<Spanned<String>>>,
+    chap: Option<Spanned<FileChap>>,
+    mutual_chap: Option<Spanned<FileChap>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileChap {
+    user: String,
+    secret: Option<String>,
+    secret_file: Option<String>,
+    secret_env: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileLimits {
+    login_timeout: Option<Spanned<u64>>,
+    nop_interval: Option<Spanned<u64>>,
+    nop_timeout: Option<Spanned<u64>>,
+    max_connections: Option<Spanned<usize>>,
+    max_sessions: Option<Spanned<usize>>,
+    max_sessions_per_initiator: Option<Spanned<usize>>,
+    write_buffer_per_session: Option<Spanned<String>>,
+    max_r2ts_per_connection: Option<Spanned<usize>>,
+    tx_buffer_per_connection: Option<Spanned<String>>,
+}
+
+type At<'a> = &'a dyn Fn(std::ops::Range<usize>, String) -> String;
+
+fn chap_from_file(c: &Spanned<FileChap>, base: &Path, at: At) -> Result<ChapAccount, String> {
+    let f = c.get_ref();
+    let err = |m: String| at(c.span(), m);
+    let secret = match (&f.secret, &f.secret_file, &f.secret_env) {
+        (Some(s), None, None) => s.as_bytes().to_vec(),
+        (None, Some(p), None) => read_secret_file(&base.join(p)).map_err(err)?,
+        (None, None, Some(v)) => read_secret_env(v).map_err(err)?,
+        _ => {
+            return Err(err(
+                "give exactly one of secret, secret_file or secret_env".into()
+            ))
+        }
+    };
+    check_chap_user(&f.user).map_err(err)?;
+    check_secret(&secret).map_err(err)?;
+    Ok(ChapAccount::new(f.user.clone(), secret))
+}
+
+fn access_from_file(
+    acl: &Option<Vec<Spanned<String>>>,
+    chap: &Option<Spanned<FileChap>>,
+    mutual: &Option<Spanned<FileChap>>,
+    base: &Path,
+    at: At,
+) -> Result<Access, String> {
+    let mut a = Access::default();
+    for e in acl.iter().flatten() {
+        a.acl
+            .push(AclRule::parse(e.get_ref()).map_err(|m| at(e.span(), format!("acl {m}")))?);
+    }
+    if let Some(c) = chap {
+        a.chap = Some(chap_from_file(c, base, at)?);
+    }
+    if let Some(m) = mutual {
+        a.mutual_chap = Some(chap_from_file(m, base, at)?);
+    }
+    if let Err(e) = a.validate() {
+        let span = mutual
+            .as_ref()
+            .or(chap.as_ref())
+            .map(|c| c.span())
+            .unwrap_or(0..0);
+        return Err(at(span, e));
+    }
+    Ok(a)
+}
+
+fn limits_from_file(l: Option<FileLimits>, at: At) -> Result<Limits, String> {
+    let mut out = Limits::default();
+    let Some(l) = l else {
+        return Ok(out);
+    };
+    fn num<T: Copy + PartialOrd + std::fmt::Display>(
+        v: &Option<Spanned<T>>,
+        name: &str,
+        min: T,
+        max: T,
+        dst: &mut T,
+        at: At,
+    ) -> Result<(), String> {
+        if let Some(v) = v {
+            let x = *v.get_ref();
+            if x < min || x > max {
+                return Err(at(
+                    v.span(),
+                    format!("{name} must be between {min} and {max}"),
+                ));
+            }
+            *dst = x;
+        }
+        Ok(())
+    }
+    let size = |v: &Option<Spanned<String>>, name: &str, min: u64, dst: &mut u64| {
+        if let Some(v) = v {
+            let n = parse_size(v.get_ref())
+                .filter(|&n| n >= min && n <= 1 << 40)
+                .ok_or_else(|| {
+                    at(
+                        v.span(),
+                        format!(
+                            "{name} '{}' must be a size from {min} bytes (e.g. 64M)",
+                            v.get_ref()
+                        ),
+                    )
+                })?;
+            *dst = n;
+        }
+        Ok::<(), String>(())
+    };
+    num(
+        &l.login_timeout,
+        "login_timeout",
+        1,
+        3600,
+        &mut out.login_timeout_secs,
+        at,
+    )?;
+    num(
+        &l.nop_interval,
+        "nop_interval",
+        0,
+        3600,
+        &mut out.nop_interval_secs,
+        at,
+    )?;
+    num(
+        &l.nop_timeout,
+        "nop_timeout",
+        1,
+        3600,
+        &mut out.nop_timeout_secs,
+        at,
+    )?;
+    num(
+        &l.max_connections,
+        "max_connections",
+        1,
+        1 << 20,
+        &mut out.max_connections,
+        at,
+    )?;
+    num(
+        &l.max_sessions,
+        "max_sessions",
+        1,
+        1 << 16,
+        &mut out.max_sessions,
+        at,
+    )?;
+    num(
+        &l.max_sessions_per_initiator,
+        "max_sessions_per_initiator",
+        1,
+        1 << 16,
+        &mut out.max_sessions_per_initiator,
+        at,
+    )?;
+    num(
+        &l.max_r2ts_per_connection,
+        "max_r2ts_per_connection",
+        1,
+        1 << 16,
+        &mut out.max_r2ts_per_connection,
+        at,
+    )?;
+    // At least the largest transfer, so one command alone always fits.
+    let max_io = u64::from(ironsan_scsi::MAX_TRANSFER_BYTES);
+    size(
+        &l.write_buffer_per_session,
+        "write_buffer_per_session",
+        max_io,
+        &mut out.write_buffer_per_session,
+    )?;
+    size(
+        &l.tx_buffer_per_connection,
+        "tx_buffer_per_connection",
+        max_io,
+        &mut out.tx_buffer_per_connection,
+    )?;
+    Ok(out)
 }
 
 #[derive(Deserialize)]
@@ -250,6 +643,8 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
         format!("{file}:{}: {msg}", line_of(text, span.start))
     };
     let data_dir = PathBuf::from(cfg.data_dir.unwrap_or_else(|| "./ironsan-data".into()));
+    // secret_file paths are relative to the configuration file's directory.
+    let base = path.parent().unwrap_or(Path::new("."));
     let mut listen = Vec::new();
     for l in cfg.listen.unwrap_or_default() {
         let addr = l.get_ref().parse::<SocketAddr>().map_err(|_| {
@@ -302,28 +697,33 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
                 format!("target '{}' has no [[target.lun]]", t.name.get_ref()),
             ));
         }
+        let access = access_from_file(&t.acl, &t.chap, &t.mutual_chap, base, &at)?;
         targets.push(TargetPlan {
             name: t.name.into_inner(),
             alias: t.alias,
             luns,
+            access,
         });
     }
     if targets.is_empty() {
         return Err(format!("{file}: no [[target]] defined"));
     }
+    let discovery = match &cfg.discovery {
+        Some(d) => access_from_file(&d.acl, &d.chap, &d.mutual_chap, base, &at)?,
+        None => Access::default(),
+    };
+    let limits = limits_from_file(cfg.limits, &at)?;
     Ok(Plan {
         listen,
         data_dir,
         queue_depth,
         targets,
+        discovery,
+        limits,
     })
 }
 
-fn lun_from_file(
-    l: FileLun,
-    data_dir: &Path,
-    at: &dyn Fn(std::ops::Range<usize>, String) -> String,
-) -> Result<LunPlan, String> {
+fn lun_from_file(l: FileLun, data_dir: &Path, at: At) -> Result<LunPlan, String> {
     let mut from_spec = None;
     let backing = match (&l.spec, &l.backend) {
         (Some(spec), None) => {
@@ -411,7 +811,9 @@ pub fn from_flags(
     data_dir: &Path,
     direct: bool,
     write_cache: bool,
+    auth: &AuthFlags,
 ) -> Result<Plan, String> {
+    let (access, discovery) = auth.plan()?;
     let mut addrs = Vec::new();
     for l in listen {
         addrs.push(
@@ -452,7 +854,10 @@ pub fn from_flags(
             name,
             alias: None,
             luns: plans,
+            access,
         }],
+        discovery,
+        limits: Limits::default(),
     })
 }
 
@@ -579,7 +984,16 @@ block_size = 4096
 
     #[test]
     fn flags_default_to_the_embedded_lun() {
-        let p = from_flags(&[], None, &[], Path::new("d"), false, false).unwrap();
+        let p = from_flags(
+            &[],
+            None,
+            &[],
+            Path::new("d"),
+            false,
+            false,
+            &AuthFlags::default(),
+        )
+        .unwrap();
         assert_eq!(p.listen, vec!["127.0.0.1:3260".parse().unwrap()]);
         assert_eq!(p.targets[0].name, DEFAULT_TARGET);
         assert_eq!(
@@ -589,10 +1003,132 @@ block_size = 4096
                 size: Some(1 << 30)
             }
         );
-        assert!(
-            from_flags(&["x".into()], None, &[], Path::new("d"), false, false)
-                .unwrap_err()
-                .starts_with("--listen")
+        assert!(from_flags(
+            &["x".into()],
+            None,
+            &[],
+            Path::new("d"),
+            false,
+            false,
+            &AuthFlags::default()
+        )
+        .unwrap_err()
+        .starts_with("--listen"));
+    }
+
+    #[test]
+    fn config_file_access_control_and_limits() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("t.secret"), "target-secret-456\n").unwrap();
+        std::env::set_var("IRONSAN_TEST_DISC_SECRET", "discovery-secret-1");
+        let text = r#"
+[limits]
+max_connections = 64
+max_sessions_per_initiator = 4
+write_buffer_per_session = "128M"
+[discovery]
+chap = { user = "disc", secret_env = "IRONSAN_TEST_DISC_SECRET" }
+acl = ["iqn.1993-08.org.debian:*"]
+[[target]]
+name = "iqn.2026-11.org.x:a"
+acl = ["iqn.1993-08.org.debian:01:h1", "*@10.0.0.0/8"]
+chap = { user = "h1", secret = "initiator-secret-1" }
+mutual_chap = { user = "tgt", secret_file = "t.secret" }
+[[target.lun]]
+spec = "ram:1G"
+"#;
+        let plan = parse_file(text, &dir.path().join("c.toml")).unwrap();
+        let a = &plan.targets[0].access;
+        assert_eq!(a.acl.len(), 2);
+        assert_eq!(
+            a.chap.as_ref().unwrap().secret.expose(),
+            b"initiator-secret-1"
         );
+        assert_eq!(
+            a.mutual_chap.as_ref().unwrap().secret.expose(),
+            b"target-secret-456"
+        );
+        assert_eq!(
+            plan.discovery.chap.as_ref().unwrap().secret.expose(),
+            b"discovery-secret-1"
+        );
+        assert_eq!(plan.limits.max_connections, 64);
+        assert_eq!(plan.limits.max_sessions_per_initiator, 4);
+        assert_eq!(plan.limits.write_buffer_per_session, 128 << 20);
+        assert_eq!(plan.limits.max_sessions, Limits::default().max_sessions);
+        // Secrets never appear in the plan's Debug output.
+        let dbg = format!("{plan:?}");
+        assert!(!dbg.contains("initiator-secret") && !dbg.contains("target-secret"));
+    }
+
+    #[test]
+    fn access_control_errors_name_file_and_line() {
+        let p = Path::new("c.toml");
+        let base =
+            "[[target]]\nname = \"iqn.2026-11.org.x:a\"\n[[target.lun]]\nspec = \"ram:1G\"\n";
+        let cases = [
+            // identical secrets in both directions
+            ("[[target]]\nname = \"iqn.2026-11.org.x:a\"\nchap = { user = \"u\", secret = \"same-secret-123\" }\nmutual_chap = { user = \"t\", secret = \"same-secret-123\" }\n[[target.lun]]\nspec = \"ram:1G\"\n".to_string(), 4, "must differ"),
+            ("[[target]]\nname = \"iqn.2026-11.org.x:a\"\nchap = { user = \"u\", secret = \"short\" }\n[[target.lun]]\nspec = \"ram:1G\"\n".to_string(), 3, "12 to 255"),
+            ("[[target]]\nname = \"iqn.2026-11.org.x:a\"\nacl = [\"host*x\"]\n[[target.lun]]\nspec = \"ram:1G\"\n".to_string(), 3, "acl"),
+            ("[[target]]\nname = \"iqn.2026-11.org.x:a\"\nchap = { user = \"u\", secret = \"a-long-secret-1\", secret_env = \"X\" }\n[[target.lun]]\nspec = \"ram:1G\"\n".to_string(), 3, "exactly one"),
+            ("[[target]]\nname = \"iqn.2026-11.org.x:a\"\nchap = { user = \"u\", secret_env = \"IRONSAN_TEST_UNSET_VAR\" }\n[[target.lun]]\nspec = \"ram:1G\"\n".to_string(), 3, "not set"),
+            (format!("[limits]\nmax_connections = 0\n{base}"), 2, "max_connections"),
+            (format!("[limits]\nwrite_buffer_per_session = \"1M\"\n{base}"), 2, "write_buffer_per_session"),
+            (format!("[discovery]\nmutual_chap = {{ user = \"t\", secret = \"a-long-secret-1\" }}\n{base}"), 2, "needs chap"),
+        ];
+        for (text, line, what) in cases {
+            let err = parse_file(&text, p).unwrap_err();
+            assert!(
+                err.starts_with(&format!("c.toml:{line}: ")) && err.contains(what),
+                "{err}\n---\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn credential_flags_take_secrets_inline_from_files_or_the_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("s");
+        std::fs::write(&f, "file-secret-1234\r\n").unwrap();
+        let c = parse_credential("--chap", "alice:inline-secret-1", None).unwrap();
+        assert_eq!(
+            (c.user.as_str(), c.secret.expose()),
+            ("alice", &b"inline-secret-1"[..])
+        );
+        let c = parse_credential("--chap", &format!("alice:@{}", f.display()), None).unwrap();
+        assert_eq!(c.secret.expose(), b"file-secret-1234");
+        std::env::set_var("IRONSAN_TEST_FLAG_SECRET", "env-secret-12345");
+        let c = parse_credential("--chap", "alice:env:IRONSAN_TEST_FLAG_SECRET", None).unwrap();
+        assert_eq!(c.secret.expose(), b"env-secret-12345");
+        // With --chap-secret-file the value is the user name, colons and all.
+        let c = parse_credential("--chap", "iqn.1993-08.org.debian:01:h1", Some(&f)).unwrap();
+        assert_eq!(c.user, "iqn.1993-08.org.debian:01:h1");
+        for (v, what) in [
+            ("alice", "USER:SECRET"),
+            ("alice:short", "12 to 255"),
+            (":long-enough-secret", "user name"),
+            ("alice:env:IRONSAN_TEST_UNSET_VAR", "not set"),
+            ("alice:@/nonexistent/secret", "cannot read"),
+        ] {
+            let e = parse_credential("--chap", v, None).unwrap_err();
+            assert!(e.starts_with("--chap: ") && e.contains(what), "{v}: {e}");
+        }
+        let flags = AuthFlags {
+            chap: Some("u:same-secret-1234".into()),
+            mutual_chap: Some("t:same-secret-1234".into()),
+            ..Default::default()
+        };
+        let e = from_flags(&[], None, &[], Path::new("d"), false, false, &flags).unwrap_err();
+        assert!(
+            e.starts_with("--mutual-chap: ") && e.contains("differ"),
+            "{e}"
+        );
+        let flags = AuthFlags {
+            acl: vec!["not-a-name".into()],
+            ..Default::default()
+        };
+        let e = from_flags(&[], None, &[], Path::new("d"), false, false, &flags).unwrap_err();
+        assert!(e.starts_with("--acl "), "{e}");
     }
 }

@@ -46,9 +46,37 @@ struct ServeArgs {
     /// Directory for backing files (created if missing).
     #[arg(long, value_name = "DIR", default_value = "./ironsan-data")]
     data_dir: PathBuf,
-    /// TOML configuration file (targets, portals, LUNs); replaces --listen/--target/--lun.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["listen", "target", "luns"])]
+    /// TOML configuration file (targets, portals, LUNs, access control, limits); replaces
+    /// --listen/--target/--lun and the access-control flags.
+    #[arg(long, value_name = "FILE", conflicts_with_all = [
+        "listen", "target", "luns", "chap", "mutual_chap", "chap_secret_file",
+        "discovery_chap", "discovery_mutual_chap", "acl", "discovery_acl",
+    ])]
     config: Option<PathBuf>,
+    /// Require CHAP to log in to the target: USER:SECRET, USER:@FILE (secret read from FILE)
+    /// or USER:env:VAR (from the environment; keeps it out of `ps`). Secrets: 12-255 bytes.
+    #[arg(long, value_name = "USER:SECRET")]
+    chap: Option<String>,
+    /// Read the --chap secret from FILE; --chap is then only the user name (may contain ':').
+    #[arg(long, value_name = "FILE", requires = "chap")]
+    chap_secret_file: Option<PathBuf>,
+    /// Mutual CHAP: the name and secret the target answers with (USER:SECRET, USER:@FILE,
+    /// USER:env:VAR); must differ from the --chap secret.
+    #[arg(long, value_name = "USER:SECRET", requires = "chap")]
+    mutual_chap: Option<String>,
+    /// Require CHAP for discovery sessions (same forms as --chap).
+    #[arg(long, value_name = "USER:SECRET")]
+    discovery_chap: Option<String>,
+    /// Mutual CHAP for discovery sessions.
+    #[arg(long, value_name = "USER:SECRET", requires = "discovery_chap")]
+    discovery_mutual_chap: Option<String>,
+    /// Allow only these initiators to log in to the target (repeatable): an IQN, a prefix
+    /// ending in '*', or '*', optionally @ADDR[/LEN] for a source network. Default: everyone.
+    #[arg(long = "acl", value_name = "INITIATOR[@NET]")]
+    acl: Vec<String>,
+    /// Allow only these initiators to open discovery sessions (same forms as --acl).
+    #[arg(long = "discovery-acl", value_name = "INITIATOR[@NET]")]
+    discovery_acl: Vec<String>,
     /// Open file LUNs with O_DIRECT (BLOCKIO: bypass the page cache).
     #[arg(long)]
     direct: bool,
@@ -109,6 +137,24 @@ fn build_lu(
     Ok((backend, lu))
 }
 
+/// What a start-up line says about access control (names, never secrets).
+fn describe_access(a: &ironsan_server::Access) -> String {
+    let auth = match (&a.chap, &a.mutual_chap) {
+        (None, _) => "no authentication".to_string(),
+        (Some(c), None) => format!("CHAP (user {})", c.user),
+        (Some(c), Some(m)) => format!(
+            "mutual CHAP (user {}, target answers as {})",
+            c.user, m.user
+        ),
+    };
+    let acl = if a.acl.is_empty() {
+        "every initiator".to_string()
+    } else {
+        format!("{} ACL rule(s)", a.acl.len())
+    };
+    format!("{auth}, {acl}")
+}
+
 fn human(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut v = bytes as f64;
@@ -134,12 +180,25 @@ async fn serve(args: ServeArgs) -> Result<()> {
             &args.data_dir,
             args.direct,
             args.write_cache,
+            &config::AuthFlags {
+                chap: args.chap.clone(),
+                mutual_chap: args.mutual_chap.clone(),
+                chap_secret_file: args.chap_secret_file.clone(),
+                discovery_chap: args.discovery_chap.clone(),
+                discovery_mutual_chap: args.discovery_mutual_chap.clone(),
+                acl: args.acl.clone(),
+                discovery_acl: args.discovery_acl.clone(),
+            },
         )
         .map_err(anyhow::Error::msg)?,
     };
     let mut targets = Vec::new();
     let mut summary = Vec::new();
+    let mut access = std::collections::HashMap::new();
     for t in plan.targets.iter() {
+        access.insert(t.name.clone(), t.access.clone());
+        // Never the secrets: only what is required.
+        summary.push(format!("  {}: {}", t.name, describe_access(&t.access)));
         let mut scsi = ironsan_scsi::Target::new();
         for (n, l) in t.luns.iter().enumerate() {
             let (backend, lu) = build_lu(&t.name, n, l, &plan.data_dir)?;
@@ -168,8 +227,21 @@ async fn serve(args: ServeArgs) -> Result<()> {
             scsi: Arc::new(scsi),
         });
     }
+    summary.push(format!("  discovery: {}", describe_access(&plan.discovery)));
     let mut cfg = ServerConfig::new(plan.listen.clone(), targets);
     cfg.queue_depth = plan.queue_depth;
+    cfg.access = access;
+    cfg.discovery = plan.discovery.clone();
+    let l = &plan.limits;
+    cfg.login_timeout = std::time::Duration::from_secs(l.login_timeout_secs);
+    cfg.nop_interval = std::time::Duration::from_secs(l.nop_interval_secs);
+    cfg.nop_timeout = std::time::Duration::from_secs(l.nop_timeout_secs);
+    cfg.max_connections = l.max_connections;
+    cfg.max_sessions = l.max_sessions;
+    cfg.max_sessions_per_initiator = l.max_sessions_per_initiator;
+    cfg.write_buffer_per_session = l.write_buffer_per_session;
+    cfg.max_r2ts_per_connection = l.max_r2ts_per_connection;
+    cfg.tx_buffer_per_connection = l.tx_buffer_per_connection;
     let server = Server::bind(cfg).await?;
     let addrs = server.local_addrs();
     println!("ironsan {} serving:", env!("CARGO_PKG_VERSION"));

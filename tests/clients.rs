@@ -928,3 +928,275 @@ fn sigterm_shuts_down_cleanly() {
     // The initiator's session is gone: iscsi-perf ends (or keeps retrying a dead portal).
     let _ = perf.wait_timeout(Duration::from_secs(5));
 }
+
+// ---------------------------------------------------------------------------------------------
+// 9. Authentication and authorization with real initiators (docs/SECURITY.md)
+// ---------------------------------------------------------------------------------------------
+
+const CHAP_USER: &str = "host1";
+const CHAP_SECRET: &str = "host1-secret-0123";
+const TARGET_USER: &str = "ironsan-disk";
+const TARGET_SECRET: &str = "target-secret-4567";
+
+/// A secret file (mode 0600) in a temporary directory; returns the directory (keep it alive)
+/// and the `@PATH` flag form.
+fn secret_file(secret: &str) -> (tempfile::TempDir, String) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("secret");
+    std::fs::write(&p, format!("{secret}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let at = format!("@{}", p.display());
+    (dir, at)
+}
+
+/// `iscsi://USER%SECRET@HOST:PORT/TARGET/LUN` (libiscsi's URL form for CHAP).
+fn chap_url(s: &Server, user: &str, secret: &str, lun: u32) -> String {
+    format!("iscsi://{user}%{secret}@{}/{}/{lun}", s.addr(), s.target)
+}
+
+#[test]
+fn chap_with_libiscsi_url() {
+    if !require_tool("iscsi-inq") {
+        return;
+    }
+    let (_d, at) = secret_file(CHAP_SECRET);
+    let mut s = Server::start(&["--lun", "ram:16M", "--chap", &format!("{CHAP_USER}:{at}")]);
+    let good = run_stdout("iscsi-inq", &[&chap_url(&s, CHAP_USER, CHAP_SECRET, 0)]);
+    assert!(
+        good.contains("IRONSAN") || good.to_lowercase().contains("ironsan"),
+        "{good}"
+    );
+    // Wrong password, unknown user, no credentials: the login fails.
+    for url in [
+        chap_url(&s, CHAP_USER, "wrong-secret-0000", 0),
+        chap_url(&s, "mallory", CHAP_SECRET, 0),
+        s.url(0),
+    ] {
+        let out = run_unchecked("iscsi-inq", &[&url], DEFAULT_TIMEOUT);
+        assert!(!out.status.success(), "{url} logged in:\n{}", show(&out));
+    }
+    // The secret is never logged, not even at debug level.
+    let logs = s.logs();
+    assert!(!logs.contains(CHAP_SECRET), "secret in the logs:\n{logs}");
+    assert!(logs.contains("login failed"), "{logs}");
+    s.assert_alive();
+}
+
+#[test]
+fn mutual_chap_with_libiscsi() {
+    if !require_tool("iscsi-inq") {
+        return;
+    }
+    let (_d, at) = secret_file(TARGET_SECRET);
+    let mut s = Server::start(&[
+        "--lun",
+        "ram:16M",
+        "--chap",
+        &format!("{CHAP_USER}:{CHAP_SECRET}"),
+        "--mutual-chap",
+        &format!("{TARGET_USER}:{at}"),
+    ]);
+    let url = chap_url(&s, CHAP_USER, CHAP_SECRET, 0);
+    // libiscsi asks for mutual CHAP when it has target credentials: from the environment...
+    let env_ok = [
+        ("LIBISCSI_CHAP_TARGET_USERNAME", TARGET_USER),
+        ("LIBISCSI_CHAP_TARGET_PASSWORD", TARGET_SECRET),
+    ];
+    let out = run_env("iscsi-inq", &[&url], &env_ok, DEFAULT_TIMEOUT);
+    assert!(out.status.success(), "mutual CHAP via env:\n{}", show(&out));
+    // ...or from the URL's query.
+    let q = format!("{url}?target_user={TARGET_USER}&target_password={TARGET_SECRET}");
+    let out = run_unchecked("iscsi-inq", &[&q], DEFAULT_TIMEOUT);
+    assert!(out.status.success(), "mutual CHAP via URL:\n{}", show(&out));
+    // The initiator refuses a target that does not know the target secret it expects.
+    let env_bad = [
+        ("LIBISCSI_CHAP_TARGET_USERNAME", TARGET_USER),
+        ("LIBISCSI_CHAP_TARGET_PASSWORD", "not-the-target-secret"),
+    ];
+    let out = run_env("iscsi-inq", &[&url], &env_bad, DEFAULT_TIMEOUT);
+    assert!(
+        !out.status.success(),
+        "wrong target secret accepted:\n{}",
+        show(&out)
+    );
+    // Wrong initiator password with mutual CHAP: refused by the target.
+    let out = run_env(
+        "iscsi-inq",
+        &[&chap_url(&s, CHAP_USER, "wrong-secret-0000", 0)],
+        &env_ok,
+        DEFAULT_TIMEOUT,
+    );
+    assert!(
+        !out.status.success(),
+        "wrong password accepted:\n{}",
+        show(&out)
+    );
+    let logs = s.logs();
+    assert!(
+        !logs.contains(CHAP_SECRET) && !logs.contains(TARGET_SECRET),
+        "{logs}"
+    );
+    s.assert_alive();
+}
+
+#[test]
+fn qemu_img_with_chap() {
+    if !require_qemu_iscsi() {
+        return;
+    }
+    let mut s = Server::start(&[
+        "--lun",
+        "ram:16M",
+        "--chap",
+        &format!("{CHAP_USER}:{CHAP_SECRET}"),
+    ]);
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("in.raw");
+    let data = random_bytes(MIB, 11);
+    std::fs::write(&img, &data).unwrap();
+    let url = chap_url(&s, CHAP_USER, CHAP_SECRET, 0);
+    let out = tmp.path().join("out.raw");
+    let back = qemu_round_trip(&img, &url, &out);
+    assert_same_bytes("qemu-img over CHAP", &back[..MIB], &data);
+    let bad = run_unchecked(
+        "qemu-img",
+        &["info", &chap_url(&s, CHAP_USER, "wrong-secret-0000", 0)],
+        DEFAULT_TIMEOUT,
+    );
+    assert!(
+        !bad.status.success(),
+        "wrong password accepted:\n{}",
+        show(&bad)
+    );
+    s.assert_alive();
+}
+
+#[test]
+fn discovery_chap_with_iscsi_ls() {
+    if !require_tool("iscsi-ls") {
+        return;
+    }
+    let mut s = Server::start(&[
+        "--lun",
+        "ram:16M",
+        "--discovery-chap",
+        "discover:discovery-secret-1",
+    ]);
+    let out = run_unchecked("iscsi-ls", &[&s.portal_url()], DEFAULT_TIMEOUT);
+    assert!(
+        !out.status.success(),
+        "discovery without CHAP:\n{}",
+        show(&out)
+    );
+    let url = format!("iscsi://discover%discovery-secret-1@{}", s.addr());
+    let text = run_stdout("iscsi-ls", &[&url]);
+    let listed = parse_iscsi_ls(&text);
+    assert_eq!(listed.len(), 1, "{text}");
+    assert_eq!(listed[0].target, DEFAULT_TARGET);
+    s.assert_alive();
+}
+
+#[test]
+fn acl_hides_targets_in_sendtargets() {
+    if !require_tools(&["iscsi-ls", "iscsi-inq"]) {
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("ironsan-test-")
+        .tempdir()
+        .unwrap();
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
+    let (open, closed) = (
+        "iqn.2026-11.org.ironsan:open",
+        "iqn.2026-11.org.ironsan:closed",
+    );
+    let allowed = "iqn.2026-11.org.ironsan:allowed-host";
+    let other = "iqn.2026-11.org.ironsan:other-host";
+    let cfg = dir.path().join("ironsan.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"listen = ["{addr}"]
+data_dir = "{data}"
+[[target]]
+name = "{open}"
+[[target.lun]]
+spec = "ram:16M"
+[[target]]
+name = "{closed}"
+acl = ["{allowed}", "iqn.2026-11.org.ironsan:ops-*@127.0.0.0/8"]
+[[target.lun]]
+spec = "ram:16M"
+"#,
+            data = dir.path().join("data").display()
+        ),
+    )
+    .unwrap();
+    let mut s = Server::start_config(dir, &cfg, vec![addr], open);
+    let portal = format!("iscsi://{addr}");
+    let names = |initiator: &str| -> Vec<String> {
+        let text = run_stdout("iscsi-ls", &["-i", initiator, &portal]);
+        let mut v: Vec<String> = parse_iscsi_ls(&text)
+            .into_iter()
+            .map(|l| l.target)
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(allowed), vec![closed.to_string(), open.to_string()]);
+    assert_eq!(
+        names("iqn.2026-11.org.ironsan:ops-7"),
+        vec![closed.to_string(), open.to_string()]
+    );
+    assert_eq!(names(other), vec![open.to_string()]);
+    // Logging in anyway is refused (0202 authorization failure).
+    let url = format!("iscsi://{addr}/{closed}/0");
+    let out = run_unchecked("iscsi-inq", &["-i", other, &url], DEFAULT_TIMEOUT);
+    assert!(!out.status.success(), "ACL bypassed:\n{}", show(&out));
+    run_stdout("iscsi-inq", &["-i", allowed, &url]);
+    s.assert_alive();
+}
+
+#[test]
+fn identical_chap_secrets_are_a_configuration_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_unchecked(
+        bin(),
+        &[
+            "serve",
+            "--data-dir",
+            &dir.path().join("d").display().to_string(),
+            "--chap",
+            "u:same-secret-1234",
+            "--mutual-chap",
+            "t:same-secret-1234",
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--mutual-chap") && err.contains("differ"),
+        "{err}"
+    );
+    assert!(!err.contains("same-secret-1234"), "secret echoed: {err}");
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        "[[target]]\nname = \"iqn.2026-11.org.x:a\"\nchap = { user = \"u\", secret = \"same-secret-1234\" }\nmutual_chap = { user = \"t\", secret = \"same-secret-1234\" }\n[[target.lun]]\nspec = \"ram:1G\"\n",
+    )
+    .unwrap();
+    let out = run_unchecked(
+        bin(),
+        &["serve", "--config", &cfg.display().to_string()],
+        Duration::from_secs(30),
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("{}:4: ", cfg.display())) && err.contains("differ"),
+        "{err}"
+    );
+    assert!(!err.contains("same-secret-1234"), "secret echoed: {err}");
+}

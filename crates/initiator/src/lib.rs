@@ -5,6 +5,7 @@
 //! [`Client`]; raw PDU access for protocol tests.
 
 use bytes::{Bytes, BytesMut};
+use ironsan_proto::chap::{decode_binary, encode_hex, ChapAlgorithm, MAX_BINARY_LEN};
 use ironsan_proto::digest;
 use ironsan_proto::pdu::*;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
@@ -22,6 +23,12 @@ pub enum Error {
     Login(u8, u8),
     #[error("protocol: {0}")]
     Protocol(String),
+    #[error("the target failed mutual CHAP (wrong CHAP_N or CHAP_R)")]
+    MutualChap,
+}
+
+fn get_key(pairs: &[(String, String)], key: &str) -> Option<String> {
+    pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -45,6 +52,79 @@ pub struct LoginOptions {
     pub max_outstanding_r2t: u32,
     /// Extra key=value pairs to send in the login.
     pub extra: Vec<(String, String)>,
+    /// Authenticate with CHAP in a security stage.
+    pub chap: Option<ChapOptions>,
+    /// Offer this AuthMethod in a security stage instead of what `chap` implies (e.g. "None"
+    /// to try a downgrade). With neither, the security stage is skipped (CSG=1 at once).
+    pub auth_method: Option<String>,
+}
+
+/// CHAP as the initiator does it (RFC 7143 §12.1.3), with knobs for hostile tests.
+#[derive(Clone, Debug)]
+pub struct ChapOptions {
+    pub user: String,
+    pub secret: Vec<u8>,
+    /// The CHAP_A list offered, e.g. "5" (MD5) or "7,5" (SHA-256, then MD5).
+    pub algorithms: String,
+    /// Mutual CHAP: the target's expected CHAP_N and its secret.
+    pub mutual: Option<(String, Vec<u8>)>,
+    /// Send CHAP_R (and our CHAP_C) base64-encoded (`0b…`) instead of hex.
+    pub base64: bool,
+    /// Hostile: use the target's own CHAP_I and CHAP_C as our mutual challenge.
+    pub reflect: bool,
+    /// Hostile: send this CHAP_I with the mutual challenge (e.g. "256").
+    pub mutual_id: Option<String>,
+}
+
+impl ChapOptions {
+    /// One-way CHAP with MD5.
+    pub fn new(user: &str, secret: &[u8]) -> Self {
+        ChapOptions {
+            user: user.into(),
+            secret: secret.to_vec(),
+            algorithms: "5".into(),
+            mutual: None,
+            base64: false,
+            reflect: false,
+            mutual_id: None,
+        }
+    }
+
+    /// Mutual CHAP: also check that the target answers as `target_user` with `target_secret`.
+    pub fn mutual(mut self, target_user: &str, target_secret: &[u8]) -> Self {
+        self.mutual = Some((target_user.into(), target_secret.to_vec()));
+        self
+    }
+}
+
+fn encode_b64(b: &[u8]) -> String {
+    const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut s = String::from("0b");
+    for ch in b.chunks(3) {
+        let n = ch.iter().fold(0u32, |a, &x| a << 8 | u32::from(x)) << (8 * (3 - ch.len()));
+        for i in 0..=ch.len() {
+            s.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+        for _ in ch.len()..3 {
+            s.push('=');
+        }
+    }
+    s
+}
+
+/// Not-cryptographic bytes for the test initiator's mutual challenge (unique per call).
+fn test_challenge(len: usize) -> Vec<u8> {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let state = std::collections::hash_map::RandomState::new();
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        let mut h = state.build_hasher();
+        h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        out.extend_from_slice(&h.finish().to_le_bytes());
+    }
+    out.truncate(len);
+    out
 }
 
 impl LoginOptions {
@@ -64,6 +144,8 @@ impl LoginOptions {
             max_burst_length: 262144,
             max_outstanding_r2t: 1,
             extra: Vec::new(),
+            chap: None,
+            auth_method: None,
         }
     }
 }
@@ -106,6 +188,8 @@ pub struct Client {
     pub initial_r2t: bool,
     /// Async messages and other unsolicited PDUs seen while waiting.
     pub unsolicited: Vec<Pdu>,
+    /// Every Login Response received, as it came (to compare failures byte for byte).
+    pub login_responses: Vec<Pdu>,
 }
 
 impl Client {
@@ -119,10 +203,10 @@ impl Client {
         Ok((BufReader::new(r), w))
     }
 
-    /// Connect and log in (security stage skipped: CSG=1 → NSG=3).
-    pub async fn login(addr: SocketAddr, opts: &LoginOptions) -> Result<Client> {
+    /// Connect without logging in; then [`Client::login_on`] or [`Client::login_request`].
+    pub async fn connect(addr: SocketAddr) -> Result<Client> {
         let (rd, wr) = Self::connect_raw(addr).await?;
-        let mut c = Client {
+        Ok(Client {
             rd,
             wr,
             cmd_sn: CmdSn(1),
@@ -139,17 +223,165 @@ impl Client {
             immediate_data: true,
             initial_r2t: true,
             unsolicited: Vec::new(),
+            login_responses: Vec::new(),
+        })
+    }
+
+    /// Connect and log in: a security stage with CHAP when `opts.chap` (or an AuthMethod
+    /// offer when `opts.auth_method`) is set, else straight to the operational stage (CSG=1).
+    pub async fn login(addr: SocketAddr, opts: &LoginOptions) -> Result<Client> {
+        let mut c = Self::connect(addr).await?;
+        c.login_on(opts).await?;
+        Ok(c)
+    }
+
+    /// Send one Login Request (ISID, TSIH, CID from `opts`, ITT 0, the login's CmdSN) and
+    /// return the response and its keys. A response with a non-zero status is
+    /// [`Error::Login`] (the PDU stays in [`Client::login_responses`]).
+    pub async fn login_request(
+        &mut self,
+        opts: &LoginOptions,
+        csg: Stage,
+        nsg: Stage,
+        transit: bool,
+        pairs: &[(String, String)],
+    ) -> Result<(LoginResponse, Vec<(String, String)>)> {
+        let req = LoginRequest {
+            transit,
+            csg,
+            nsg: if transit { nsg } else { Stage(0) },
+            isid: opts.isid,
+            tsih: opts.tsih,
+            itt: Itt(0),
+            cid: opts.cid,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: self.exp_stat_sn,
+            ..Default::default()
         };
+        self.send(Header::LoginRequest(req), text::encode(pairs))
+            .await?;
+        let resp = self.recv().await?;
+        self.login_responses.push(resp.clone());
+        let Header::LoginResponse(lr) = resp.header else {
+            return Err(Error::Protocol(format!(
+                "expected login response, got {:?}",
+                resp.header
+            )));
+        };
+        if lr.status_class != 0 {
+            return Err(Error::Login(lr.status_class, lr.status_detail));
+        }
+        self.exp_stat_sn = lr.sn.stat_sn.next();
+        self.max_cmd_sn = lr.sn.max_cmd_sn;
+        let pairs =
+            text::parse(&resp.data).map_err(|e| Error::Protocol(format!("login text: {e:?}")))?;
+        Ok((lr, pairs))
+    }
+
+    /// The security stage: AuthMethod, then the CHAP exchange (RFC 7143 §12.1.3).
+    async fn security_stage(
+        &mut self,
+        opts: &LoginOptions,
+        identity: Vec<(String, String)>,
+    ) -> Result<()> {
+        let sec = Stage::SECURITY_NEGOTIATION;
+        let op = Stage::LOGIN_OPERATIONAL_NEGOTIATION;
+        let kv = |k: &str, v: &str| (k.to_string(), v.to_string());
+        let method = match (&opts.auth_method, &opts.chap) {
+            (Some(m), _) => m.clone(),
+            (None, Some(_)) => "CHAP,None".into(),
+            (None, None) => "None".into(),
+        };
+        let mut first = identity;
+        first.push(kv("AuthMethod", &method));
+        let (lr, pairs) = self.login_request(opts, sec, op, true, &first).await?;
+        let agreed = get_key(&pairs, "AuthMethod").unwrap_or_default();
+        let Some(chap) = opts.chap.as_ref().filter(|_| agreed == "CHAP") else {
+            if lr.transit {
+                return Ok(());
+            }
+            // The target wants more of the security stage than we offer.
+            let (lr, _) = self.login_request(opts, sec, op, true, &[]).await?;
+            return if lr.transit {
+                Ok(())
+            } else {
+                Err(Error::Protocol(
+                    "target did not leave the security stage".into(),
+                ))
+            };
+        };
+        let (_, pairs) = self
+            .login_request(opts, sec, op, true, &[kv("CHAP_A", &chap.algorithms)])
+            .await?;
+        let missing = |k: &str| Error::Protocol(format!("no {k} from the target"));
+        let alg = get_key(&pairs, "CHAP_A")
+            .and_then(|a| a.parse::<u64>().ok())
+            .and_then(ChapAlgorithm::from_code)
+            .ok_or_else(|| missing("CHAP_A"))?;
+        let id_s = get_key(&pairs, "CHAP_I").ok_or_else(|| missing("CHAP_I"))?;
+        let id: u8 = id_s.parse().map_err(|_| missing("valid CHAP_I"))?;
+        let c_s = get_key(&pairs, "CHAP_C").ok_or_else(|| missing("CHAP_C"))?;
+        let challenge =
+            decode_binary(&c_s, MAX_BINARY_LEN).ok_or_else(|| missing("valid CHAP_C"))?;
+        let r = alg.response(id, &chap.secret, &challenge);
+        let enc = |b: &[u8]| {
+            if chap.base64 {
+                encode_b64(b)
+            } else {
+                encode_hex(b)
+            }
+        };
+        let mut answer = vec![kv("CHAP_N", &chap.user), kv("CHAP_R", &enc(&r))];
+        let mut my = None;
+        if chap.mutual.is_some() || chap.reflect || chap.mutual_id.is_some() {
+            let (my_id, my_c) = if chap.reflect {
+                (id, challenge.clone())
+            } else {
+                (challenge[0].wrapping_add(1), test_challenge(32))
+            };
+            let id_text = chap.mutual_id.clone().unwrap_or_else(|| my_id.to_string());
+            answer.push(kv("CHAP_I", &id_text));
+            answer.push(kv("CHAP_C", &enc(&my_c)));
+            my = Some((my_id, my_c));
+        }
+        let (lr, pairs) = self.login_request(opts, sec, op, true, &answer).await?;
+        if let (Some((name, secret)), Some((my_id, my_c))) = (&chap.mutual, my) {
+            let n = get_key(&pairs, "CHAP_N").ok_or_else(|| missing("CHAP_N"))?;
+            let r = get_key(&pairs, "CHAP_R")
+                .and_then(|r| decode_binary(&r, MAX_BINARY_LEN))
+                .ok_or_else(|| missing("CHAP_R"))?;
+            if &n != name || r != alg.response(my_id, secret, &my_c) {
+                return Err(Error::MutualChap);
+            }
+        }
+        if !lr.transit {
+            return Err(Error::Protocol(
+                "target did not leave the security stage after CHAP".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Log in on a connected client (see [`Client::login`]).
+    pub async fn login_on(&mut self, opts: &LoginOptions) -> Result<()> {
+        let c = self;
         let yn = |b: bool| if b { "Yes" } else { "No" }.to_string();
         let dg = |b: bool| if b { "CRC32C" } else { "None" }.to_string();
-        let mut keys: Vec<(String, String)> =
+        let mut identity: Vec<(String, String)> =
             vec![("InitiatorName".into(), opts.initiator_name.clone())];
         match &opts.target_name {
             Some(t) => {
-                keys.push(("TargetName".into(), t.clone()));
-                keys.push(("SessionType".into(), "Normal".into()));
+                identity.push(("TargetName".into(), t.clone()));
+                identity.push(("SessionType".into(), "Normal".into()));
             }
-            None => keys.push(("SessionType".into(), "Discovery".into())),
+            None => identity.push(("SessionType".into(), "Discovery".into())),
+        }
+        let secure = opts.chap.is_some() || opts.auth_method.is_some();
+        let mut keys = Vec::new();
+        if secure {
+            c.security_stage(opts, identity).await?;
+        } else {
+            keys = identity;
         }
         keys.extend([
             ("HeaderDigest".into(), dg(opts.header_digest)),
@@ -181,41 +413,22 @@ impl Client {
             ]);
         }
         keys.extend(opts.extra.iter().cloned());
-        let mut data = text::encode(&keys);
         for _round in 0..8 {
-            let req = LoginRequest {
-                transit: true,
-                csg: Stage::LOGIN_OPERATIONAL_NEGOTIATION,
-                nsg: Stage::FULL_FEATURE_PHASE,
-                isid: opts.isid,
-                tsih: opts.tsih,
-                itt: Itt(0),
-                cid: opts.cid,
-                cmd_sn: c.cmd_sn,
-                exp_stat_sn: c.exp_stat_sn,
-                ..Default::default()
-            };
-            c.send(Header::LoginRequest(req), data.clone()).await?;
-            let resp = c.recv().await?;
-            let Header::LoginResponse(lr) = resp.header else {
-                return Err(Error::Protocol(format!(
-                    "expected login response, got {:?}",
-                    resp.header
-                )));
-            };
-            if lr.status_class != 0 {
-                return Err(Error::Login(lr.status_class, lr.status_detail));
-            }
-            c.exp_stat_sn = lr.sn.stat_sn.next();
-            c.max_cmd_sn = lr.sn.max_cmd_sn;
-            let pairs = text::parse(&resp.data)
-                .map_err(|e| Error::Protocol(format!("login text: {e:?}")))?;
+            let (lr, pairs) = c
+                .login_request(
+                    opts,
+                    Stage::LOGIN_OPERATIONAL_NEGOTIATION,
+                    Stage::FULL_FEATURE_PHASE,
+                    true,
+                    &keys,
+                )
+                .await?;
             c.negotiated.extend(pairs);
             if lr.transit && lr.nsg == Stage::FULL_FEATURE_PHASE {
                 c.tsih = lr.tsih;
                 break;
             }
-            data = Bytes::new();
+            keys = Vec::new();
         }
         let get = |k: &str| {
             c.negotiated
@@ -242,7 +455,7 @@ impl Client {
                 "login did not reach full feature phase".into(),
             ));
         }
-        Ok(c)
+        Ok(())
     }
 
     /// A fresh initiator task tag.
@@ -542,7 +755,19 @@ impl Client {
             ttt = t.ttt;
             data = Bytes::new();
         }
-        text::parse(&all).map_err(|e| Error::Protocol(format!("text: {e:?}")))
+        // SendTargets repeats TargetName/TargetAddress: parse without the duplicate-key rule.
+        all[..]
+            .split(|&b| b == 0)
+            .filter(|kv| !kv.is_empty())
+            .map(|kv| {
+                let kv = std::str::from_utf8(kv)
+                    .map_err(|_| Error::Protocol("text: not UTF-8".into()))?;
+                let (k, v) = kv
+                    .split_once('=')
+                    .ok_or_else(|| Error::Protocol(format!("text: no '=' in {kv:?}")))?;
+                Ok((k.to_string(), v.to_string()))
+            })
+            .collect()
     }
 
     /// NOP-Out ping with `data`; returns the echoed data.

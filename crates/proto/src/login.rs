@@ -569,7 +569,12 @@ impl Login {
         };
 
         if first {
-            answers.append(&mut self.first_extra);
+            // Our declarations (TargetPortalGroupTag, TargetAlias) replace any answer to the
+            // same key: an initiator that sent one of these target-only keys was answered
+            // Reject by the negotiator, and a key may appear only once in a text (§6.2).
+            let extra = std::mem::take(&mut self.first_extra);
+            answers.retain(|(k, _)| !extra.iter().any(|(d, _)| d == k));
+            answers.extend(extra);
         }
         if agree && req.nsg == Stage::FULL_FEATURE_PHASE {
             answers.extend(self.negotiator.unsent_declarations());
@@ -862,6 +867,26 @@ mod tests {
 
     fn get<'a>(pairs: &'a [(String, String)], k: &str) -> Option<&'a str> {
         value(pairs, k)
+    }
+
+    /// Fuzz regression (fuzz/fuzz_targets/login.rs): an initiator that sends the target-only
+    /// key TargetAlias got it back twice in one response (`TargetAlias=Reject` and our
+    /// declaration), which no initiator can parse.
+    #[test]
+    fn target_only_key_from_the_initiator_is_answered_once() {
+        let text = b"InitiatorName=iqn.1993-08.org.debian:01:host\0\
+TargetName=iqn.2024-01.com.example:disk\0TargetAlias=Normal\0\
+TargetPortalGroupTag=7\0AuthMethod=CHAP,None\0";
+        let pairs = text::parse(text).unwrap();
+        let mut l = Login::new(TargetDefaults::default());
+        match l.step(&req(0, 1, false), pairs, &Policy) {
+            LoginStep::Respond(_, d) => {
+                let answers = text::parse(&d).expect("one record per key");
+                assert_eq!(get(&answers, "TargetAlias"), Some("disk"));
+                assert_eq!(get(&answers, "TargetPortalGroupTag"), Some("1"));
+            }
+            other => panic!("expected Respond, got {other:?}"),
+        }
     }
 
     #[test]

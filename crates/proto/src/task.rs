@@ -176,14 +176,22 @@ impl WriteTransfer {
 
     /// R2Ts to send now, with TTTs from `alloc_ttt`. R2Ts are only issued once the
     /// unsolicited burst is over, so DataSequenceInOrder holds.
-    pub fn next_r2ts(&mut self, mut alloc_ttt: impl FnMut() -> Ttt) -> Vec<R2tRequest> {
+    pub fn next_r2ts(&mut self, alloc_ttt: impl FnMut() -> Ttt) -> Vec<R2tRequest> {
+        self.next_r2ts_limited(usize::MAX, alloc_ttt)
+    }
+
+    /// [`WriteTransfer::next_r2ts`], issuing at most `limit` R2Ts (for a target-wide cap on
+    /// outstanding R2Ts; call again when [`WriteTransfer::wants_r2t`] says so).
+    pub fn next_r2ts_limited(
+        &mut self,
+        limit: usize,
+        mut alloc_ttt: impl FnMut() -> Ttt,
+    ) -> Vec<R2tRequest> {
         let mut out = Vec::new();
         if self.unsolicited.is_some() {
             return out;
         }
-        while self.next_r2t_offset < self.edtl
-            && (self.outstanding.len() as u32) < self.params.max_outstanding_r2t.max(1)
-        {
+        while out.len() < limit && self.wants_r2t() {
             let len = (self.edtl - self.next_r2t_offset).min(self.params.max_burst_length.max(512));
             let ttt = alloc_ttt();
             let r = R2tRequest {
@@ -203,6 +211,19 @@ impl WriteTransfer {
             out.push(r);
         }
         out
+    }
+
+    /// R2Ts issued whose data has not all arrived.
+    pub fn outstanding_r2ts(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// True when an R2T could be issued now: the unsolicited burst is over, data remains to be
+    /// asked for, and fewer than MaxOutstandingR2T R2Ts are outstanding.
+    pub fn wants_r2t(&self) -> bool {
+        self.unsolicited.is_none()
+            && self.next_r2t_offset < self.edtl
+            && (self.outstanding.len() as u32) < self.params.max_outstanding_r2t.max(1)
     }
 
     /// The R2TSN the next R2T will use (for the SCSI Response's ExpDataSN on writes).
@@ -299,6 +320,28 @@ mod tests {
             assert_eq!(s.offset, off);
             off += s.len;
         }
+    }
+
+    #[test]
+    fn limited_r2ts_resume_where_they_stopped() {
+        // 1 MiB in 256 KiB bursts, MaxOutstandingR2T 2, issued one at a time.
+        let mut w = WriteTransfer::new(1 << 20, 0, true, params()).unwrap();
+        let mut ttt = 0;
+        let mut alloc = || {
+            ttt += 1;
+            Ttt(ttt)
+        };
+        let first = w.next_r2ts_limited(1, &mut alloc);
+        assert_eq!(first.len(), 1);
+        assert_eq!((first[0].offset, first[0].r2t_sn), (0, DataSn(0)));
+        assert!(w.wants_r2t());
+        assert_eq!(w.outstanding_r2ts(), 1);
+        let second = w.next_r2ts_limited(5, &mut alloc);
+        assert_eq!(second.len(), 1, "MaxOutstandingR2T still applies");
+        assert_eq!((second[0].offset, second[0].r2t_sn), (262144, DataSn(1)));
+        assert!(!w.wants_r2t());
+        assert_eq!(w.outstanding_r2ts(), 2);
+        assert!(w.next_r2ts_limited(0, &mut alloc).is_empty());
     }
 
     #[test]

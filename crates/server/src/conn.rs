@@ -5,12 +5,16 @@
 //! writer task ([`crate::writer`]). Data-Out reassembly is local to the connection: at
 //! ErrorRecoveryLevel 0 a command's data arrives on the connection that carried the command.
 
+use crate::access::{os_random, Access};
 use crate::io::{self, Digests, ReadError};
 use crate::session::{ConnInfo, Running, Session};
 use crate::writer::{self, Out, OutPdu, TxStats};
 use crate::{Shared, TargetDef};
 use bytes::{Bytes, BytesMut};
-use ironsan_proto::login::{Login, LoginPolicy, LoginStatus, LoginStep, TargetLookup};
+use ironsan_proto::chap::ChapCredentials;
+use ironsan_proto::login::{
+    Login, LoginPolicy, LoginStatus, LoginStep, TargetLookup, CHAP_RANDOM_LEN,
+};
 use ironsan_proto::negotiate::{ConnParams, Negotiator, SessionType};
 use ironsan_proto::pdu::*;
 use ironsan_proto::task::{data_in_segments, DataOutError, WriteParams, WriteTransfer};
@@ -18,31 +22,73 @@ use ironsan_proto::window::CmdWindow;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
 use ironsan_scsi::{Command, Response, SenseReason};
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::io::BufReader;
-use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Semaphore};
+
+/// The per-connection read budget in bytes (at least one largest read, so a read alone always
+/// proceeds).
+fn tx_budget_bytes(shared: &Shared) -> usize {
+    let b = shared
+        .cfg
+        .tx_buffer_per_connection
+        .max(u64::from(shared.cfg.max_io_bytes))
+        .min(Semaphore::MAX_PERMITS as u64);
+    b as usize
+}
 
 /// Writer queue depth in messages: bounds what a reader that never reads can make us hold.
 const WRITER_QUEUE: usize = 512;
 /// MaxRecvDataSegmentLength during login (RFC 7143 §13.12: 8192 until negotiated).
 const LOGIN_MAX_DATA: u32 = 8192;
 
-struct Policy<'a>(&'a Shared);
+/// The login's view of the configuration: targets, ACLs (by initiator name and source
+/// address) and CHAP credentials.
+struct Policy<'a> {
+    shared: &'a Shared,
+    peer: IpAddr,
+}
+
+impl Policy<'_> {
+    fn access(&self, target_name: Option<&str>) -> &Access {
+        match target_name {
+            Some(t) => self.shared.access(t),
+            None => &self.shared.cfg.discovery,
+        }
+    }
+}
 
 impl LoginPolicy for Policy<'_> {
-    fn lookup_target(&self, target_name: &str, _initiator_name: &str) -> TargetLookup {
-        match self.0.targets.get(target_name) {
-            Some(t) => TargetLookup::Allowed {
-                tpgt: t.tpgt,
-                alias: t.alias.clone(),
-            },
+    fn lookup_target(&self, target_name: &str, initiator_name: &str) -> TargetLookup {
+        match self.shared.targets.get(target_name) {
+            Some(t)
+                if self
+                    .access(Some(target_name))
+                    .allows(initiator_name, self.peer) =>
+            {
+                TargetLookup::Allowed {
+                    tpgt: t.tpgt,
+                    alias: t.alias.clone(),
+                }
+            }
+            Some(_) => TargetLookup::Denied,
             None => TargetLookup::NotFound,
         }
+    }
+    fn discovery_allowed(&self, initiator_name: &str) -> bool {
+        self.shared.cfg.discovery.allows(initiator_name, self.peer)
+    }
+    fn auth_required(&self, target_name: Option<&str>, _initiator_name: &str) -> bool {
+        self.access(target_name).auth_required()
+    }
+    fn chap_credentials(&self, target_name: Option<&str>) -> Option<&dyn ChapCredentials> {
+        let a = self.access(target_name);
+        a.auth_required().then_some(a as &dyn ChapCredentials)
     }
 }
 
@@ -56,8 +102,38 @@ struct PendingWrite {
 }
 
 /// A command's place in the session's CmdSN window; released (opening the window) when the
-/// command finishes or is dropped for any reason.
-struct Slot(Arc<Session>);
+/// command finishes or is dropped for any reason, together with its share of the session's
+/// write buffer quota.
+struct Slot(Arc<Session>, #[allow(dead_code)] Option<WriteQuota>); // .1 is held for its Drop
+
+/// Bytes of a write counted against the session's `write_buffer_per_session`.
+struct WriteQuota {
+    session: Arc<Session>,
+    bytes: u64,
+}
+
+impl WriteQuota {
+    fn try_new(session: &Arc<Session>, bytes: u64, limit: u64) -> Option<WriteQuota> {
+        session
+            .buffered_writes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
+                (cur + bytes <= limit).then_some(cur + bytes)
+            })
+            .ok()?;
+        Some(WriteQuota {
+            session: Arc::clone(session),
+            bytes,
+        })
+    }
+}
+
+impl Drop for WriteQuota {
+    fn drop(&mut self) {
+        self.session
+            .buffered_writes
+            .fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
@@ -73,7 +149,12 @@ struct Connection {
     params: ConnParams,
     cid: u16,
     local: SocketAddr,
+    peer: SocketAddr,
     pending: HashMap<Itt, PendingWrite>,
+    /// Writes that want R2Ts but hit `max_r2ts_per_connection`, oldest first.
+    starved: std::collections::VecDeque<Itt>,
+    /// Bytes of read data allowed between the backend and the socket.
+    tx_budget: Arc<Semaphore>,
     /// Continuations of long Text responses: (ITT, TTT) → remaining segments.
     text_pending: Option<(Itt, Ttt, Vec<Bytes>)>,
     tasks: tokio::task::JoinSet<()>,
@@ -93,7 +174,7 @@ fn reject(reason: RejectReason, bhs: &Bhs) -> OutPdu {
 }
 
 /// Serve one accepted TCP connection until it closes.
-pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
+pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, over_limit: bool) {
     let local = match stream.local_addr() {
         Ok(a) => a,
         Err(_) => return,
@@ -101,28 +182,31 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     let (rd, wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(64 * 1024, rd);
     let (tx, rx) = mpsc::channel::<Out>(WRITER_QUEUE);
+    let stats = Arc::new(TxStats::default());
+    let mut writer = LazyWriter {
+        parts: Some((wr, rx)),
+        handle: None,
+        stats: Arc::clone(&stats),
+    };
 
     // Login phase, bounded in time so half-sent logins cannot pin resources.
     let login = tokio::time::timeout(
         shared.cfg.login_timeout,
-        login_phase(&mut rd, &tx, &shared, peer, local),
+        login_phase(&mut rd, &tx, &shared, peer, local, over_limit, &mut writer),
     )
     .await;
-    let stats = Arc::new(TxStats::default());
-    let (first_stat_sn, outcome) = match login {
-        Ok(Ok((sn, Some(o)))) => (sn, Some(o)),
-        Ok(Ok((sn, None))) => (sn, None),
+    let outcome = match login {
+        Ok(Ok(o)) => o,
         Ok(Err(e)) => {
             tracing::debug!(%peer, "login ended: {e}");
-            (StatSn(0), None)
+            None
         }
         Err(_) => {
             tracing::info!(%peer, "login timed out");
             return;
         }
     };
-    // The writer starts only now: login responses were queued in the channel in order.
-    let writer = tokio::spawn(writer::run(wr, rx, first_stat_sn, Arc::clone(&stats)));
+    let writer = writer.start(StatSn(0));
     let Some((session, params, cid, close_rx)) = outcome else {
         let _ = tx.send(Out::Close).await;
         drop(tx);
@@ -138,7 +222,10 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
         params,
         cid,
         local,
+        peer,
         pending: HashMap::new(),
+        starved: std::collections::VecDeque::new(),
+        tx_budget: Arc::new(Semaphore::new(tx_budget_bytes(&shared))),
         text_pending: None,
         tasks: tokio::task::JoinSet::new(),
         next_ttt: 1,
@@ -179,6 +266,44 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
 
 type LoginOutcome = (Arc<Session>, ConnParams, u16, watch::Receiver<bool>);
 
+/// The writer task, started when the first Login Request tells the StatSN to begin with
+/// (its ExpStatSN), so every login response, not only the last, goes out at once.
+struct LazyWriter {
+    parts: Option<(OwnedWriteHalf, mpsc::Receiver<Out>)>,
+    handle: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    stats: Arc<TxStats>,
+}
+
+impl LazyWriter {
+    /// Start the writer (once) and return its handle's owner.
+    fn start(&mut self, first_stat_sn: StatSn) -> WriterHandle {
+        if let Some((wr, rx)) = self.parts.take() {
+            self.handle = Some(tokio::spawn(writer::run(
+                wr,
+                rx,
+                first_stat_sn,
+                Arc::clone(&self.stats),
+            )));
+        }
+        WriterHandle(self.handle.take())
+    }
+}
+
+/// The running writer, to wait for at the end of the connection.
+struct WriterHandle(Option<tokio::task::JoinHandle<std::io::Result<()>>>);
+
+impl std::future::IntoFuture for WriterHandle {
+    type Output = ();
+    type IntoFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(async move {
+            if let Some(h) = self.0 {
+                let _ = h.await;
+            }
+        })
+    }
+}
+
 /// Run the login phase. Returns the StatSN to start from and, on success, the session.
 async fn login_phase(
     rd: &mut BufReader<OwnedReadHalf>,
@@ -186,8 +311,22 @@ async fn login_phase(
     shared: &Arc<Shared>,
     peer: SocketAddr,
     local: SocketAddr,
-) -> Result<(StatSn, Option<LoginOutcome>), ReadError> {
+    over_limit: bool,
+    writer: &mut LazyWriter,
+) -> Result<Option<LoginOutcome>, ReadError> {
     let mut login = Login::new(shared.cfg.negotiation.clone());
+    // Fresh CHAP identifier and challenge for this login from the OS CSPRNG. Without them a
+    // CHAP login fails with 0300 rather than use a predictable challenge.
+    let mut random = [0u8; CHAP_RANDOM_LEN];
+    if os_random(&mut random) {
+        login.set_random(random);
+    } else {
+        tracing::error!("the OS random number generator failed; CHAP logins will fail");
+    }
+    let policy = Policy {
+        shared,
+        peer: peer.ip(),
+    };
     let mut assembler = text::Assembler::default();
     let mut first_stat_sn = None;
     loop {
@@ -195,9 +334,19 @@ async fn login_phase(
         let Header::LoginRequest(req) = rx.pdu.header else {
             // RFC 7143 §6.3: only Login Requests before the login completes. Nothing sensible
             // can be answered; close.
-            return Ok((first_stat_sn.unwrap_or_default(), None));
+            return Ok(None);
         };
         let stat_sn = *first_stat_sn.get_or_insert(req.exp_stat_sn);
+        if writer.handle.is_none() {
+            let h = writer.start(stat_sn);
+            writer.handle = h.0;
+        }
+        if over_limit {
+            tracing::warn!(%peer, "too many connections: login refused (0302)");
+            let (resp, data) = login.fail(&req, LoginStatus::OUT_OF_RESOURCES);
+            send_login(tx, resp, data).await;
+            return Ok(None);
+        }
         // C-bit continuations are joined here; the state machine sees empty pairs for them.
         let parsed = match assembler.push(&rx.pdu.data, req.cont) {
             Ok(Some(text)) => text::parse(&text).map_err(|e| LoginStatus::from(&e)),
@@ -214,10 +363,10 @@ async fn login_phase(
                         data,
                     )]))
                     .await;
-                return Ok((stat_sn, None));
+                return Ok(None);
             }
         };
-        match login.step(&req, pairs, &Policy(shared)) {
+        match login.step(&req, pairs, &policy) {
             LoginStep::Respond(resp, data) => {
                 let _ = tx
                     .send(Out::Pdus(vec![OutPdu::status(
@@ -227,14 +376,15 @@ async fn login_phase(
                     .await;
             }
             LoginStep::Fail(resp, data) => {
-                tracing::info!(%peer, class = resp.status_class, detail = resp.status_detail, "login failed");
+                // Never the secrets or the CHAP values: only who, and the status.
+                tracing::info!(%peer, status = format_args!("{:02x}{:02x}", resp.status_class, resp.status_detail), "login failed");
                 let _ = tx
                     .send(Out::Pdus(vec![OutPdu::status(
                         Header::LoginResponse(resp),
                         data,
                     )]))
                     .await;
-                return Ok((stat_sn, None));
+                return Ok(None);
             }
             LoginStep::ReadyToComplete(ready) => {
                 let target = ready
@@ -244,14 +394,28 @@ async fn login_phase(
                     .cloned();
                 let (close_tx, close_rx) = watch::channel(false);
                 // Pick or create the session (leading login with TSIH 0, or a new connection).
-                let (session, new) = {
+                let mut limit_hit = false;
+                let (session, new) = 'pick: {
                     let mut reg = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
                     if ready.tsih.0 == 0 {
-                        if let Some(old) = reg.find_same_nexus(
+                        let old = reg.find_same_nexus(
                             &ready.initiator_name,
                             ready.isid,
                             ready.target_name.as_deref(),
-                        ) {
+                        );
+                        // Resource limits, checked before anything is disturbed; a session
+                        // being reinstated does not count.
+                        let replaced = usize::from(old.is_some());
+                        let total = reg.len() - replaced;
+                        let mine = reg.count_initiator(&ready.initiator_name) - replaced;
+                        if total >= shared.cfg.max_sessions
+                            || mine >= shared.cfg.max_sessions_per_initiator
+                        {
+                            tracing::warn!(%peer, initiator = %ready.initiator_name, total, mine, "session limit reached: login refused (0302)");
+                            limit_hit = true;
+                            break 'pick (None, true);
+                        }
+                        if let Some(old) = old {
                             // Session reinstatement (RFC 7143 §6.3.5): the old session's tasks
                             // are aborted and its connections closed.
                             tracing::info!(initiator = %ready.initiator_name, tsih = old.tsih.0, "reinstating session");
@@ -275,6 +439,11 @@ async fn login_phase(
                         }
                     }
                 };
+                if limit_hit {
+                    let (resp, data) = login.reject(LoginStatus::OUT_OF_RESOURCES);
+                    send_login(tx, resp, data).await;
+                    return Ok(None);
+                }
                 if session.is_none() && !new {
                     let (resp, data) = login.reject(LoginStatus::SESSION_DOES_NOT_EXIST);
                     let _ = tx
@@ -283,7 +452,7 @@ async fn login_phase(
                             data,
                         )]))
                         .await;
-                    return Ok((stat_sn, None));
+                    return Ok(None);
                 }
                 if let Some(s) = &session {
                     if s.conn_count() >= s.params.max_connections as usize {
@@ -294,7 +463,7 @@ async fn login_phase(
                                 data,
                             )]))
                             .await;
-                        return Ok((stat_sn, None));
+                        return Ok(None);
                     }
                 }
                 let tsih = match &session {
@@ -361,10 +530,19 @@ async fn login_phase(
                         data: cparams.data_digest,
                     }))
                     .await;
-                return Ok((stat_sn, Some((session, cparams, ready.cid.0, close_rx))));
+                return Ok(Some((session, cparams, ready.cid.0, close_rx)));
             }
         }
     }
+}
+
+async fn send_login(tx: &mpsc::Sender<Out>, resp: LoginResponse, data: Bytes) {
+    let _ = tx
+        .send(Out::Pdus(vec![OutPdu::status(
+            Header::LoginResponse(resp),
+            data,
+        )]))
+        .await;
 }
 
 /// Target-initiated NOP-In pings (RFC 7143 §11.19): after `interval` without traffic, ping;
@@ -502,6 +680,9 @@ impl Connection {
             if let Err(reason) = result {
                 return reason;
             }
+            if !self.starved.is_empty() {
+                self.serve_starved().await;
+            }
         }
     }
 
@@ -534,12 +715,23 @@ impl Connection {
         let edtl = cmd.expected_data_transfer_length;
         let immediate_len = plan.data_len as u32;
         let oversize = cmd.write && edtl > self.shared.cfg.max_io_bytes;
-        let mut buf = if cmd.write && !oversize {
+        // The session's write buffer quota is taken before the buffer is allocated.
+        let quota_limit = self
+            .shared
+            .cfg
+            .write_buffer_per_session
+            .max(u64::from(self.shared.cfg.max_io_bytes));
+        let quota = (cmd.write && !oversize && edtl > 0)
+            .then(|| WriteQuota::try_new(&self.session, u64::from(edtl), quota_limit));
+        let over_quota = matches!(quota, Some(None));
+        let quota = quota.flatten();
+        let buffered = cmd.write && !oversize && !over_quota;
+        let mut buf = if buffered {
             BytesMut::zeroed(edtl as usize)
         } else {
             BytesMut::new()
         };
-        let digest_ok = if immediate_len > 0 && immediate_len <= edtl && cmd.write && !oversize {
+        let digest_ok = if immediate_len > 0 && immediate_len <= edtl && buffered {
             io::read_data_into(rd, plan, &mut buf[..immediate_len as usize])
                 .await
                 .map_err(|e| e.to_string())?
@@ -568,7 +760,7 @@ impl Connection {
             return Ok(());
         }
         self.session.commands.fetch_add(1, Ordering::Relaxed);
-        let slot = Slot(Arc::clone(&self.session));
+        let slot = Slot(Arc::clone(&self.session), quota);
         let cdb = match extended_cdb(&cmd.cdb, &ahs) {
             Some(c) => c,
             None => {
@@ -595,6 +787,23 @@ impl Connection {
             self.finish(
                 cmd,
                 fail(SenseReason::InvalidFieldInCdb { byte: 0, bit: None }),
+                None,
+                DataSn(0),
+                slot,
+            );
+            return Ok(());
+        }
+        if over_quota {
+            // SAM-5 §5.3: the session has other writes holding the buffer (a write alone always
+            // fits the quota), so TASK SET FULL; the initiator retries later.
+            tracing::debug!(
+                itt = cmd.itt.0,
+                edtl,
+                "write buffer quota exhausted: TASK SET FULL"
+            );
+            self.finish(
+                cmd,
+                Response::status_only(ironsan_scsi::Status::TASK_SET_FULL),
                 None,
                 DataSn(0),
                 slot,
@@ -654,9 +863,37 @@ impl Connection {
             );
             return;
         }
-        let r2ts = pw.transfer.next_r2ts(|| self.alloc_ttt());
-        let out: Vec<OutPdu> = r2ts
-            .into_iter()
+        let room = self
+            .r2t_room()
+            .saturating_sub(pw.transfer.outstanding_r2ts());
+        let out = self.issue_r2ts(&mut pw, room);
+        let itt = pw.cmd.itt;
+        if pw.transfer.wants_r2t() && !self.starved.contains(&itt) {
+            self.starved.push_back(itt);
+        }
+        self.pending.insert(itt, pw);
+        if !out.is_empty() {
+            self.send(out).await;
+        }
+    }
+
+    /// How many more R2Ts the connection may have outstanding.
+    fn r2t_room(&self) -> usize {
+        let outstanding: usize = self
+            .pending
+            .values()
+            .map(|p| p.transfer.outstanding_r2ts())
+            .sum();
+        self.shared
+            .cfg
+            .max_r2ts_per_connection
+            .max(1)
+            .saturating_sub(outstanding)
+    }
+
+    fn issue_r2ts(&mut self, pw: &mut PendingWrite, limit: usize) -> Vec<OutPdu> {
+        let r2ts = pw.transfer.next_r2ts_limited(limit, || self.alloc_ttt());
+        r2ts.into_iter()
             .map(|r| {
                 OutPdu::current(
                     Header::R2t(R2t {
@@ -671,9 +908,31 @@ impl Connection {
                     Bytes::new(),
                 )
             })
-            .collect();
-        let itt = pw.cmd.itt;
-        self.pending.insert(itt, pw);
+            .collect()
+    }
+
+    /// Give R2Ts to writes that were held back by `max_r2ts_per_connection`, oldest first.
+    async fn serve_starved(&mut self) {
+        let mut out = Vec::new();
+        while let Some(itt) = self.starved.front().copied() {
+            let room = self.r2t_room();
+            if room == 0 {
+                break;
+            }
+            self.starved.pop_front();
+            let Some(mut pw) = self.pending.remove(&itt) else {
+                continue;
+            };
+            out.extend(self.issue_r2ts(&mut pw, room));
+            let again = pw.transfer.wants_r2t();
+            self.pending.insert(itt, pw);
+            if again {
+                self.starved.push_front(itt);
+                if self.r2t_room() == 0 {
+                    break;
+                }
+            }
+        }
         if !out.is_empty() {
             self.send(out).await;
         }
@@ -758,12 +1017,25 @@ impl Connection {
         } else {
             None
         };
+        // A read first takes its size from the connection's transmit budget (returned when the
+        // writer has sent its Data-In), holding its CmdSN slot while it waits.
+        let budget = (cmd.read && cmd.expected_data_transfer_length > 0).then(|| {
+            let n = (cmd.expected_data_transfer_length as usize).min(tx_budget_bytes(&shared));
+            (Arc::clone(&self.tx_budget), n as u32)
+        });
         // Hold the running-table lock across spawn + insert so the task cannot finish (and
         // look for its entry) before the entry exists.
         let mut running = session.running();
         let handle = self.tasks.spawn({
             let session = Arc::clone(&session);
             async move {
+                let permit = match budget {
+                    Some((b, n)) => match b.acquire_many_owned(n).await {
+                        Ok(p) => Some(p),
+                        Err(_) => return,
+                    },
+                    None => None,
+                };
                 let scmd = Command {
                     cdb,
                     data_out,
@@ -780,7 +1052,10 @@ impl Connection {
                 let pdus =
                     response_pdus(&cmd, resp, write_needed, exp_data_sn, max_xmit, max_burst);
                 drop(slot);
-                let _ = tx.send(Out::Pdus(pdus)).await;
+                let _ = match permit {
+                    Some(p) => tx.send(Out::Held(pdus, p)).await,
+                    None => tx.send(Out::Pdus(pdus)).await,
+                };
             }
         });
         running.insert(itt, Running { lun, abort: handle });
@@ -1081,6 +1356,10 @@ impl Connection {
             "All" | "" => self.session.target.iter().collect(),
             name => self.shared.targets.get(name).into_iter().collect(),
         };
+        // Only the targets this initiator may log in to (its ACLs; CHAP is checked at login).
+        let initiator = &self.session.initiator_name;
+        let peer = self.peer.ip();
+        names.retain(|t| self.shared.access(&t.name).allows(initiator, peer));
         names.sort_by(|a, b| a.name.cmp(&b.name));
         let portals = self
             .shared

@@ -15,6 +15,7 @@
 //!  socket ◀─write── writer task (StatSN, ExpCmdSN/MaxCmdSN, digests, vectored batching)
 //! ```
 
+pub mod access;
 mod conn;
 pub mod io;
 mod session;
@@ -24,12 +25,13 @@ use ironsan_proto::negotiate::TargetDefaults;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+pub use access::{Access, AclRule, ChapAccount, Secret};
 pub use session::SessionInfo;
 
 /// One iSCSI target (an iSCSI node with a SCSI target device behind it).
@@ -60,6 +62,28 @@ pub struct ServerConfig {
     pub nop_timeout: Duration,
     /// Largest Expected Data Transfer Length of a write the target will buffer.
     pub max_io_bytes: u32,
+    /// Access control (ACL, CHAP) per target name; a target without an entry is open.
+    pub access: HashMap<String, Access>,
+    /// Access control for discovery sessions.
+    pub discovery: Access,
+    /// Connections the server holds at once (any state). A login beyond it fails with 0302
+    /// (out of resources); a few more are accepted only to say so, the rest closed at once.
+    pub max_connections: usize,
+    /// Sessions (normal and discovery) at once; a new one beyond it: 0302.
+    pub max_sessions: usize,
+    /// Sessions one initiator name may have at once; a new one beyond it: 0302.
+    pub max_sessions_per_initiator: usize,
+    /// Bytes of write data a session may have buffered (sum of the EDTL of its writes from
+    /// arrival to completion). A write beyond it ends with TASK SET FULL. At least
+    /// `max_io_bytes`, so a write alone always fits.
+    pub write_buffer_per_session: u64,
+    /// R2Ts outstanding at once over all the writes of a connection (on top of
+    /// MaxOutstandingR2T per task); further R2Ts wait until data arrives.
+    pub max_r2ts_per_connection: usize,
+    /// Bytes of read data a connection may have between the backend and the socket; a read
+    /// waits (holding its CmdSN slot, so MaxCmdSN stops advancing) until the writer has sent
+    /// enough. Bounds what an initiator that never reads can make the target hold.
+    pub tx_buffer_per_connection: u64,
 }
 
 impl ServerConfig {
@@ -73,6 +97,14 @@ impl ServerConfig {
             nop_interval: Duration::from_secs(15),
             nop_timeout: Duration::from_secs(30),
             max_io_bytes: ironsan_scsi::MAX_TRANSFER_BYTES,
+            access: HashMap::new(),
+            discovery: Access::default(),
+            max_connections: 1024,
+            max_sessions: 512,
+            max_sessions_per_initiator: 32,
+            write_buffer_per_session: 64 << 20,
+            max_r2ts_per_connection: 256,
+            tx_buffer_per_connection: 64 << 20,
         }
     }
 }
@@ -86,9 +118,20 @@ pub(crate) struct Shared {
     pub next_tsih: AtomicU16,
     pub next_nexus_id: AtomicU64,
     pub shutdown: watch::Receiver<bool>,
+    /// Connections open now (accepted and not yet closed).
+    pub connections: AtomicUsize,
 }
 
 impl Shared {
+    /// The access rules of a target (open if none are configured).
+    pub fn access(&self, target: &str) -> &Access {
+        static OPEN: std::sync::OnceLock<Access> = std::sync::OnceLock::new();
+        self.cfg
+            .access
+            .get(target)
+            .unwrap_or_else(|| OPEN.get_or_init(Access::default))
+    }
+
     pub fn alloc_tsih(&self) -> u16 {
         loop {
             let t = self.next_tsih.fetch_add(1, Ordering::Relaxed);
@@ -134,6 +177,7 @@ impl Server {
             next_tsih: AtomicU16::new(1),
             next_nexus_id: AtomicU64::new(1),
             shutdown,
+            connections: AtomicUsize::new(0),
         });
         Ok(Server {
             shared,
@@ -180,14 +224,42 @@ impl Server {
     }
 }
 
+/// Connections beyond `max_connections` accepted only to answer their login with 0302.
+const OVERFLOW_CONNECTIONS: usize = 16;
+
+/// Counts a connection in `Shared::connections` while it lives.
+struct ConnGuard(Arc<Shared>);
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
+                // Beyond max_connections a few more are served only to fail their login with
+                // 0302; past that, close at once so descriptors stay bounded.
+                let open = shared.connections.fetch_add(1, Ordering::Relaxed);
+                let guard = ConnGuard(Arc::clone(&shared));
+                if open
+                    >= shared
+                        .cfg
+                        .max_connections
+                        .saturating_add(OVERFLOW_CONNECTIONS)
+                {
+                    tracing::warn!(%peer, "connection limit reached; closing");
+                    drop(stream);
+                    drop(guard);
+                    continue;
+                }
                 let _ = stream.set_nodelay(true);
-                let shared = Arc::clone(&shared);
+                let over = open >= shared.cfg.max_connections;
                 tokio::spawn(async move {
-                    conn::run(stream, peer, shared).await;
+                    conn::run(stream, peer, Arc::clone(&guard.0), over).await;
+                    drop(guard);
                 });
             }
             Err(e) => {

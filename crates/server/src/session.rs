@@ -51,6 +51,8 @@ pub struct Session {
     running: Mutex<HashMap<Itt, Running>>,
     conns: Mutex<Vec<ConnInfo>>,
     pub commands: AtomicU64,
+    /// Bytes of write data buffered for this session's writes (the write quota).
+    pub buffered_writes: AtomicU64,
 }
 
 impl Session {
@@ -74,6 +76,7 @@ impl Session {
             running: Mutex::new(HashMap::new()),
             conns: Mutex::new(Vec::new()),
             commands: AtomicU64::new(0),
+            buffered_writes: AtomicU64::new(0),
         }
     }
 
@@ -211,6 +214,13 @@ impl Registry {
                     && s.target.as_ref().map(|t| t.name.as_str()) == target
             })
             .cloned()
+    }
+    /// How many sessions `initiator` has.
+    pub fn count_initiator(&self, initiator: &str) -> usize {
+        self.by_tsih
+            .values()
+            .filter(|s| s.initiator_name == initiator)
+            .count()
     }
     /// Every session logged in to `target`.
     pub fn of_target(&self, target: &str) -> Vec<Arc<Session>> {

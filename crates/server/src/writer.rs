@@ -51,6 +51,8 @@ impl OutPdu {
 pub enum Out {
     /// PDUs sent back to back (e.g. a read's Data-In and its status).
     Pdus(Vec<OutPdu>),
+    /// PDUs holding part of the connection's transmit budget, returned once they are written.
+    Held(Vec<OutPdu>, tokio::sync::OwnedSemaphorePermit),
     /// From now on, stamp sequence numbers from this session's window.
     Attach(Arc<Session>),
     /// From now on, use these digests (set after the final login response).
@@ -83,6 +85,36 @@ pub struct TxStats {
     pub bytes: std::sync::atomic::AtomicU64,
 }
 
+/// Stamp sequence numbers on `pdus` and add them to the batch.
+fn push(
+    pdus: Vec<OutPdu>,
+    batch: &mut WriteBatch,
+    stat_sn: &mut StatSn,
+    session: &Option<Arc<Session>>,
+    digests: Digests,
+    stats: &TxStats,
+) {
+    for mut p in pdus {
+        let window = session.as_ref().map(|s| s.window_sn());
+        if let Some(sn) = target_sn(&mut p.header) {
+            sn.stat_sn = *stat_sn;
+            if let Some((exp, max)) = window {
+                sn.exp_cmd_sn = exp;
+                sn.max_cmd_sn = max;
+            }
+        }
+        if p.mode == SnMode::Status {
+            *stat_sn = stat_sn.next();
+        }
+        let pdu = Pdu::new(p.header, p.data);
+        let bhs = pdu.bhs();
+        batch.push(&bhs, pdu.data, digests);
+        stats
+            .pdus
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Run the writer until the queue closes, a `Close` arrives, or the socket fails.
 pub async fn run<W: AsyncWrite + Unpin>(
     mut w: W,
@@ -96,29 +128,16 @@ pub async fn run<W: AsyncWrite + Unpin>(
     let mut digests = Digests::default();
     let mut batch = WriteBatch::default();
     const BATCH_BYTES: usize = 1 << 20;
+    let mut held = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
         let mut close = false;
         while let Some(msg) = next.take() {
             match msg {
-                Out::Pdus(pdus) => {
-                    for mut p in pdus {
-                        let window = session.as_ref().map(|s| s.window_sn());
-                        if let Some(sn) = target_sn(&mut p.header) {
-                            sn.stat_sn = stat_sn;
-                            if let Some((exp, max)) = window {
-                                sn.exp_cmd_sn = exp;
-                                sn.max_cmd_sn = max;
-                            }
-                        }
-                        if p.mode == SnMode::Status {
-                            stat_sn = stat_sn.next();
-                        }
-                        let pdu = Pdu::new(p.header, p.data);
-                        let bhs = pdu.bhs();
-                        batch.push(&bhs, pdu.data, digests);
-                        stats.pdus.fetch_add(1, Relaxed);
-                    }
+                Out::Pdus(pdus) => push(pdus, &mut batch, &mut stat_sn, &session, digests, &stats),
+                Out::Held(pdus, permit) => {
+                    push(pdus, &mut batch, &mut stat_sn, &session, digests, &stats);
+                    held.push(permit);
                 }
                 Out::Attach(s) => session = Some(s),
                 Out::Digests(d) => {
@@ -140,6 +159,8 @@ pub async fn run<W: AsyncWrite + Unpin>(
             stats.bytes.fetch_add(batch.len() as u64, Relaxed);
             batch.flush(&mut w).await?;
         }
+        // Written: the reads' transmit budget is free again.
+        held.clear();
         if close {
             break;
         }
