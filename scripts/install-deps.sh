@@ -52,7 +52,10 @@ apt_install() {
 # ---------------------------------------------------------------------------
 # Plain packages: any version will do.
 # ---------------------------------------------------------------------------
-PLAIN=(libiscsi-bin tgt istgt iproute2 procps python3 shellcheck)
+# qemu-system-x86, linux-image-amd64, busybox-static, open-iscsi and e2fsprogs run the real
+# kernel initiator in an emulated guest (scripts/kernel-initiator.sh).
+PLAIN=(libiscsi-bin tgt istgt iproute2 procps python3 shellcheck
+    qemu-system-x86 linux-image-amd64 busybox-static open-iscsi e2fsprogs)
 missing=()
 for pkg in "${PLAIN[@]}"; do
     is_installed "$pkg" || missing+=("$pkg")

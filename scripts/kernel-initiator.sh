@@ -24,6 +24,8 @@
 #   IRONSAN_KERNEL_DIGEST    CRC32C (default) or None: header and data digests
 #   IRONSAN_KERNEL_ACCEL     QEMU accelerator (default tcg; kvm where KVM really works)
 #   IRONSAN_KEEP=1           keep the work directory (it is always kept on failure)
+#   IRONSAN_KERNEL_QEMU_ARGS extra QEMU arguments, split on spaces (e.g. a pcap of the
+#                            guest's traffic: -object filter-dump,id=d0,netdev=n0,file=/tmp/g.pcap)
 #
 # shellcheck disable=SC2317  # is_static_busybox, cleanup: called through need() and trap
 set -euo pipefail
@@ -210,6 +212,8 @@ cp "$KDIR/relay.py" "$WORK/relay.py"
 # ---------------------------------------------------------------------------
 NETDEV="user,id=n0,restrict=on,ipv6=off,net=10.0.2.0/24,host=10.0.2.2"
 NETDEV+=",guestfwd=tcp:10.0.2.100:3260-cmd:/usr/bin/python3 $WORK/relay.py 127.0.0.1 $PORT $WORK/relay.log $((TIMEOUT + 60))"
+QEMU_EXTRA=()
+read -r -a QEMU_EXTRA <<<"${IRONSAN_KERNEL_QEMU_ARGS:-}"
 log "booting Linux $KVER under QEMU (accel $ACCEL, timeout ${TIMEOUT}s, digests $DIGEST)"
 T_QEMU=$(date +%s)
 timeout --kill-after=10 "$TIMEOUT" qemu-system-x86_64 \
@@ -218,7 +222,8 @@ timeout --kill-after=10 "$TIMEOUT" qemu-system-x86_64 \
     -kernel "/boot/vmlinuz-$KVER" -initrd "$WORK/initrd.cpio" \
     -append "console=ttyS0 panic=-1 quiet" \
     -netdev "$NETDEV" -device virtio-net-pci,netdev=n0,romfile= \
-    >"$WORK/qemu.log" 2>&1 &
+    "${QEMU_EXTRA[@]}" \
+    </dev/null >"$WORK/qemu.log" 2>&1 &
 QEMU_PID=$!
 qemu_rc=0
 wait "$QEMU_PID" || qemu_rc=$?

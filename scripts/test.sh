@@ -79,7 +79,8 @@ if [[ $QUICK -eq 0 ]]; then
     section "shellcheck"
     # Gate on warnings and errors; info-level notes (e.g. SC2317 "unreachable"
     # for functions only called from traps) are advice, not defects.
-    shellcheck -S warning scripts/*.sh bench/*.sh .ci/run
+    shellcheck -S warning scripts/*.sh bench/*.sh .ci/run tests/kernel/build-initramfs.sh
+    shellcheck -S warning -s sh tests/kernel/init
 fi
 
 section "cargo build --release"
@@ -99,3 +100,6 @@ bash scripts/conformance.sh --all --lun file:lun0.img:256M
 # The waived tests that need another LU shape, run on that shape with no waivers.
 bash scripts/conformance.sh --suites conformance/suites-pbs4k.txt --waivers conformance/no-waivers.txt --lun ram:256M,pbs=4096
 bash scripts/conformance.sh --suites conformance/suites-readonly.txt --waivers conformance/no-waivers.txt --lun ram:256M,ro
+
+section "linux kernel initiator (open-iscsi in a QEMU guest)"
+IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
