@@ -741,6 +741,13 @@ impl Connection {
         } else {
             true
         };
+        if cmd.itt == Itt::RESERVED {
+            // RFC 7143 §11.2.1.8: 0xffffffff is reserved and names no task. Consume the CmdSN
+            // so the window does not stall, and Reject.
+            self.admit_and_complete(cmd.cmd_sn, cmd.immediate);
+            self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)]).await;
+            return Ok(());
+        }
         if self.pending.contains_key(&cmd.itt) || self.session.running().contains_key(&cmd.itt) {
             self.send(vec![reject(RejectReason::TASK_IN_PROGRESS, bhs)])
                 .await;
