@@ -81,6 +81,9 @@ if [[ $QUICK -eq 0 ]]; then
     # for functions only called from traps) are advice, not defects.
     shellcheck -S warning scripts/*.sh bench/*.sh .ci/run tests/kernel/build-initramfs.sh
     shellcheck -S warning -s sh tests/kernel/init
+
+    section "fuzz smoke (scripts/fuzz.sh: every target briefly; docs/FUZZING.md for long runs)"
+    bash scripts/fuzz.sh --seconds "${FUZZ_SECONDS:-20}"
 fi
 
 section "cargo build --release"
