@@ -102,6 +102,17 @@ pub(crate) async fn read(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseR
     read_blocks(lu, r.lba, r.blocks).await
 }
 
+/// The checks every block write makes, in SBC-3 order: protection field, write protect,
+/// transfer length, LBA range.
+fn writable_range(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<BlockRange, SenseReason> {
+    check_no_protection(cdb)?;
+    check_writable(lu)?;
+    let r = block_range(cdb);
+    check_transfer(lu, &r)?;
+    check_range(lu, r.lba, u64::from(r.blocks))?;
+    Ok(r)
+}
+
 /// SBC-3 WRITE (6), WRITE (10), WRITE (12), WRITE (16). Check order:
 /// protection field, write protect, transfer length, range, Data-Out size.
 pub(crate) async fn write(
@@ -109,11 +120,7 @@ pub(crate) async fn write(
     cdb: Cdb<'_>,
     data_out: &Bytes,
 ) -> Result<Bytes, SenseReason> {
-    check_no_protection(cdb)?;
-    check_writable(lu)?;
-    let r = block_range(cdb);
-    check_transfer(lu, &r)?;
-    check_range(lu, r.lba, u64::from(r.blocks))?;
+    let r = writable_range(lu, cdb)?;
     if r.blocks == 0 {
         return Ok(Bytes::new());
     }
@@ -148,11 +155,7 @@ pub(crate) async fn write_and_verify(
     cdb: Cdb<'_>,
     data_out: &Bytes,
 ) -> Result<Bytes, SenseReason> {
-    check_no_protection(cdb)?;
-    check_writable(lu)?;
-    let r = block_range(cdb);
-    check_transfer(lu, &r)?;
-    check_range(lu, r.lba, u64::from(r.blocks))?;
+    let r = writable_range(lu, cdb)?;
     let blocks = r
         .blocks
         .min((data_out.len() / lu.block_size() as usize) as u32);
@@ -670,11 +673,7 @@ pub(crate) async fn orwrite(
     cdb: Cdb<'_>,
     data_out: &Bytes,
 ) -> Result<Bytes, SenseReason> {
-    check_no_protection(cdb)?;
-    check_writable(lu)?;
-    let r = block_range(cdb);
-    check_transfer(lu, &r)?;
-    check_range(lu, r.lba, u64::from(r.blocks))?;
+    let r = writable_range(lu, cdb)?;
     if r.blocks == 0 {
         return Ok(Bytes::new());
     }
