@@ -39,6 +39,18 @@ die() { printf 'kernel-initiator: ERROR: %s\n' "$*" >&2; exit 1; }
 
 TIMEOUT=${IRONSAN_KERNEL_TIMEOUT:-300}
 DIGEST=${IRONSAN_KERNEL_DIGEST:-CRC32C}
+# Authentication of the guest's login: mutual CHAP (default), one-way CHAP, or none.
+CHAP=${IRONSAN_KERNEL_CHAP:-mutual}
+case $CHAP in mutual | one-way | none) ;; *) die "IRONSAN_KERNEL_CHAP must be mutual, one-way or none" ;; esac
+CHAP_USER=kernel-initiator
+CHAP_SECRET=initiator-secret-$RANDOM$RANDOM
+CHAP_TUSER=ironsan-target
+CHAP_TSECRET=target-secret-$RANDOM$RANDOM
+AUTH_ARGS=()
+case $CHAP in
+    mutual) AUTH_ARGS=(--chap "$CHAP_USER:$CHAP_SECRET" --mutual-chap "$CHAP_TUSER:$CHAP_TSECRET") ;;
+    one-way) AUTH_ARGS=(--chap "$CHAP_USER:$CHAP_SECRET") ;;
+esac
 case $DIGEST in CRC32C | None) ;; *) die "IRONSAN_KERNEL_DIGEST must be CRC32C or None" ;; esac
 TARGET_IQN=iqn.2026-11.org.ironsan:kernel-test
 INITIATOR_IQN=iqn.2026-11.org.ironsan:guest-initiator
@@ -166,6 +178,7 @@ PORT=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0
 mkdir -p "$WORK/data"
 "$BIN" serve --listen "127.0.0.1:$PORT" --target "$TARGET_IQN" \
     --lun "file:lun0.img:${LUN_SIZE_MIB}M" --data-dir "$WORK/data" --log "${IRONSAN_LOG:-info}" \
+    "${AUTH_ARGS[@]}" \
     >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 ready=0
@@ -197,6 +210,11 @@ PORTAL_PORT=3260
 GUEST_IP=10.0.2.15
 GATEWAY=10.0.2.2
 DIGEST=$DIGEST
+CHAP=$CHAP
+CHAP_USER=$CHAP_USER
+CHAP_SECRET=$CHAP_SECRET
+CHAP_TUSER=$CHAP_TUSER
+CHAP_TSECRET=$CHAP_TSECRET
 RAW_MIB=$RAW_MIB
 RAW_SHA256=$RAW_SHA256
 PAYLOAD_SHA256=$PAYLOAD_SHA256
@@ -214,7 +232,7 @@ NETDEV="user,id=n0,restrict=on,ipv6=off,net=10.0.2.0/24,host=10.0.2.2"
 NETDEV+=",guestfwd=tcp:10.0.2.100:3260-cmd:/usr/bin/python3 $WORK/relay.py 127.0.0.1 $PORT $WORK/relay.log $((TIMEOUT + 60))"
 QEMU_EXTRA=()
 read -r -a QEMU_EXTRA <<<"${IRONSAN_KERNEL_QEMU_ARGS:-}"
-log "booting Linux $KVER under QEMU (accel $ACCEL, timeout ${TIMEOUT}s, digests $DIGEST)"
+log "booting Linux $KVER under QEMU (accel $ACCEL, timeout ${TIMEOUT}s, digests $DIGEST, CHAP $CHAP)"
 T_QEMU=$(date +%s)
 timeout --kill-after=10 "$TIMEOUT" qemu-system-x86_64 \
     -nodefaults -no-user-config -machine "pc,accel=$ACCEL" -m 512 -smp 1 \

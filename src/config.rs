@@ -64,6 +64,11 @@ pub struct LunPlan {
     /// Reported physical block size; 0 = the logical block size.
     pub physical_block_size: u32,
     pub serial: Option<String>,
+    /// Fault injection rules (`fault=RULE`, grammar in `ironsan_backend::fault`), validated;
+    /// empty: no fault wrapper.
+    pub faults: Vec<String>,
+    /// Seed of the fault PRNG (`fault-seed=N`).
+    pub fault_seed: u64,
 }
 
 impl LunPlan {
@@ -77,12 +82,15 @@ impl LunPlan {
             block_size: 512,
             physical_block_size: 0,
             serial: None,
+            faults: Vec::new(),
+            fault_seed: 1,
         }
     }
 }
 
 /// Parse a full `--lun` value: `SPEC[,OPTION]...` where OPTION is `ro`, `direct`, `wce`,
-/// `bs=N` (logical block size), `pbs=N` (reported physical block size) or `serial=S`.
+/// `bs=N` (logical block size), `pbs=N` (reported physical block size), `serial=S`,
+/// `fault=RULE` (once per rule; see docs/INTEGRITY.md) or `fault-seed=N`.
 pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
     let mut parts = value.split(',');
     let spec = parts.next().unwrap_or_default();
@@ -105,9 +113,18 @@ pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
                     .and_then(check_block_size)?
             }
             Some(("serial", v)) if !v.is_empty() => plan.serial = Some(v.to_string()),
+            Some(("fault", v)) => {
+                ironsan_backend::FaultRule::parse(v).map_err(|e| format!("'{value}': {e}"))?;
+                plan.faults.push(v.to_string());
+            }
+            Some(("fault-seed", v)) => {
+                plan.fault_seed = v
+                    .parse()
+                    .map_err(|_| format!("'{value}': fault-seed={v} is not a number"))?
+            }
             _ => {
                 return Err(format!(
-                    "'{value}': unknown LUN option '{opt}' (ro, direct, wce, bs=N, pbs=N, serial=S)"
+                    "'{value}': unknown LUN option '{opt}' (ro, direct, wce, bs=N, pbs=N, serial=S, fault=RULE, fault-seed=N)"
                 ))
             }
         }
@@ -800,6 +817,8 @@ fn lun_from_file(l: FileLun, data_dir: &Path, at: At) -> Result<LunPlan, String>
         block_size,
         physical_block_size,
         serial: l.serial.or(base.serial),
+        faults: base.faults,
+        fault_seed: base.fault_seed,
     })
 }
 
@@ -917,6 +936,22 @@ mod tests {
         assert!(parse_lun("ram:1G,bs=4096,pbs=512", d)
             .unwrap_err()
             .contains("pbs"));
+    }
+
+    #[test]
+    fn fault_options_are_validated_and_kept() {
+        let d = Path::new("/data");
+        let p = parse_lun(
+            "ram:64M,fault=read@1000-1010:eio,fault=write@rate=0.01,fault=any@rate=0.1:delay=50ms,fault-seed=7",
+            d,
+        )
+        .unwrap();
+        assert_eq!(p.faults.len(), 3);
+        assert_eq!(p.fault_seed, 7);
+        assert!(parse_lun("ram:64M", d).unwrap().faults.is_empty());
+        assert!(parse_lun("ram:64M,fault=read@9-1", d)
+            .unwrap_err()
+            .contains("fault rule"));
     }
 
     #[test]

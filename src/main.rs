@@ -1,6 +1,7 @@
 //! `ironsan`: the command-line front end. `ironsan serve` runs the target.
 
 mod config;
+mod ctl;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -27,7 +28,9 @@ struct Cli {
 enum Cmd {
     /// Serve iSCSI targets. With no arguments: one target with LUN 0 backed by a 1 GiB sparse
     /// file in ./ironsan-data, on 127.0.0.1:3260.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
+    /// Inspect and change a running `ironsan serve` through its control socket.
+    Ctl(ctl::CtlArgs),
 }
 
 #[derive(clap::Args)]
@@ -84,6 +87,11 @@ struct ServeArgs {
     /// SYNCHRONIZE CACHE. Default: WCE=0, every acknowledged write is durable.
     #[arg(long)]
     write_cache: bool,
+    /// Control socket for `ironsan ctl` (mode 0600). Default: /run/ironsan/control.sock as
+    /// root, else $XDG_RUNTIME_DIR/ironsan/control.sock or ./ironsan-data/control.sock; when
+    /// the default is taken by another server, serve runs without one. "none" disables it.
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
     /// Log filter (error, warn, info, debug, trace, or a tracing directive).
     #[arg(long, default_value = "info", env = "IRONSAN_LOG")]
     log: String,
@@ -116,6 +124,24 @@ fn build_lu(
                     .with_context(|| format!("LUN {n}: opening {}", path.display()))?,
             )
         }
+    };
+    let backend: Arc<dyn BlockDevice> = if l.faults.is_empty() {
+        backend
+    } else {
+        let rules = l
+            .faults
+            .iter()
+            .map(|r| ironsan_backend::FaultRule::parse(r));
+        let rules = rules
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(anyhow::Error::msg)?;
+        tracing::warn!("LUN {n}: fault injection on: {}", l.faults.join(" "));
+        Arc::new(ironsan_backend::FaultBackend::new(
+            backend,
+            rules,
+            l.block_size,
+            l.fault_seed,
+        ))
     };
     if backend.size() < l.block_size as u64 {
         anyhow::bail!("LUN {n}: size {} is smaller than one block", backend.size());
@@ -243,6 +269,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
     cfg.max_r2ts_per_connection = l.max_r2ts_per_connection;
     cfg.tx_buffer_per_connection = l.tx_buffer_per_connection;
     let server = Server::bind(cfg).await?;
+    let control = server.control();
+    for t in &plan.targets {
+        for (n, l) in t.luns.iter().enumerate() {
+            control.set_lun_origin(&t.name, n as u64, Some(ctl::lun_spec(l)));
+        }
+    }
+    let hooks = Arc::new(ctl::BinHooks::new(plan.clone(), args.config.clone()));
+    let control_task = start_control(&args, control.clone(), Arc::clone(&hooks))?;
     let addrs = server.local_addrs();
     println!("ironsan {} serving:", env!("CARGO_PKG_VERSION"));
     for s in &summary {
@@ -267,13 +301,75 @@ async fn serve(args: ServeArgs) -> Result<()> {
                         return;
                     }
                 };
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
+            let mut hup =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+            loop {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => break,
+                    _ = term.recv() => break,
+                    Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => None } } => {
+                        reload(&hooks, &control, args.config.as_deref()).await;
+                    }
+                }
             }
         })
         .await;
+    if let Some(t) = control_task {
+        t.abort();
+    }
     Ok(())
+}
+
+/// SIGHUP: apply the configuration file serve started with, as a diff; log what changed.
+async fn reload(
+    hooks: &Arc<ctl::BinHooks>,
+    control: &ironsan_server::admin::Control,
+    config: Option<&std::path::Path>,
+) {
+    let Some(path) = config.map(std::path::Path::to_owned) else {
+        tracing::warn!("SIGHUP ignored: serve was not started with --config");
+        return;
+    };
+    let (hooks, control) = (Arc::clone(hooks), control.clone());
+    let r = tokio::task::spawn_blocking(move || hooks.apply(&control, &path, false)).await;
+    match r {
+        Ok(Ok(changes)) if changes.is_empty() => tracing::info!("SIGHUP: configuration unchanged"),
+        Ok(Ok(changes)) => {
+            for c in changes {
+                tracing::info!("SIGHUP: {c}");
+            }
+        }
+        Ok(Err(e)) => tracing::error!("SIGHUP: reload failed: {e}"),
+        Err(e) => tracing::error!("SIGHUP: reload failed: {e}"),
+    }
+}
+
+/// Bind the control socket (see `--control`) and serve it.
+fn start_control(
+    args: &ServeArgs,
+    control: ironsan_server::admin::Control,
+    hooks: Arc<ctl::BinHooks>,
+) -> Result<Option<tokio::task::JoinHandle<()>>> {
+    let (path, explicit) = match &args.control {
+        Some(p) if p.as_os_str() == "none" => return Ok(None),
+        Some(p) => (p.clone(), true),
+        None => (ironsan_server::admin::default_socket_path(), false),
+    };
+    let listener = match ironsan_server::admin::bind_control(&path) {
+        Ok(l) => l,
+        Err(e) if !explicit => {
+            tracing::warn!("no control socket: {e}");
+            return Ok(None);
+        }
+        Err(e) => return Err(anyhow::Error::from(e).context("--control")),
+    };
+    println!(
+        "  control socket {} (ironsan ctl --control {0} sessions)",
+        path.display()
+    );
+    Ok(Some(tokio::spawn(ironsan_server::admin::serve_control(
+        listener, control, hooks,
+    ))))
 }
 
 fn main() -> Result<()> {
@@ -291,7 +387,8 @@ fn main() -> Result<()> {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            rt.block_on(serve(args))
+            rt.block_on(serve(*args))
         }
+        Cmd::Ctl(args) => ctl::run(args),
     }
 }

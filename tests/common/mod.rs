@@ -582,6 +582,19 @@ impl Server {
         );
         self.spawn();
     }
+
+    /// SIGKILL (a crash: no flush, no clean-up) and reap; returns at once if not running.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Start again with the same arguments after [`Server::kill9`] (waits for the portals).
+    pub fn start_again(&mut self) {
+        self.spawn();
+    }
 }
 
 impl Drop for Server {

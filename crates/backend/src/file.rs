@@ -50,7 +50,8 @@ impl Default for FileOptions {
 pub struct FileBackend {
     file: Arc<File>,
     path: PathBuf,
-    size: u64,
+    size: std::sync::atomic::AtomicU64,
+    read_only: bool,
     direct: bool,
     punch: bool,
     pool: IoPool,
@@ -112,7 +113,8 @@ impl FileBackend {
         Ok(FileBackend {
             file: Arc::new(file),
             path: path.to_owned(),
-            size,
+            size: std::sync::atomic::AtomicU64::new(size),
+            read_only: opts.read_only,
             direct: opts.direct,
             punch: !is_block,
             pool,
@@ -134,7 +136,32 @@ impl BlockDevice for FileBackend {
         }
     }
     fn size(&self) -> u64 {
+        self.size.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Growing past the end of a regular file extends it (sparse, `set_len`); a block device
+    /// can grow up to its current size (after e.g. `lvextend`). Shrinking only lowers the LUN
+    /// size: the file keeps its bytes.
+    fn resize(&self, new_size: u64) -> Result<(), BackendError> {
+        let e = |e: std::io::Error| BackendError::Io(e.to_string());
+        let meta = self.file.metadata().map_err(e)?;
+        let avail = if meta.file_type().is_block_device() {
+            (&*self.file).seek(SeekFrom::End(0)).map_err(e)?
+        } else {
+            meta.len()
+        };
+        if new_size > avail {
+            if self.punch && !self.read_only {
+                self.file.set_len(new_size).map_err(e)?;
+            } else {
+                return Err(BackendError::OutOfRange);
+            }
+        }
+        if new_size == 0 {
+            return Err(BackendError::OutOfRange);
+        }
         self.size
+            .store(new_size, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
     fn capabilities(&self) -> Capabilities {
         Capabilities {

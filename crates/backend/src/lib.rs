@@ -26,12 +26,14 @@ use bytes::Bytes;
 use std::future::Future;
 use std::pin::Pin;
 
+pub mod fault;
 pub mod file;
 pub mod null;
 pub mod pool;
 pub mod ram;
 mod sys;
 
+pub use fault::{Effect, FaultBackend, FaultControl, FaultRule, Ops};
 pub use file::{FileBackend, FileOptions};
 pub use null::NullBackend;
 pub use ram::RamBackend;
@@ -116,6 +118,14 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn unmap(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
         let _ = (offset, len);
         Box::pin(async { Err(BackendError::Unsupported) })
+    }
+    /// Change the size of the device to `new_size` bytes (`ironsan ctl lun resize`). Growing
+    /// exposes zeros; shrinking hides the tail (the file backend leaves the file's bytes
+    /// alone). The caller (the SCSI layer) raises CAPACITY DATA HAS CHANGED. Default:
+    /// [`BackendError::Unsupported`].
+    fn resize(&self, new_size: u64) -> Result<(), BackendError> {
+        let _ = new_size;
+        Err(BackendError::Unsupported)
     }
     /// Allocation map of `[offset, offset+len)`: consecutive, non-empty extents
     /// `(offset, len, mapped)` covering exactly that range, in order. The default reports

@@ -2,6 +2,7 @@
 
 use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
 use bytes::Bytes;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Largest read served from the shared zero buffer without allocating.
 const ZERO_LEN: usize = 1 << 20;
@@ -10,12 +11,14 @@ static ZEROS: [u8; ZERO_LEN] = [0; ZERO_LEN];
 /// A device of a given size that stores nothing.
 #[derive(Debug)]
 pub struct NullBackend {
-    size: u64,
+    size: AtomicU64,
 }
 
 impl NullBackend {
     pub fn new(size: u64) -> Self {
-        NullBackend { size }
+        NullBackend {
+            size: AtomicU64::new(size),
+        }
     }
 }
 
@@ -24,7 +27,11 @@ impl BlockDevice for NullBackend {
         "null"
     }
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Relaxed)
+    }
+    fn resize(&self, new_size: u64) -> Result<(), crate::BackendError> {
+        self.size.store(new_size, Ordering::Relaxed);
+        Ok(())
     }
     fn capabilities(&self) -> Capabilities {
         Capabilities {

@@ -5,6 +5,7 @@
 use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
 use bytes::{Bytes, BytesMut};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 
 const CHUNK_SHIFT: u32 = 20; // 1 MiB chunks
@@ -15,14 +16,14 @@ type Chunk = Box<[u8]>;
 
 /// A sparse RAM disk.
 pub struct RamBackend {
-    size: u64,
+    size: AtomicU64,
     shards: Vec<RwLock<HashMap<u64, Chunk>>>,
 }
 
 impl std::fmt::Debug for RamBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RamBackend")
-            .field("size", &self.size)
+            .field("size", &self.size())
             .finish()
     }
 }
@@ -46,7 +47,7 @@ fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize)> {
 impl RamBackend {
     pub fn new(size: u64) -> Self {
         RamBackend {
-            size,
+            size: AtomicU64::new(size),
             shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
         }
     }
@@ -114,7 +115,16 @@ impl BlockDevice for RamBackend {
         "ram"
     }
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Relaxed)
+    }
+    /// Shrinking frees the chunks past the new end and zeroes the rest of the last one, so
+    /// growing again reads zeros.
+    fn resize(&self, new_size: u64) -> Result<(), crate::BackendError> {
+        let old = self.size.swap(new_size, Ordering::AcqRel);
+        if new_size < old {
+            self.unmap_sync(new_size, old - new_size);
+        }
+        Ok(())
     }
     fn capabilities(&self) -> Capabilities {
         Capabilities {

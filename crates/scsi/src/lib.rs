@@ -192,8 +192,9 @@ pub fn lun_from_wire(raw: u64) -> Option<u64> {
     }
 }
 
-/// The LUN map of one SCSI target device, and the entry point for commands.
-#[derive(Default, Debug)]
+/// The LUN map of one SCSI target device, and the entry point for commands. Cheap to clone
+/// (the LUs are shared): the server swaps in a changed copy to add or remove LUNs at run time.
+#[derive(Default, Debug, Clone)]
 pub struct Target {
     luns: BTreeMap<u64, Arc<LogicalUnit>>,
 }
@@ -210,6 +211,19 @@ impl Target {
     pub fn add_lun(&mut self, lun: u64, lu: Arc<LogicalUnit>) {
         assert!(lun <= MAX_LUN, "LUN {lun} exceeds {MAX_LUN}");
         self.luns.insert(lun, lu);
+    }
+
+    /// Unmap `lun`; returns the LU that was there. Commands holding the LU finish.
+    pub fn remove_lun(&mut self, lun: u64) -> Option<Arc<LogicalUnit>> {
+        self.luns.remove(&lun)
+    }
+
+    /// REPORTED LUNS DATA HAS CHANGED (3Fh/0Eh) for every I_T nexus of every LU (SPC-4
+    /// §5.13.10: after LUNs were added or removed). REPORT LUNS clears it.
+    pub fn luns_changed(&self) {
+        for lu in self.luns.values() {
+            lu.establish_unit_attention(UnitAttention::ReportedLunsDataChanged, None);
+        }
     }
 
     pub fn lun(&self, lun: u64) -> Option<&Arc<LogicalUnit>> {

@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
@@ -89,7 +89,8 @@ pub struct LogicalUnit {
     backend: Arc<dyn BlockDevice>,
     cfg: LuConfig,
     block_size: u32,
-    capacity: u64,
+    /// Number of logical blocks; changed only by [`LogicalUnit::resize`].
+    capacity: AtomicU64,
     wce: AtomicBool,
     /// SWP (software write protect) of the control mode page.
     swp: AtomicBool,
@@ -123,7 +124,7 @@ impl std::fmt::Debug for LogicalUnit {
         f.debug_struct("LogicalUnit")
             .field("backend", &self.backend.kind())
             .field("block_size", &self.block_size)
-            .field("capacity_blocks", &self.capacity)
+            .field("capacity_blocks", &self.capacity_blocks())
             .field("wce", &self.wce())
             .finish()
     }
@@ -155,7 +156,7 @@ impl LogicalUnit {
             swp: AtomicBool::new(false),
             backend,
             block_size: bs,
-            capacity,
+            capacity: AtomicU64::new(capacity),
             cfg,
             mode_select: Mutex::new(()),
             ua: Mutex::new(HashMap::new()),
@@ -171,7 +172,26 @@ impl LogicalUnit {
 
     /// Number of logical blocks.
     pub fn capacity_blocks(&self) -> u64 {
-        self.capacity
+        self.capacity.load(Ordering::Acquire)
+    }
+
+    /// Change the medium size to `new_bytes` (rounded down to whole blocks; at least one):
+    /// the backend resizes first, then the capacity changes and CAPACITY DATA HAS CHANGED
+    /// (2Ah/09h) is established for every I_T nexus of the LU (SBC-3 §4.7: initiators re-read
+    /// the capacity). Commands already range-checked against the old capacity finish; a
+    /// shrink under a running initiator is the operator's decision.
+    pub fn resize(&self, new_bytes: u64) -> Result<u64, ironsan_backend::BackendError> {
+        let bs = u64::from(self.block_size);
+        let blocks = new_bytes / bs;
+        if blocks == 0 {
+            return Err(ironsan_backend::BackendError::OutOfRange);
+        }
+        self.backend.resize(blocks * bs)?;
+        let old = self.capacity.swap(blocks, Ordering::AcqRel);
+        if old != blocks {
+            self.establish_unit_attention(UnitAttention::CapacityDataChanged, None);
+        }
+        Ok(blocks)
     }
     /// Logical block size in bytes.
     pub fn block_size(&self) -> u32 {
@@ -301,7 +321,7 @@ impl LogicalUnit {
     /// Whether `lba .. lba+blocks` lies within the medium, with no u64 wrap.
     pub(crate) fn in_range(&self, lba: u64, blocks: u64) -> bool {
         lba.checked_add(blocks)
-            .is_some_and(|end| end <= self.capacity)
+            .is_some_and(|end| end <= self.capacity_blocks())
     }
 
     pub(crate) fn max_transfer_blocks(&self) -> u32 {

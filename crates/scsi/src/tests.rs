@@ -2781,3 +2781,52 @@ async fn rsoc_reports_extended_copy_and_receive_copy_results() {
         assert_eq!(good(&r)[1] & 0x07, 0b011, "op {op:02x}/{sa:02x}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Run-time changes (ironsan ctl): resize, LUN add/remove
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn resize_raises_capacity_data_has_changed_and_reports_the_new_size() {
+    let mut t = ram_target();
+    good(&run(&t, &[0x00, 0, 0, 0, 0, 0]).await); // nexus 1 known
+    let lu = Arc::clone(t.lun(0).unwrap());
+    // Write the last block, shrink, grow back: it reads zeros.
+    let last = 2047u32;
+    let w = cdb10(0x2A, last, 1);
+    good(&run_data(&t, &w, &[0xAB; 512]).await);
+    assert_eq!(lu.resize(4 << 20).unwrap(), 8192);
+    assert_eq!(
+        sense(&run(&t, &[0x00, 0, 0, 0, 0, 0]).await),
+        (0x6, 0x2A, 0x09)
+    );
+    let cap = run(&t, &[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    assert_eq!(&good(&cap)[..4], &8191u32.to_be_bytes());
+    good(&run(&t, &cdb10(0x28, 8191, 1)).await);
+    lu.resize(512 * 1024).unwrap();
+    assert_eq!(
+        sense(&run(&t, &cdb10(0x28, 1500, 1)).await),
+        (0x6, 0x2A, 0x09)
+    );
+    assert_eq!(sense(&run(&t, &cdb10(0x28, 1500, 1)).await), LBA_OOR);
+    lu.resize(1 << 20).unwrap();
+    let _ = run(&t, &[0x00, 0, 0, 0, 0, 0]).await; // the UA
+    assert_eq!(good(&run(&t, &cdb10(0x28, last, 1)).await), &[0u8; 512][..]);
+    assert!(lu.resize(100).is_err(), "less than one block");
+    // Adding a LUN raises REPORTED LUNS DATA HAS CHANGED on the others.
+    let mut t2 = t.clone();
+    t2.add_lun(
+        1,
+        Arc::new(LogicalUnit::new(
+            Arc::new(RamBackend::new(1 << 20)),
+            cfg(512),
+        )),
+    );
+    t2.luns_changed();
+    t = t2;
+    assert_eq!(
+        sense(&run(&t, &[0x00, 0, 0, 0, 0, 0]).await),
+        (0x6, 0x3F, 0x0E)
+    );
+    assert!(t.clone().remove_lun(1).is_some());
+}

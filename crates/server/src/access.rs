@@ -126,6 +126,24 @@ impl AclRule {
     }
 }
 
+/// The rule as [`AclRule::parse`] reads it (names lower case, a network as `ADDR/LEN`).
+impl std::fmt::Display for AclRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.initiator {
+            NamePattern::Any => f.write_str("*")?,
+            NamePattern::Prefix(p) => write!(f, "{p}*")?,
+            NamePattern::Exact(n) => f.write_str(n)?,
+        }
+        match self.network {
+            Some((a, len)) if (a.is_ipv4() && len == 32) || (a.is_ipv6() && len == 128) => {
+                write!(f, "@{a}")
+            }
+            Some((a, len)) => write!(f, "@{a}/{len}"),
+            None => Ok(()),
+        }
+    }
+}
+
 fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
     let (addr, len) = match s.split_once('/') {
         Some((a, l)) => (a, Some(l)),

@@ -6,10 +6,11 @@
 //! ErrorRecoveryLevel 0 a command's data arrives on the connection that carried the command.
 
 use crate::access::{os_random, Access};
+use crate::admin::ConnStats;
 use crate::io::{self, Digests, ReadError};
 use crate::session::{ConnInfo, Running, Session};
 use crate::writer::{self, Out, OutPdu, TxStats};
-use crate::{Shared, TargetDef};
+use crate::{LiveTarget, Runtime, Shared};
 use bytes::{Bytes, BytesMut};
 use ironsan_proto::chap::ChapCredentials;
 use ironsan_proto::login::{
@@ -49,23 +50,24 @@ const LOGIN_MAX_DATA: u32 = 8192;
 
 /// The login's view of the configuration: targets, ACLs (by initiator name and source
 /// address) and CHAP credentials.
-struct Policy<'a> {
-    shared: &'a Shared,
+/// One snapshot of the run-time configuration serves the whole login.
+struct Policy {
+    rt: Arc<Runtime>,
     peer: IpAddr,
 }
 
-impl Policy<'_> {
+impl Policy {
     fn access(&self, target_name: Option<&str>) -> &Access {
         match target_name {
-            Some(t) => self.shared.access(t),
-            None => &self.shared.cfg.discovery,
+            Some(t) => self.rt.access(t),
+            None => &self.rt.discovery,
         }
     }
 }
 
-impl LoginPolicy for Policy<'_> {
+impl LoginPolicy for Policy {
     fn lookup_target(&self, target_name: &str, initiator_name: &str) -> TargetLookup {
-        match self.shared.targets.get(target_name) {
+        match self.rt.targets.get(target_name) {
             Some(t)
                 if self
                     .access(Some(target_name))
@@ -81,7 +83,7 @@ impl LoginPolicy for Policy<'_> {
         }
     }
     fn discovery_allowed(&self, initiator_name: &str) -> bool {
-        self.shared.cfg.discovery.allows(initiator_name, self.peer)
+        self.rt.discovery.allows(initiator_name, self.peer)
     }
     fn auth_required(&self, target_name: Option<&str>, _initiator_name: &str) -> bool {
         self.access(target_name).auth_required()
@@ -104,7 +106,11 @@ struct PendingWrite {
 /// A command's place in the session's CmdSN window; released (opening the window) when the
 /// command finishes or is dropped for any reason, together with its share of the session's
 /// write buffer quota.
-struct Slot(Arc<Session>, #[allow(dead_code)] Option<WriteQuota>); // .1 is held for its Drop
+struct Slot(
+    Arc<Session>,
+    #[allow(dead_code)] Option<WriteQuota>, // held for its Drop
+    Arc<ConnStats>,
+);
 
 /// Bytes of a write counted against the session's `write_buffer_per_session`.
 struct WriteQuota {
@@ -138,6 +144,7 @@ impl Drop for WriteQuota {
 impl Drop for Slot {
     fn drop(&mut self) {
         self.0.window().complete();
+        self.2.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -161,6 +168,8 @@ struct Connection {
     next_ttt: u32,
     last_rx: Arc<AtomicU64>,
     epoch: Instant,
+    /// Counters for `ironsan ctl sessions` and the metrics (relaxed atomics).
+    stats: Arc<ConnStats>,
 }
 
 fn reject(reason: RejectReason, bhs: &Bhs) -> OutPdu {
@@ -202,18 +211,20 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, over_
             None
         }
         Err(_) => {
+            shared.stats.login_failed("timeout");
             tracing::info!(%peer, "login timed out");
             return;
         }
     };
     let writer = writer.start(StatSn(0));
-    let Some((session, params, cid, close_rx)) = outcome else {
+    let Some((session, params, cid, close_rx, conn_stats)) = outcome else {
         let _ = tx.send(Out::Close).await;
         drop(tx);
         let _ = writer.await;
         return;
     };
-    tracing::info!(%peer, initiator = %session.initiator_name, tsih = session.tsih.0, "login complete");
+    shared.stats.logins.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(%peer, initiator = %session.initiator_name, target = session.target.as_ref().map(|t| t.name.as_str()).unwrap_or("(discovery)"), tsih = session.tsih.0, "login");
     let last_rx = Arc::new(AtomicU64::new(0));
     let mut conn = Connection {
         shared: Arc::clone(&shared),
@@ -231,6 +242,7 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, over_
         next_ttt: 1,
         last_rx: Arc::clone(&last_rx),
         epoch: Instant::now(),
+        stats: conn_stats,
     };
     let keepalive = tokio::spawn(keepalive(
         conn.tx.clone(),
@@ -256,7 +268,7 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, over_
             .unwrap_or_else(|p| p.into_inner())
             .remove(&session);
         if let Some(t) = &session.target {
-            t.scsi.nexus_lost(session.nexus.id);
+            t.scsi().nexus_lost(session.nexus.id);
         }
     }
     let _ = conn.tx.send(Out::Close).await;
@@ -264,7 +276,13 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, over_
     let _ = writer.await;
 }
 
-type LoginOutcome = (Arc<Session>, ConnParams, u16, watch::Receiver<bool>);
+type LoginOutcome = (
+    Arc<Session>,
+    ConnParams,
+    u16,
+    watch::Receiver<bool>,
+    Arc<ConnStats>,
+);
 
 /// The writer task, started when the first Login Request tells the StatSN to begin with
 /// (its ExpStatSN), so every login response, not only the last, goes out at once.
@@ -314,6 +332,8 @@ async fn login_phase(
     over_limit: bool,
     writer: &mut LazyWriter,
 ) -> Result<Option<LoginOutcome>, ReadError> {
+    use std::os::fd::AsRawFd;
+    let fd = rd.get_ref().as_ref().as_raw_fd();
     let mut login = Login::new(shared.cfg.negotiation.clone());
     // Fresh CHAP identifier and challenge for this login from the OS CSPRNG. Without them a
     // CHAP login fails with 0300 rather than use a predictable challenge.
@@ -324,7 +344,7 @@ async fn login_phase(
         tracing::error!("the OS random number generator failed; CHAP logins will fail");
     }
     let policy = Policy {
-        shared,
+        rt: shared.runtime(),
         peer: peer.ip(),
     };
     let mut assembler = text::Assembler::default();
@@ -343,6 +363,7 @@ async fn login_phase(
         }
         if over_limit {
             tracing::warn!(%peer, "too many connections: login refused (0302)");
+            shared.stats.login_failed("out_of_resources");
             let (resp, data) = login.fail(&req, LoginStatus::OUT_OF_RESOURCES);
             send_login(tx, resp, data).await;
             return Ok(None);
@@ -377,7 +398,9 @@ async fn login_phase(
             }
             LoginStep::Fail(resp, data) => {
                 // Never the secrets or the CHAP values: only who, and the status.
-                tracing::info!(%peer, status = format_args!("{:02x}{:02x}", resp.status_class, resp.status_detail), "login failed");
+                let reason = login_failure_reason(resp.status_class, resp.status_detail);
+                shared.stats.login_failed(reason);
+                tracing::info!(%peer, status = format_args!("{:02x}{:02x}", resp.status_class, resp.status_detail), reason, "login failed");
                 let _ = tx
                     .send(Out::Pdus(vec![OutPdu::status(
                         Header::LoginResponse(resp),
@@ -390,7 +413,7 @@ async fn login_phase(
                 let target = ready
                     .target_name
                     .as_ref()
-                    .and_then(|n| shared.targets.get(n))
+                    .and_then(|n| policy.rt.targets.get(n))
                     .cloned();
                 let (close_tx, close_rx) = watch::channel(false);
                 // Pick or create the session (leading login with TSIH 0, or a new connection).
@@ -423,7 +446,7 @@ async fn login_phase(
                             old.close_conns(None);
                             reg.remove(&old);
                             if let Some(t) = &old.target {
-                                t.scsi.nexus_lost(old.nexus.id);
+                                t.scsi().nexus_lost(old.nexus.id);
                             }
                         }
                         (None, true)
@@ -441,11 +464,13 @@ async fn login_phase(
                 };
                 if limit_hit {
                     let (resp, data) = login.reject(LoginStatus::OUT_OF_RESOURCES);
+                    shared.stats.login_failed("out_of_resources");
                     send_login(tx, resp, data).await;
                     return Ok(None);
                 }
                 if session.is_none() && !new {
                     let (resp, data) = login.reject(LoginStatus::SESSION_DOES_NOT_EXIST);
+                    shared.stats.login_failed("session_does_not_exist");
                     let _ = tx
                         .send(Out::Pdus(vec![OutPdu::status(
                             Header::LoginResponse(resp),
@@ -457,6 +482,7 @@ async fn login_phase(
                 if let Some(s) = &session {
                     if s.conn_count() >= s.params.max_connections as usize {
                         let (resp, data) = login.reject(LoginStatus::TOO_MANY_CONNECTIONS);
+                        shared.stats.login_failed("too_many_connections");
                         let _ = tx
                             .send(Out::Pdus(vec![OutPdu::status(
                                 Header::LoginResponse(resp),
@@ -510,11 +536,16 @@ async fn login_phase(
                         s
                     }
                 };
+                let conn_stats = Arc::new(ConnStats::default());
                 session.add_conn(ConnInfo {
                     cid: ready.cid.0,
                     peer,
                     local,
                     params: cparams,
+                    fd,
+                    stats: Arc::clone(&conn_stats),
+                    tx: Arc::clone(&writer.stats),
+                    since: std::time::SystemTime::now(),
                     close: close_tx,
                 });
                 let _ = tx
@@ -530,9 +561,27 @@ async fn login_phase(
                         data: cparams.data_digest,
                     }))
                     .await;
-                return Ok(Some((session, cparams, ready.cid.0, close_rx)));
+                return Ok(Some((session, cparams, ready.cid.0, close_rx, conn_stats)));
             }
         }
+    }
+}
+
+/// A metrics label for a failed login's status (RFC 7143 §11.13.5).
+fn login_failure_reason(class: u8, detail: u8) -> &'static str {
+    match (class, detail) {
+        (2, 0x01) => "authentication",
+        (2, 0x02) => "authorization",
+        (2, 0x03) | (2, 0x04) => "not_found",
+        (2, 0x05) => "unsupported_version",
+        (2, 0x06) => "too_many_connections",
+        (2, 0x07) => "missing_parameter",
+        (2, 0x09) => "unsupported_session_type",
+        (2, 0x0a) => "session_does_not_exist",
+        (2, 0x0b) => "invalid_during_login",
+        (2, _) => "initiator_error",
+        (3, 0x02) => "out_of_resources",
+        _ => "target_error",
     }
 }
 
@@ -657,8 +706,18 @@ impl Connection {
                     // the stream cannot be resynchronised safely.
                     return format!("protocol error: {e}");
                 }
-                Err(e) => return e.to_string(),
+                Err(e) => {
+                    if matches!(e, ReadError::HeaderDigest) {
+                        self.stats.digest_errors.fetch_add(1, Ordering::Relaxed);
+                        self.shared
+                            .stats
+                            .digest_errors
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    return e.to_string();
+                }
             };
+            self.stats.received(48 + ahs.len() + plan.data_len);
             self.last_rx
                 .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
             let result = match Header::decode(&bhs) {
@@ -669,8 +728,10 @@ impl Connection {
                     match io::read_data_into(rd, &plan, &mut data).await {
                         Ok(true) => self.on_other(&bhs, other, data.freeze()).await,
                         Ok(false) => {
-                            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, &bhs)])
-                                .await;
+                            self.send(vec![
+                                self.digest_error(RejectReason::DATA_DIGEST_ERROR, &bhs)
+                            ])
+                            .await;
                             Ok(())
                         }
                         Err(e) => Err(e.to_string()),
@@ -684,6 +745,16 @@ impl Connection {
                 self.serve_starved().await;
             }
         }
+    }
+
+    /// A Reject for a data digest error, counted.
+    fn digest_error(&self, reason: RejectReason, bhs: &Bhs) -> OutPdu {
+        self.stats.digest_errors.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .stats
+            .digest_errors
+            .fetch_add(1, Ordering::Relaxed);
+        reject(reason, bhs)
     }
 
     /// Ask the initiator to log out (Async Message event 1, RFC 7143 §11.9.1), used on shutdown.
@@ -745,7 +816,8 @@ impl Connection {
             // RFC 7143 §11.2.1.8: 0xffffffff is reserved and names no task. Consume the CmdSN
             // so the window does not stall, and Reject.
             self.admit_and_complete(cmd.cmd_sn, cmd.immediate);
-            self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)]).await;
+            self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)])
+                .await;
             return Ok(());
         }
         if self.pending.contains_key(&cmd.itt) || self.session.running().contains_key(&cmd.itt) {
@@ -767,7 +839,8 @@ impl Connection {
             return Ok(());
         }
         self.session.commands.fetch_add(1, Ordering::Relaxed);
-        let slot = Slot(Arc::clone(&self.session), quota);
+        self.stats.command(cmd.read, cmd.write, edtl);
+        let slot = Slot(Arc::clone(&self.session), quota, Arc::clone(&self.stats));
         let cdb = match extended_cdb(&cmd.cdb, &ahs) {
             Some(c) => c,
             None => {
@@ -779,7 +852,7 @@ impl Connection {
         let fail = |reason: SenseReason| Response::check_condition(reason);
         if !digest_ok {
             // RFC 7143 §7.8: discard, Reject, and fail the command so the CmdSN is consumed.
-            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, bhs)])
+            self.send(vec![self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs)])
                 .await;
             self.finish(
                 cmd,
@@ -985,7 +1058,7 @@ impl Connection {
             None => return Err("Data-Out outside the command buffer".into()),
         };
         if !ok {
-            self.send(vec![reject(RejectReason::DATA_DIGEST_ERROR, bhs)])
+            self.send(vec![self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs)])
                 .await;
             let n = pw.transfer.r2t_count();
             self.finish(
@@ -1003,7 +1076,7 @@ impl Connection {
 
     fn spawn_exec(
         &mut self,
-        target: Arc<TargetDef>,
+        target: Arc<LiveTarget>,
         cmd: ScsiCommand,
         cdb: Bytes,
         data_out: Bytes,
@@ -1018,8 +1091,10 @@ impl Connection {
         let max_burst = session.params.max_burst_length;
         let lun = cmd.lun.number().unwrap_or(u64::MAX);
         let itt = cmd.itt;
+        // The LUN map as of this command: a LUN removed meanwhile still finishes this command.
+        let scsi = target.scsi();
         let write_needed = if cmd.write {
-            let bs = target.scsi.lun(lun).map(|l| l.block_size()).unwrap_or(512);
+            let bs = scsi.lun(lun).map(|l| l.block_size()).unwrap_or(512);
             Some(ironsan_scsi::data_out_len(&cdb, bs).unwrap_or(data_out.len() as u32))
         } else {
             None
@@ -1048,7 +1123,7 @@ impl Connection {
                     data_out,
                     expected_in_len: cmd.expected_data_transfer_length,
                 };
-                let resp = target.scsi.execute(lun, &session.nexus, scmd).await;
+                let resp = scsi.execute(lun, &session.nexus, scmd).await;
                 // Whoever removes the entry owns the completion: TMF or us, never both.
                 if session.running().remove(&itt).is_none() {
                     return;
@@ -1167,7 +1242,8 @@ impl Connection {
             return TmfResponseCode::REJECTED;
         };
         let lun = t.lun.number();
-        let lun_exists = lun.is_some_and(|l| target.scsi.lun(l).is_some());
+        let scsi = target.scsi();
+        let lun_exists = lun.is_some_and(|l| scsi.lun(l).is_some());
         match t.function {
             TmfFunction::ABORT_TASK => {
                 let rtt = t.referenced_task_tag;
@@ -1210,7 +1286,7 @@ impl Connection {
                     }
                 }
                 if t.function == TmfFunction::LOGICAL_UNIT_RESET {
-                    if let Some(lu) = target.scsi.lun(lun) {
+                    if let Some(lu) = scsi.lun(lun) {
                         lu.reset(&self.session.nexus);
                     }
                 }
@@ -1227,7 +1303,7 @@ impl Connection {
                 for s in &sessions {
                     s.abort_where(|_, _| true);
                 }
-                for (_, lu) in target.scsi.luns() {
+                for (_, lu) in scsi.luns() {
                     lu.reset(&self.session.nexus);
                 }
                 if t.function == TmfFunction::TARGET_COLD_RESET {
@@ -1358,15 +1434,16 @@ impl Connection {
     /// sessions only); a name lists that target; empty means the session's target.
     fn send_targets(&self, value: &str) -> Vec<(String, String)> {
         let discovery = self.session.target.is_none();
-        let mut names: Vec<&Arc<TargetDef>> = match value {
-            "All" if discovery => self.shared.targets.values().collect(),
+        let rt = self.shared.runtime();
+        let mut names: Vec<&Arc<LiveTarget>> = match value {
+            "All" if discovery => rt.targets.values().collect(),
             "All" | "" => self.session.target.iter().collect(),
-            name => self.shared.targets.get(name).into_iter().collect(),
+            name => rt.targets.get(name).into_iter().collect(),
         };
         // Only the targets this initiator may log in to (its ACLs; CHAP is checked at login).
         let initiator = &self.session.initiator_name;
         let peer = self.peer.ip();
-        names.retain(|t| self.shared.access(&t.name).allows(initiator, peer));
+        names.retain(|t| rt.access(&t.name).allows(initiator, peer));
         names.sort_by(|a, b| a.name.cmp(&b.name));
         let portals = self
             .shared
@@ -1394,8 +1471,8 @@ impl Connection {
 
 /// PREEMPT AND ABORT (SPC-4): the SCSI layer names the I_T nexuses whose tasks on the LUN
 /// must be aborted; find their sessions and abort those tasks (no responses are sent for them).
-fn abort_preempted(shared: &Shared, target: &TargetDef, lun: u64) {
-    let Some(lu) = target.scsi.lun(lun) else {
+fn abort_preempted(shared: &Shared, target: &LiveTarget, lun: u64) {
+    let Some(lu) = target.scsi().lun(lun).cloned() else {
         return;
     };
     let victims = lu.take_pr_aborts();

@@ -16,9 +16,11 @@
 //! ```
 
 pub mod access;
+pub mod admin;
 mod conn;
 pub mod io;
 mod session;
+mod sys;
 mod writer;
 
 use ironsan_proto::negotiate::TargetDefaults;
@@ -26,7 +28,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -109,10 +111,72 @@ impl ServerConfig {
     }
 }
 
+/// A target as the running server holds it. Sessions keep an `Arc` of it; its LUN map is a
+/// copy-on-write snapshot (`scsi`) read once per command, so `ironsan ctl lun add/remove`
+/// swaps in a new map without stopping I/O (commands in flight keep the LU they started on).
+#[derive(Debug)]
+pub(crate) struct LiveTarget {
+    pub name: String,
+    pub alias: Option<String>,
+    pub tpgt: u16,
+    scsi: RwLock<Arc<ironsan_scsi::Target>>,
+}
+
+impl LiveTarget {
+    pub fn new(def: &TargetDef) -> Self {
+        LiveTarget {
+            name: def.name.clone(),
+            alias: def.alias.clone(),
+            tpgt: def.tpgt,
+            scsi: RwLock::new(Arc::clone(&def.scsi)),
+        }
+    }
+
+    /// The current LUN map (one short read lock and an `Arc` clone).
+    pub fn scsi(&self) -> Arc<ironsan_scsi::Target> {
+        Arc::clone(&self.scsi.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Change the LUN map: `f` edits a copy, which replaces the current one. Writers are
+    /// serialised by the write lock.
+    pub fn update_luns<R>(&self, f: impl FnOnce(&mut ironsan_scsi::Target) -> R) -> R {
+        let mut slot = self.scsi.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = ironsan_scsi::Target::clone(&slot);
+        let r = f(&mut next);
+        *slot = Arc::new(next);
+        r
+    }
+}
+
+/// The run-time configuration: which targets exist and who may use them. Replaced whole
+/// (copy on write) by the control socket; a login reads one snapshot from start to end.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Runtime {
+    pub targets: HashMap<String, Arc<LiveTarget>>,
+    /// Access control per target name; a target without an entry is open.
+    pub access: HashMap<String, Access>,
+    /// Access control for discovery sessions.
+    pub discovery: Access,
+}
+
+impl Runtime {
+    /// The access rules of a target (open if none are configured).
+    pub fn access(&self, target: &str) -> &Access {
+        static OPEN: std::sync::OnceLock<Access> = std::sync::OnceLock::new();
+        self.access
+            .get(target)
+            .unwrap_or_else(|| OPEN.get_or_init(Access::default))
+    }
+}
+
 /// State shared by every connection.
 pub(crate) struct Shared {
     pub cfg: ServerConfig,
-    pub targets: HashMap<String, Arc<TargetDef>>,
+    runtime: RwLock<Arc<Runtime>>,
+    pub stats: admin::ServerStats,
+    /// The spec each LUN was made from (for `ironsan ctl save`), kept by `admin::Control`.
+    pub origins:
+        Arc<Mutex<std::collections::BTreeMap<String, std::collections::BTreeMap<u64, String>>>>,
     pub portals: Mutex<Vec<SocketAddr>>,
     pub sessions: Mutex<session::Registry>,
     pub next_tsih: AtomicU16,
@@ -123,13 +187,22 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// The access rules of a target (open if none are configured).
-    pub fn access(&self, target: &str) -> &Access {
-        static OPEN: std::sync::OnceLock<Access> = std::sync::OnceLock::new();
-        self.cfg
-            .access
-            .get(target)
-            .unwrap_or_else(|| OPEN.get_or_init(Access::default))
+    /// The current run-time configuration.
+    pub fn runtime(&self) -> Arc<Runtime> {
+        Arc::clone(&self.runtime.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Change the run-time configuration: `f` edits a copy that replaces the current one
+    /// unless it fails. Writers are serialised.
+    pub fn update_runtime<R>(
+        &self,
+        f: impl FnOnce(&mut Runtime) -> Result<R, String>,
+    ) -> Result<R, String> {
+        let mut slot = self.runtime.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = Runtime::clone(&slot);
+        let r = f(&mut next)?;
+        *slot = Arc::new(next);
+        Ok(r)
     }
 
     pub fn alloc_tsih(&self) -> u16 {
@@ -163,15 +236,21 @@ impl Server {
             .iter()
             .filter_map(|l| l.local_addr().ok())
             .collect();
-        let targets = cfg
-            .targets
-            .iter()
-            .map(|t| (t.name.clone(), Arc::new(t.clone())))
-            .collect();
+        let runtime = Runtime {
+            targets: cfg
+                .targets
+                .iter()
+                .map(|t| (t.name.clone(), Arc::new(LiveTarget::new(t))))
+                .collect(),
+            access: cfg.access.clone(),
+            discovery: cfg.discovery.clone(),
+        };
         let (shutdown_tx, shutdown) = watch::channel(false);
         let shared = Arc::new(Shared {
             cfg,
-            targets,
+            runtime: RwLock::new(Arc::new(runtime)),
+            stats: admin::ServerStats::default(),
+            origins: Default::default(),
             portals: Mutex::new(portals),
             sessions: Mutex::new(session::Registry::default()),
             next_tsih: AtomicU16::new(1),
@@ -192,6 +271,11 @@ impl Server {
             .iter()
             .filter_map(|l| l.local_addr().ok())
             .collect()
+    }
+
+    /// A handle to inspect and change the running server (the control socket uses it).
+    pub fn control(&self) -> admin::Control {
+        admin::Control::new(Arc::clone(&self.shared))
     }
 
     /// A snapshot of the sessions (for admin views and tests).

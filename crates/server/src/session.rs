@@ -4,7 +4,7 @@
 //! are session-wide; Data-Out reassembly is per connection (connection allegiance at
 //! ErrorRecoveryLevel 0). Nothing here assumes one connection per session.
 
-use crate::TargetDef;
+use crate::LiveTarget;
 use ironsan_proto::negotiate::{ConnParams, SessionParams};
 use ironsan_proto::pdu::{Isid, Itt, Tsih};
 use ironsan_proto::window::CmdWindow;
@@ -33,6 +33,15 @@ pub struct ConnInfo {
     pub peer: SocketAddr,
     pub local: SocketAddr,
     pub params: ConnParams,
+    /// The socket, for TCP_INFO in the admin view. Valid while the connection is in the
+    /// session's list: the connection removes itself before its socket is closed.
+    pub fd: std::os::fd::RawFd,
+    /// Counters of the reader side (relaxed atomics).
+    pub stats: Arc<crate::admin::ConnStats>,
+    /// Counters of the writer side.
+    pub tx: Arc<crate::writer::TxStats>,
+    /// When the login completed.
+    pub since: std::time::SystemTime,
     /// Set to true to make the connection close.
     pub close: watch::Sender<bool>,
 }
@@ -44,7 +53,7 @@ pub struct Session {
     pub isid: Isid,
     pub initiator_name: String,
     /// `None` for discovery sessions.
-    pub target: Option<Arc<TargetDef>>,
+    pub target: Option<Arc<LiveTarget>>,
     pub params: SessionParams,
     pub nexus: ironsan_scsi::Nexus,
     window: Mutex<CmdWindow<()>>,
@@ -60,7 +69,7 @@ impl Session {
         tsih: Tsih,
         isid: Isid,
         initiator_name: String,
-        target: Option<Arc<TargetDef>>,
+        target: Option<Arc<LiveTarget>>,
         params: SessionParams,
         nexus: ironsan_scsi::Nexus,
         window: CmdWindow<()>,
@@ -105,6 +114,12 @@ impl Session {
         conns.len()
     }
 
+    /// Look at the connections under the session's lock (a connection cannot leave, and so
+    /// cannot close its socket, while `f` runs).
+    pub fn with_conns<R>(&self, f: impl FnOnce(&[ConnInfo]) -> R) -> R {
+        f(&lock(&self.conns))
+    }
+
     pub fn conn_count(&self) -> usize {
         lock(&self.conns).len()
     }
@@ -135,25 +150,28 @@ impl Session {
     }
 
     pub fn info(&self) -> SessionInfo {
+        // One lock, released before the struct is built (a second `lock` in the same
+        // expression would deadlock on the first one's temporary guard).
+        let (first, connections) = {
+            let conns = lock(&self.conns);
+            (
+                conns.first().map(|c| c.params).unwrap_or_default(),
+                conns
+                    .iter()
+                    .map(|c| (c.cid, c.peer, c.local))
+                    .collect::<Vec<_>>(),
+            )
+        };
         SessionInfo {
             tsih: self.tsih.0,
             isid: self.isid.to_string(),
             initiator_name: self.initiator_name.clone(),
             target_name: self.target.as_ref().map(|t| t.name.clone()),
-            params: ironsan_proto::negotiate::describe(
-                &self.params,
-                &lock(&self.conns)
-                    .first()
-                    .map(|c| c.params)
-                    .unwrap_or_default(),
-            )
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect(),
-            connections: lock(&self.conns)
-                .iter()
-                .map(|c| (c.cid, c.peer, c.local))
+            params: ironsan_proto::negotiate::describe(&self.params, &first)
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
                 .collect(),
+            connections,
             commands: self.commands.load(Ordering::Relaxed),
         }
     }
@@ -181,6 +199,12 @@ pub struct Registry {
 impl Registry {
     pub fn len(&self) -> usize {
         self.by_tsih.len()
+    }
+    /// Every session, by TSIH.
+    pub fn all(&self) -> Vec<Arc<Session>> {
+        let mut v: Vec<_> = self.by_tsih.values().cloned().collect();
+        v.sort_by_key(|s| s.tsih.0);
+        v
     }
     pub fn get(&self, tsih: Tsih) -> Option<Arc<Session>> {
         self.by_tsih.get(&tsih.0).cloned()

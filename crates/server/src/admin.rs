@@ -1,0 +1,965 @@
+//! Operations: the control socket (`ironsan ctl`), the views it serves, run-time changes, and
+//! the counters the data path keeps for them. Nothing here is on the data path except the
+//! counters, which are relaxed atomics per connection.
+//!
+//! # Protocol
+//! One Unix stream socket (mode 0600: the owner only, in a 0700 directory). A client sends
+//! one JSON object per line, `{"argv": ["lun", "resize", "iqn…", "0", "20G"]}`, and gets one
+//! line back: `{"ok": true, "data": …}` or `{"ok": false, "error": "…"}`. `argv` is what
+//! follows `ironsan ctl`, so scripts and the CLI speak the same language; [`render`] turns
+//! `data` into the human tables `ironsan ctl` prints without `--json`.
+//!
+//! # Run-time changes
+//! Targets and their access rules live in a copy-on-write [`crate::Runtime`] snapshot, a
+//! target's LUN map in a copy-on-write slot of its own (see docs/ARCHITECTURE.md). Every change
+//! here edits a copy and swaps it in; sessions and commands holding the old snapshot finish
+//! with it. Commands that need the configuration syntax (LUN specs, `apply`, `save`) go through
+//! [`Hooks`], implemented by the `ironsan` binary.
+
+use crate::access::{Access, AclRule};
+use crate::session::Session;
+use crate::{LiveTarget, Shared, TargetDef};
+use ironsan_scsi::LogicalUnit;
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+/// Per-connection counters, updated by the reader with relaxed atomics.
+#[derive(Debug, Default)]
+pub struct ConnStats {
+    pub rx_pdus: AtomicU64,
+    pub rx_bytes: AtomicU64,
+    pub reads: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub writes: AtomicU64,
+    pub write_bytes: AtomicU64,
+    /// Commands with no data (TEST UNIT READY, SYNCHRONIZE CACHE, …).
+    pub other_cmds: AtomicU64,
+    pub digest_errors: AtomicU64,
+    /// SCSI commands admitted and not yet completed.
+    pub in_flight: AtomicU64,
+}
+
+impl ConnStats {
+    pub(crate) fn received(&self, bytes: usize) {
+        self.rx_pdus.fetch_add(1, Relaxed);
+        self.rx_bytes.fetch_add(bytes as u64, Relaxed);
+    }
+    pub(crate) fn command(&self, read: bool, write: bool, edtl: u32) {
+        self.in_flight.fetch_add(1, Relaxed);
+        let (n, b) = match (read, write) {
+            (true, _) => (&self.reads, &self.read_bytes),
+            (_, true) => (&self.writes, &self.write_bytes),
+            _ => {
+                self.other_cmds.fetch_add(1, Relaxed);
+                return;
+            }
+        };
+        n.fetch_add(1, Relaxed);
+        b.fetch_add(u64::from(edtl), Relaxed);
+    }
+}
+
+/// Server-wide counters (logins, digest errors).
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    pub logins: AtomicU64,
+    /// Failed logins by reason (a status name); rare, so a mutex is fine.
+    pub login_failures: Mutex<BTreeMap<String, u64>>,
+    pub digest_errors: AtomicU64,
+}
+
+impl ServerStats {
+    pub(crate) fn login_failed(&self, reason: &str) {
+        *self
+            .login_failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(reason.to_string())
+            .or_default() += 1;
+    }
+}
+
+/// What the `ironsan` binary provides to the control socket: everything that needs the
+/// configuration syntax.
+pub trait Hooks: Send + Sync + 'static {
+    /// Build a logical unit from a LUN spec (`ram:1G`, `file:x.img:10G,direct`) for `lun add`.
+    /// Returns the LU and the canonical spec to remember for `save`.
+    fn build_lun(
+        &self,
+        target: &str,
+        lun: u64,
+        spec: &str,
+    ) -> Result<(Arc<LogicalUnit>, String), String> {
+        let _ = (target, lun, spec);
+        Err("this server cannot build LUNs from specs".into())
+    }
+    /// A command the server does not implement itself (`apply`, `save`): `None` if unknown.
+    fn command(&self, control: &Control, argv: &[String]) -> Option<Result<Value, String>> {
+        let _ = (control, argv);
+        None
+    }
+}
+
+/// (LUN, the LU, the spec it was made from) as [`Control::lun_list`] returns them.
+pub type LunEntry = (u64, Arc<LogicalUnit>, Option<String>);
+
+/// Hooks that add nothing (tests, embedders without a configuration file).
+pub struct NoHooks;
+impl Hooks for NoHooks {}
+
+/// A handle on the running server: views and run-time changes. Cheap to clone.
+#[derive(Clone)]
+pub struct Control {
+    shared: Arc<Shared>,
+    /// The spec each LUN was made from, for `save` (target → LUN → spec).
+    origins: Arc<Mutex<BTreeMap<String, BTreeMap<u64, String>>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Control {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        let origins = Arc::clone(&shared.origins);
+        Control { shared, origins }
+    }
+
+    fn sessions_of(&self, target: Option<&str>) -> Vec<Arc<Session>> {
+        let all = lock(&self.shared.sessions).all();
+        all.into_iter()
+            .filter(|s| target.is_none_or(|t| s.target.as_ref().is_some_and(|x| x.name == t)))
+            .collect()
+    }
+
+    fn target(&self, name: &str) -> Result<Arc<LiveTarget>, String> {
+        self.shared
+            .runtime()
+            .targets
+            .get(name)
+            .cloned()
+            .ok_or_else(|| format!("no target '{name}'"))
+    }
+
+    // ----- views -----------------------------------------------------------------------------
+
+    /// Every session with its connections (negotiated keys, counters, TCP_INFO).
+    pub fn sessions(&self) -> Value {
+        Value::Array(self.sessions_of(None).iter().map(session_view).collect())
+    }
+
+    /// Every target, sorted by name.
+    pub fn targets(&self) -> Value {
+        let rt = self.shared.runtime();
+        let mut names: Vec<&String> = rt.targets.keys().collect();
+        names.sort();
+        let sessions = lock(&self.shared.sessions).all();
+        Value::Array(
+            names
+                .into_iter()
+                .map(|n| {
+                    let t = &rt.targets[n];
+                    let a = rt.access(n);
+                    json!({
+                        "name": t.name,
+                        "alias": t.alias,
+                        "tpgt": t.tpgt,
+                        "luns": t.scsi().luns().count(),
+                        "sessions": sessions.iter().filter(|s| s.target.as_ref().is_some_and(|x| x.name == t.name)).count(),
+                        "acl": a.acl.iter().map(|r| r.to_string()).collect::<Vec<_>>(),
+                        "chap": a.chap.as_ref().map(|c| c.user.clone()),
+                        "mutual_chap": a.mutual_chap.as_ref().map(|c| c.user.clone()),
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// The LUNs of one target, or of every target.
+    pub fn luns(&self, target: Option<&str>) -> Result<Value, String> {
+        let rt = self.shared.runtime();
+        let mut names: Vec<&String> = match target {
+            Some(t) => vec![
+                rt.targets
+                    .get_key_value(t)
+                    .ok_or_else(|| format!("no target '{t}'"))?
+                    .0,
+            ],
+            None => rt.targets.keys().collect(),
+        };
+        names.sort();
+        let origins = lock(&self.origins);
+        let mut out = Vec::new();
+        for n in names {
+            for (lun, lu) in rt.targets[n].scsi().luns() {
+                let cfg = lu.config();
+                out.push(json!({
+                    "target": n,
+                    "lun": lun,
+                    "backend": lu.backend().kind(),
+                    "size": lu.capacity_blocks() * u64::from(lu.block_size()),
+                    "blocks": lu.capacity_blocks(),
+                    "block_size": lu.block_size(),
+                    "read_only": cfg.read_only,
+                    "write_cache": lu.wce(),
+                    "serial": cfg.serial,
+                    "naa": format!("{:016x}", cfg.naa),
+                    "spec": origins.get(n.as_str()).and_then(|m| m.get(&lun)),
+                }));
+            }
+        }
+        Ok(Value::Array(out))
+    }
+
+    /// The portals (addresses actually bound).
+    pub fn portals(&self) -> Value {
+        let p = lock(&self.shared.portals).clone();
+        Value::Array(p.iter().map(|a| json!(a.to_string())).collect())
+    }
+
+    /// One target: its settings, LUNs and sessions.
+    pub fn show_target(&self, name: &str) -> Result<Value, String> {
+        self.target(name)?;
+        let t = self
+            .targets()
+            .as_array()
+            .and_then(|v| v.iter().find(|t| t["name"] == name).cloned())
+            .unwrap_or(Value::Null);
+        Ok(json!({
+            "target": t,
+            "luns": self.luns(Some(name))?,
+            "sessions": Value::Array(self.sessions_of(Some(name)).iter().map(session_view).collect()),
+        }))
+    }
+
+    /// Server-wide counters.
+    pub fn counters(&self) -> Value {
+        let st = &self.shared.stats;
+        json!({
+            "connections": self.shared.connections.load(Relaxed),
+            "sessions": lock(&self.shared.sessions).len(),
+            "logins": st.logins.load(Relaxed),
+            "login_failures": lock(&st.login_failures).clone(),
+            "digest_errors": st.digest_errors.load(Relaxed),
+        })
+    }
+
+    /// The access rules of a target (`None`: discovery).
+    pub fn access(&self, target: Option<&str>) -> Result<Access, String> {
+        let rt = self.shared.runtime();
+        match target {
+            None => Ok(rt.discovery.clone()),
+            Some(t) if rt.targets.contains_key(t) => Ok(rt.access(t).clone()),
+            Some(t) => Err(format!("no target '{t}'")),
+        }
+    }
+
+    /// Target names, sorted.
+    pub fn target_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.shared.runtime().targets.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// (LUN, LU, spec it was made from) of a target.
+    pub fn lun_list(&self, target: &str) -> Result<Vec<LunEntry>, String> {
+        let t = self.target(target)?;
+        let origins = lock(&self.origins);
+        Ok(t.scsi()
+            .luns()
+            .map(|(n, lu)| {
+                let o = origins.get(target).and_then(|m| m.get(&n)).cloned();
+                (n, Arc::clone(lu), o)
+            })
+            .collect())
+    }
+
+    /// The alias of a target.
+    pub fn alias(&self, target: &str) -> Result<Option<String>, String> {
+        Ok(self.target(target)?.alias.clone())
+    }
+
+    // ----- changes ---------------------------------------------------------------------------
+
+    /// Remember the spec a LUN was made from (for `save`).
+    pub fn set_lun_origin(&self, target: &str, lun: u64, spec: Option<String>) {
+        let mut o = lock(&self.origins);
+        let m = o.entry(target.to_string()).or_default();
+        match spec {
+            Some(s) => m.insert(lun, s),
+            None => m.remove(&lun),
+        };
+    }
+
+    /// Add a target with its LUNs and access rules. New logins and SendTargets see it at once.
+    pub fn add_target(&self, def: TargetDef, access: Access) -> Result<(), String> {
+        access.validate()?;
+        let name = def.name.clone();
+        self.shared.update_runtime(|rt| {
+            if rt.targets.contains_key(&name) {
+                return Err(format!("target '{name}' already exists"));
+            }
+            rt.targets
+                .insert(name.clone(), Arc::new(LiveTarget::new(&def)));
+            rt.access.insert(name.clone(), access);
+            Ok(())
+        })?;
+        tracing::info!(target_name = %name, "target added");
+        Ok(())
+    }
+
+    /// Remove a target. With sessions logged in to it: refused unless `force`, which closes
+    /// them. Returns how many sessions were closed.
+    pub fn remove_target(&self, name: &str, force: bool) -> Result<usize, String> {
+        let sessions = self.sessions_of(Some(name));
+        if !sessions.is_empty() && !force {
+            return Err(format!(
+                "target '{name}' has {} session(s); log them out first or use --force",
+                sessions.len()
+            ));
+        }
+        self.shared.update_runtime(|rt| {
+            rt.targets
+                .remove(name)
+                .ok_or_else(|| format!("no target '{name}'"))?;
+            rt.access.remove(name);
+            Ok(())
+        })?;
+        lock(&self.origins).remove(name);
+        for s in &sessions {
+            s.close_conns(None);
+        }
+        tracing::info!(target_name = %name, closed = sessions.len(), "target removed");
+        Ok(sessions.len())
+    }
+
+    /// Map `lu` at `lun` (the lowest free number when `None`). Raises REPORTED LUNS DATA HAS
+    /// CHANGED on the target's other LUs. Returns the LUN.
+    pub fn add_lun(
+        &self,
+        target: &str,
+        lun: Option<u64>,
+        lu: Arc<LogicalUnit>,
+        spec: Option<String>,
+    ) -> Result<u64, String> {
+        let t = self.target(target)?;
+        let n = t.update_luns(|s| {
+            let n = match lun {
+                Some(n) if s.lun(n).is_some() => {
+                    return Err(format!("{target} already has LUN {n}"))
+                }
+                Some(n) if n > ironsan_scsi::MAX_LUN => {
+                    return Err(format!("LUN {n} is above {}", ironsan_scsi::MAX_LUN))
+                }
+                Some(n) => n,
+                None => (0..=ironsan_scsi::MAX_LUN)
+                    .find(|n| s.lun(*n).is_none())
+                    .ok_or("no free LUN number")?,
+            };
+            s.luns_changed();
+            s.add_lun(n, lu);
+            Ok(n)
+        })?;
+        self.set_lun_origin(target, n, spec);
+        tracing::info!(target_name = %target, lun = n, "LUN added");
+        Ok(n)
+    }
+
+    /// Unmap a LUN. Commands already running on it finish; later ones get LOGICAL UNIT NOT
+    /// SUPPORTED; the other LUs report REPORTED LUNS DATA HAS CHANGED.
+    pub fn remove_lun(&self, target: &str, lun: u64) -> Result<Arc<LogicalUnit>, String> {
+        let t = self.target(target)?;
+        let lu = t.update_luns(|s| {
+            let lu = s
+                .remove_lun(lun)
+                .ok_or_else(|| format!("{target} has no LUN {lun}"))?;
+            s.luns_changed();
+            Ok::<_, String>(lu)
+        })?;
+        self.set_lun_origin(target, lun, None);
+        tracing::info!(target_name = %target, lun, "LUN removed");
+        Ok(lu)
+    }
+
+    /// Resize a LUN to `bytes` (whole blocks); raises CAPACITY DATA HAS CHANGED. Returns the
+    /// new number of blocks.
+    pub fn resize_lun(&self, target: &str, lun: u64, bytes: u64) -> Result<u64, String> {
+        let lu = self
+            .target(target)?
+            .scsi()
+            .lun(lun)
+            .cloned()
+            .ok_or_else(|| format!("{target} has no LUN {lun}"))?;
+        let blocks = lu
+            .resize(bytes)
+            .map_err(|e| format!("{target} LUN {lun}: cannot resize to {bytes} bytes: {e}"))?;
+        tracing::info!(target_name = %target, lun, blocks, "LUN resized");
+        Ok(blocks)
+    }
+
+    /// Replace the access rules of a target (`None`: discovery). Existing sessions stay; the
+    /// rules apply to the next login and SendTargets.
+    pub fn set_access(&self, target: Option<&str>, access: Access) -> Result<(), String> {
+        access.validate()?;
+        self.shared.update_runtime(|rt| {
+            match target {
+                None => rt.discovery = access,
+                Some(t) if rt.targets.contains_key(t) => {
+                    rt.access.insert(t.to_string(), access);
+                }
+                Some(t) => return Err(format!("no target '{t}'")),
+            }
+            Ok(())
+        })
+    }
+
+    /// Add an ACL rule (`discovery` as the target name means discovery sessions).
+    pub fn acl_add(&self, target: &str, rule: &str) -> Result<(), String> {
+        let rule = AclRule::parse(rule)?;
+        let t = (target != "discovery").then_some(target);
+        let mut a = self.access(t)?;
+        if a.acl.contains(&rule) {
+            return Err(format!("{target} already has ACL rule {rule}"));
+        }
+        a.acl.push(rule);
+        self.set_access(t, a)
+    }
+
+    /// Remove an ACL rule. Removing the last rule opens the target to every initiator.
+    pub fn acl_remove(&self, target: &str, rule: &str) -> Result<(), String> {
+        let rule = AclRule::parse(rule)?;
+        let t = (target != "discovery").then_some(target);
+        let mut a = self.access(t)?;
+        let before = a.acl.len();
+        a.acl.retain(|r| *r != rule);
+        if a.acl.len() == before {
+            return Err(format!("{target} has no ACL rule {rule}"));
+        }
+        self.set_access(t, a)
+    }
+
+    /// Run one control command (`argv` as after `ironsan ctl`).
+    pub fn dispatch(&self, hooks: &dyn Hooks, argv: &[String]) -> Result<Value, String> {
+        if let Some(r) = hooks.command(self, argv) {
+            return r;
+        }
+        let a: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let num = |s: &str, what: &str| -> Result<u64, String> {
+            s.parse::<u64>()
+                .map_err(|_| format!("{what} '{s}' is not a number"))
+        };
+        let size = |s: &str| {
+            ironsan_backend::parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 10G)"))
+        };
+        let ok = |m: String| Ok(json!({ "message": m }));
+        match a.as_slice() {
+            ["sessions"] => Ok(self.sessions()),
+            ["targets"] => Ok(self.targets()),
+            ["luns"] => self.luns(None),
+            ["luns", t] => self.luns(Some(t)),
+            ["portals"] => Ok(self.portals()),
+            ["show", "target", t] => self.show_target(t),
+            ["counters"] => Ok(self.counters()),
+            ["lun", "add", t, spec] | ["lun", "add", t, spec, _] => {
+                let want = match a.get(4) {
+                    Some(n) => Some(num(n, "LUN")?),
+                    None => None,
+                };
+                let n = match want {
+                    Some(n) => n,
+                    None => self
+                        .target(t)?
+                        .scsi()
+                        .luns()
+                        .map(|(n, _)| n + 1)
+                        .max()
+                        .unwrap_or(0),
+                };
+                let (lu, canon) = hooks.build_lun(t, n, spec)?;
+                let n = self.add_lun(t, Some(n), lu, Some(canon))?;
+                ok(format!("{t}: LUN {n} added"))
+            }
+            ["lun", "remove", t, n] => {
+                let n = num(n, "LUN")?;
+                self.remove_lun(t, n)?;
+                ok(format!("{t}: LUN {n} removed"))
+            }
+            ["lun", "resize", t, n, sz] => {
+                let n = num(n, "LUN")?;
+                let blocks = self.resize_lun(t, n, size(sz)?)?;
+                ok(format!("{t}: LUN {n} now has {blocks} blocks"))
+            }
+            ["target", "add", name] | ["target", "add", name, "--alias", _] => {
+                check_name(name)?;
+                self.add_target(
+                    TargetDef {
+                        name: name.to_string(),
+                        alias: a.get(4).map(|s| s.to_string()),
+                        tpgt: 1,
+                        scsi: Arc::new(ironsan_scsi::Target::new()),
+                    },
+                    Access::default(),
+                )?;
+                ok(format!(
+                    "target {name} added (no LUNs yet: ironsan ctl lun add {name} SPEC)"
+                ))
+            }
+            ["target", "remove", name] => {
+                self.remove_target(name, false)?;
+                ok(format!("target {name} removed"))
+            }
+            ["target", "remove", name, "--force"] => {
+                let n = self.remove_target(name, true)?;
+                ok(format!("target {name} removed, {n} session(s) closed"))
+            }
+            ["acl", "add", t, rule] => {
+                self.acl_add(t, rule)?;
+                ok(format!("{t}: ACL rule {rule} added"))
+            }
+            ["acl", "remove", t, rule] => {
+                self.acl_remove(t, rule)?;
+                ok(format!("{t}: ACL rule {rule} removed"))
+            }
+            _ => Err(format!(
+                "unknown command '{}' (see ironsan ctl --help)",
+                argv.join(" ")
+            )),
+        }
+    }
+}
+
+fn check_name(name: &str) -> Result<(), String> {
+    if ironsan_proto::negotiate::valid_iscsi_name(name) && name.to_ascii_lowercase() == name {
+        Ok(())
+    } else {
+        Err(format!(
+            "'{name}' is not a lower-case iSCSI name (iqn.…, eui.…, naa.…)"
+        ))
+    }
+}
+
+fn session_view(s: &Arc<Session>) -> Value {
+    let info = s.info();
+    let params: Map<String, Value> = info
+        .params
+        .iter()
+        .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+        .collect();
+    let conns = s.with_conns(|conns| {
+        conns
+            .iter()
+            .map(|c| {
+                let st = &c.stats;
+                let tcp = crate::sys::tcp_info(c.fd).ok().map(|t| {
+                    json!({
+                        "rtt_us": t.rtt_us,
+                        "rttvar_us": t.rttvar_us,
+                        "cwnd": t.snd_cwnd,
+                        "ssthresh": t.snd_ssthresh,
+                        "retransmits": t.total_retrans,
+                        "delivery_rate": t.delivery_rate,
+                        "mss": t.snd_mss,
+                    })
+                });
+                let since = c
+                    .since
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                json!({
+                    "cid": c.cid,
+                    "peer": c.peer.to_string(),
+                    "portal": c.local.to_string(),
+                    "since": since,
+                    "in_flight": st.in_flight.load(Relaxed),
+                    "rx_pdus": st.rx_pdus.load(Relaxed),
+                    "rx_bytes": st.rx_bytes.load(Relaxed),
+                    "tx_pdus": c.tx.pdus.load(Relaxed),
+                    "tx_bytes": c.tx.bytes.load(Relaxed),
+                    "reads": st.reads.load(Relaxed),
+                    "read_bytes": st.read_bytes.load(Relaxed),
+                    "writes": st.writes.load(Relaxed),
+                    "write_bytes": st.write_bytes.load(Relaxed),
+                    "other_commands": st.other_cmds.load(Relaxed),
+                    "digest_errors": st.digest_errors.load(Relaxed),
+                    "tcp": tcp,
+                })
+            })
+            .collect::<Vec<_>>()
+    });
+    json!({
+        "tsih": info.tsih,
+        "isid": info.isid,
+        "initiator": info.initiator_name,
+        "target": info.target_name,
+        "type": if info.target_name.is_some() { "normal" } else { "discovery" },
+        "commands": info.commands,
+        "params": params,
+        "connections": conns,
+    })
+}
+
+// ----- the socket ---------------------------------------------------------------------------
+
+/// Where the control socket lives by default: `/run/ironsan/control.sock` for root,
+/// `$XDG_RUNTIME_DIR/ironsan/control.sock` for others when that is set, else
+/// `./ironsan-data/control.sock`.
+pub fn default_socket_path() -> PathBuf {
+    // /proc/self belongs to the process's effective user (no libc call needed).
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    if root {
+        return PathBuf::from("/run/ironsan/control.sock");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => Path::new(&d).join("ironsan").join("control.sock"),
+        _ => PathBuf::from("./ironsan-data/control.sock"),
+    }
+}
+
+/// Bind the control socket at `path`: the parent directory is created with mode 0700 if
+/// missing, a stale socket (nobody answering) is replaced, a live one is an error, and the
+/// socket gets mode 0600.
+pub fn bind_control(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
+        }
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("{}: another ironsan is listening there", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let l = tokio::net::UnixListener::bind(path).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("control socket {}: {e}", path.display()))
+    })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(l)
+}
+
+/// Longest request line accepted.
+const MAX_REQUEST: usize = 1 << 20;
+
+/// Serve the control socket until the task is dropped or aborted.
+pub async fn serve_control(
+    listener: tokio::net::UnixListener,
+    control: Control,
+    hooks: Arc<dyn Hooks>,
+) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            continue;
+        };
+        let control = control.clone();
+        let hooks = Arc::clone(&hooks);
+        tokio::spawn(async move {
+            use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+            let (rd, mut wr) = stream.into_split();
+            let mut lines = tokio::io::BufReader::new(rd.take(MAX_REQUEST as u64 * 16)).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let resp = if line.len() > MAX_REQUEST {
+                    json!({"ok": false, "error": "request too long"})
+                } else {
+                    let control = control.clone();
+                    let hooks = Arc::clone(&hooks);
+                    // Commands may touch files (lun add, apply, save): off the runtime threads.
+                    tokio::task::spawn_blocking(move || handle_line(&control, &*hooks, &line))
+                        .await
+                        .unwrap_or_else(|e| json!({"ok": false, "error": e.to_string()}))
+                };
+                let mut out = resp.to_string();
+                out.push('\n');
+                if wr.write_all(out.as_bytes()).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+}
+
+use tokio::io::AsyncReadExt as _;
+
+fn handle_line(control: &Control, hooks: &dyn Hooks, line: &str) -> Value {
+    let argv: Result<Vec<String>, String> = serde_json::from_str::<Value>(line)
+        .map_err(|e| format!("bad request: {e}"))
+        .and_then(|v| {
+            v.get("argv")
+                .and_then(Value::as_array)
+                .ok_or_else(|| "bad request: no \"argv\" array".to_string())?
+                .iter()
+                .map(|a| {
+                    a.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| "bad request: argv holds a non-string".to_string())
+                })
+                .collect()
+        });
+    match argv.and_then(|a| {
+        tracing::debug!(argv = ?a, "control command");
+        let r = control.dispatch(hooks, &a);
+        if let Err(e) = &r {
+            tracing::info!(argv = ?a, "control command failed: {e}");
+        }
+        r
+    }) {
+        Ok(data) => json!({"ok": true, "data": data}),
+        Err(e) => json!({"ok": false, "error": e}),
+    }
+}
+
+/// Send one command to the control socket at `path` and return its `data` (blocking; for
+/// `ironsan ctl` and tests).
+pub fn call(path: &Path, argv: &[String]) -> Result<Value, String> {
+    use std::io::{BufRead, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| {
+        format!(
+            "cannot connect to {}: {e} (is ironsan serve running? --control PATH)",
+            path.display()
+        )
+    })?;
+    let mut req = json!({ "argv": argv }).to_string();
+    req.push('\n');
+    s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    std::io::BufReader::new(&s)
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    let v: Value = serde_json::from_str(&line).map_err(|e| format!("bad response: {e}"))?;
+    if v["ok"] == true {
+        Ok(v["data"].clone())
+    } else {
+        Err(v["error"].as_str().unwrap_or("error").to_string())
+    }
+}
+
+// ----- human output -------------------------------------------------------------------------
+
+/// Columns left-aligned, two spaces apart.
+fn table(head: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut w: Vec<usize> = head.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            w[i] = w[i].max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |cells: Vec<String>, out: &mut String| {
+        let mut l = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                l.push_str(c);
+            } else {
+                l.push_str(&format!("{c:<width$}  ", width = w[i]));
+            }
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(head.iter().map(|s| s.to_string()).collect(), &mut out);
+    for r in rows {
+        line(r, &mut out);
+    }
+    out
+}
+
+fn s(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Bytes in binary units (`1.5 GiB`).
+pub fn human_bytes(n: u64) -> String {
+    const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < U.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 || v.fract() == 0.0 {
+        format!("{v:.0} {}", U[u])
+    } else {
+        format!("{v:.1} {}", U[u])
+    }
+}
+
+fn render_sessions(v: &Value) -> String {
+    let mut out = String::new();
+    let empty = Vec::new();
+    let list = v.as_array().unwrap_or(&empty);
+    if list.is_empty() {
+        return "no sessions\n".into();
+    }
+    for sess in list {
+        out.push_str(&format!(
+            "session TSIH {} ISID {}  {}  →  {}  ({} commands)\n",
+            s(&sess["tsih"]),
+            s(&sess["isid"]),
+            s(&sess["initiator"]),
+            sess["target"].as_str().unwrap_or("(discovery)"),
+            s(&sess["commands"])
+        ));
+        for c in sess["connections"].as_array().unwrap_or(&empty) {
+            let u = |k: &str| c[k].as_u64().unwrap_or(0);
+            out.push_str(&format!(
+                "  connection CID {} from {} on {}: in flight {}, reads {} ({}), writes {} ({}), other {}, rx {} ({}), tx {} ({}), digest errors {}\n",
+                s(&c["cid"]), s(&c["peer"]), s(&c["portal"]), u("in_flight"),
+                u("reads"), human_bytes(u("read_bytes")), u("writes"), human_bytes(u("write_bytes")),
+                u("other_commands"), u("rx_pdus"), human_bytes(u("rx_bytes")),
+                u("tx_pdus"), human_bytes(u("tx_bytes")), u("digest_errors"),
+            ));
+            let t = &c["tcp"];
+            if t.is_object() {
+                let g = |k: &str| t[k].as_u64().unwrap_or(0);
+                out.push_str(&format!(
+                    "    tcp: rtt {:.3} ms ± {:.3}, cwnd {}, ssthresh {}, retransmits {}, delivery rate {}/s, mss {}\n",
+                    g("rtt_us") as f64 / 1000.0,
+                    g("rttvar_us") as f64 / 1000.0,
+                    g("cwnd"),
+                    if g("ssthresh") >= 0x7fff_ffff { "∞".to_string() } else { g("ssthresh").to_string() },
+                    g("retransmits"),
+                    human_bytes(g("delivery_rate")),
+                    g("mss"),
+                ));
+            }
+        }
+        if let Some(p) = sess["params"].as_object() {
+            let kv: Vec<String> = p.iter().map(|(k, v)| format!("{k}={}", s(v))).collect();
+            out.push_str("  negotiated:");
+            let mut col = 13;
+            for item in kv {
+                if col + item.len() + 1 > 100 {
+                    out.push_str("\n             ");
+                    col = 13;
+                }
+                out.push(' ');
+                out.push_str(&item);
+                col += item.len() + 1;
+            }
+            out.push('\n');
+        }
+    }
+    out
+}
+
+fn render_targets(v: &Value) -> String {
+    let empty = Vec::new();
+    let rows = v
+        .as_array()
+        .unwrap_or(&empty)
+        .iter()
+        .map(|t| {
+            let acl = t["acl"].as_array().map(|a| a.len()).unwrap_or(0);
+            let auth = match (&t["chap"], &t["mutual_chap"]) {
+                (Value::String(u), Value::String(m)) => format!("mutual CHAP ({u}/{m})"),
+                (Value::String(u), _) => format!("CHAP ({u})"),
+                _ => "none".into(),
+            };
+            vec![
+                s(&t["name"]),
+                s(&t["alias"]),
+                s(&t["luns"]),
+                s(&t["sessions"]),
+                if acl == 0 {
+                    "everyone".into()
+                } else {
+                    format!("{acl} rule(s)")
+                },
+                auth,
+            ]
+        })
+        .collect();
+    table(
+        &["TARGET", "ALIAS", "LUNS", "SESSIONS", "ACL", "AUTH"],
+        rows,
+    )
+}
+
+fn render_luns(v: &Value) -> String {
+    let empty = Vec::new();
+    let rows = v
+        .as_array()
+        .unwrap_or(&empty)
+        .iter()
+        .map(|l| {
+            vec![
+                s(&l["target"]),
+                s(&l["lun"]),
+                s(&l["backend"]),
+                human_bytes(l["size"].as_u64().unwrap_or(0)),
+                s(&l["block_size"]),
+                if l["read_only"] == true { "ro" } else { "rw" }.into(),
+                if l["write_cache"] == true {
+                    "on"
+                } else {
+                    "off"
+                }
+                .into(),
+                s(&l["spec"]),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "TARGET", "LUN", "BACKEND", "SIZE", "BS", "MODE", "WCE", "SPEC",
+        ],
+        rows,
+    )
+}
+
+/// The human form of a command's `data` (what `ironsan ctl` prints without `--json`).
+pub fn render(argv: &[String], data: &Value) -> String {
+    let a: Vec<&str> = argv.iter().map(String::as_str).collect();
+    match a.as_slice() {
+        ["sessions"] => render_sessions(data),
+        ["targets"] => render_targets(data),
+        ["luns", ..] => render_luns(data),
+        ["portals"] => data
+            .as_array()
+            .map(|p| p.iter().map(|x| format!("{}\n", s(x))).collect())
+            .unwrap_or_default(),
+        ["show", "target", _] => {
+            let t = &data["target"];
+            let mut out = format!(
+                "target {}\n  alias: {}\n  ACL: {}\n  CHAP: {}  mutual CHAP: {}\n\n",
+                s(&t["name"]),
+                s(&t["alias"]),
+                t["acl"]
+                    .as_array()
+                    .filter(|a| !a.is_empty())
+                    .map(|a| a.iter().map(s).collect::<Vec<_>>().join(", "))
+                    .unwrap_or_else(|| "everyone".into()),
+                s(&t["chap"]),
+                s(&t["mutual_chap"]),
+            );
+            out.push_str(&render_luns(&data["luns"]));
+            out.push('\n');
+            out.push_str(&render_sessions(&data["sessions"]));
+            out
+        }
+        _ => match data.get("message").and_then(Value::as_str) {
+            Some(m) => format!("{m}\n"),
+            None => match data.get("text").and_then(Value::as_str) {
+                Some(t) => t.to_string(),
+                None => serde_json::to_string_pretty(data).unwrap_or_default() + "\n",
+            },
+        },
+    }
+}

@@ -1,0 +1,394 @@
+//! `ironsan ctl` (the client of the control socket) and the binary's side of the control
+//! socket: building LUNs from specs (`lun add`), `apply` and `save`.
+
+use crate::config::{self, Backing, LunPlan, Plan};
+use anyhow::Result;
+use ironsan_scsi::LogicalUnit;
+use ironsan_server::admin::{self, Control, Hooks};
+use ironsan_server::{Access, TargetDef};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+#[derive(clap::Args)]
+#[command(after_help = "COMMANDS:
+  sessions                          sessions and connections: negotiated keys, counters, TCP_INFO
+  targets | luns [TARGET] | portals | show target IQN | counters
+  lun add TARGET SPEC [LUN]         map a new LUN (SPEC as for --lun, e.g. ram:1G, file:x.img:10G,direct)
+  lun remove TARGET LUN             unmap a LUN (other LUs report REPORTED LUNS DATA HAS CHANGED)
+  lun resize TARGET LUN SIZE        grow (or shrink) a LUN; raises CAPACITY DATA HAS CHANGED
+  target add IQN [--alias A]        a new target (no LUNs, open to every initiator)
+  target remove IQN [--force]       --force closes its sessions
+  acl add|remove TARGET RULE        RULE as for --acl; TARGET 'discovery' for discovery sessions
+  apply FILE [--dry-run]            reconcile the running state to a configuration file
+  save [FILE]                       write the running state as TOML (default: the --config file)")]
+pub struct CtlArgs {
+    /// The control socket of `ironsan serve` (default: as serve's default).
+    #[arg(long, value_name = "PATH", env = "IRONSAN_CONTROL")]
+    control: Option<PathBuf>,
+    /// Print the JSON answer instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// The command and its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    command: Vec<String>,
+}
+
+pub fn run(args: CtlArgs) -> Result<()> {
+    let path = args.control.unwrap_or_else(admin::default_socket_path);
+    let data = admin::call(&path, &args.command).map_err(anyhow::Error::msg)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&data)?);
+    } else {
+        print!("{}", admin::render(&args.command, &data));
+    }
+    Ok(())
+}
+
+/// The `--lun` spec equivalent to `l` (what `save` writes and `luns` shows).
+pub fn lun_spec(l: &LunPlan) -> String {
+    let mut s = match &l.backing {
+        Backing::Null { size } => format!("null:{size}"),
+        Backing::Ram { size } => format!("ram:{size}"),
+        Backing::File { path, size: None } => format!("file:{}", path.display()),
+        Backing::File {
+            path,
+            size: Some(n),
+        } => format!("file:{}:{n}", path.display()),
+    };
+    for (on, o) in [
+        (l.read_only, "ro"),
+        (l.direct, "direct"),
+        (l.write_cache, "wce"),
+    ] {
+        if on {
+            s.push(',');
+            s.push_str(o);
+        }
+    }
+    if l.block_size != 512 {
+        s.push_str(&format!(",bs={}", l.block_size));
+    }
+    if l.physical_block_size != 0 {
+        s.push_str(&format!(",pbs={}", l.physical_block_size));
+    }
+    if let Some(serial) = &l.serial {
+        s.push_str(&format!(",serial={serial}"));
+    }
+    for f in &l.faults {
+        s.push_str(&format!(",fault={f}"));
+    }
+    s
+}
+
+/// The binary's hooks: LUN specs, `apply`, `save`.
+pub struct BinHooks {
+    /// The plan serve runs (listen, data_dir, limits and the CHAP sources are kept from it).
+    plan: Mutex<Plan>,
+    /// The configuration file serve started with, if any.
+    config: Option<PathBuf>,
+}
+
+impl BinHooks {
+    pub fn new(plan: Plan, config: Option<PathBuf>) -> Self {
+        BinHooks {
+            plan: Mutex::new(plan),
+            config,
+        }
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.plan
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .data_dir
+            .clone()
+    }
+
+    /// Reconcile the running state to `file`: returns the changes (made unless `dry_run`).
+    pub fn apply(
+        &self,
+        control: &Control,
+        file: &Path,
+        dry_run: bool,
+    ) -> Result<Vec<String>, String> {
+        let plan = config::load_file(file)?;
+        let mut changes = Vec::new();
+        let mut errors = Vec::new();
+        let running = control.target_names();
+        let data_dir = plan.data_dir.clone();
+        {
+            let old = self.plan.lock().unwrap_or_else(|p| p.into_inner());
+            if old.listen != plan.listen
+                || old.limits != plan.limits
+                || old.queue_depth != plan.queue_depth
+                || old.data_dir != plan.data_dir
+            {
+                changes.push(
+                    "! listen, data_dir, queue_depth and [limits] take effect only after a restart"
+                        .to_string(),
+                );
+            }
+        }
+        let mut step = |desc: String, f: &mut dyn FnMut() -> Result<(), String>| {
+            if !dry_run {
+                if let Err(e) = f() {
+                    errors.push(format!("{desc}: {e}"));
+                    return;
+                }
+            }
+            changes.push(desc);
+        };
+        for name in running
+            .iter()
+            .filter(|n| !plan.targets.iter().any(|t| &t.name == *n))
+        {
+            step(format!("- target {name}"), &mut || {
+                control.remove_target(name, false).map(|_| ())
+            });
+        }
+        for t in &plan.targets {
+            if !running.contains(&t.name) {
+                step(
+                    format!("+ target {} ({} LUNs)", t.name, t.luns.len()),
+                    &mut || {
+                        let mut scsi = ironsan_scsi::Target::new();
+                        let mut specs = Vec::new();
+                        for (n, l) in t.luns.iter().enumerate() {
+                            let (_, lu) = crate::build_lu(&t.name, n, l, &data_dir)
+                                .map_err(|e| format!("{e:#}"))?;
+                            scsi.add_lun(n as u64, Arc::new(lu));
+                            specs.push(lun_spec(l));
+                        }
+                        control.add_target(
+                            TargetDef {
+                                name: t.name.clone(),
+                                alias: t.alias.clone(),
+                                tpgt: 1,
+                                scsi: Arc::new(scsi),
+                            },
+                            t.access.clone(),
+                        )?;
+                        for (n, s) in specs.into_iter().enumerate() {
+                            control.set_lun_origin(&t.name, n as u64, Some(s));
+                        }
+                        Ok(())
+                    },
+                );
+                continue;
+            }
+            if control.access(Some(&t.name)).ok().as_ref() != Some(&t.access) {
+                step(
+                    format!("~ target {}: access (ACL/CHAP)", t.name),
+                    &mut || control.set_access(Some(&t.name), t.access.clone()),
+                );
+            }
+            let have = control.lun_list(&t.name).unwrap_or_default();
+            for (n, _, _) in have.iter().filter(|(n, _, _)| *n as usize >= t.luns.len()) {
+                step(format!("- target {} LUN {n}", t.name), &mut || {
+                    control.remove_lun(&t.name, *n).map(|_| ())
+                });
+            }
+            for (n, l) in t.luns.iter().enumerate() {
+                let want = lun_spec(l);
+                let cur = have.iter().find(|(m, _, _)| *m == n as u64);
+                match cur {
+                    Some((_, _, Some(spec))) if *spec == want => {}
+                    Some((_, lu, Some(spec))) if same_but_size(spec, l, &data_dir) => {
+                        let size = plan_size(l).unwrap_or(0);
+                        let now = lu.capacity_blocks() * u64::from(lu.block_size());
+                        if size == now {
+                            continue;
+                        }
+                        step(
+                            format!("~ target {} LUN {n}: resize {now} -> {size} bytes", t.name),
+                            &mut || {
+                                control.resize_lun(&t.name, n as u64, size)?;
+                                control.set_lun_origin(&t.name, n as u64, Some(want.clone()));
+                                Ok(())
+                            },
+                        );
+                    }
+                    _ => {
+                        let verb = if cur.is_some() { "~" } else { "+" };
+                        step(
+                            format!("{verb} target {} LUN {n}: {want}", t.name),
+                            &mut || {
+                                let (_, lu) = crate::build_lu(&t.name, n, l, &data_dir)
+                                    .map_err(|e| format!("{e:#}"))?;
+                                if cur.is_some() {
+                                    control.remove_lun(&t.name, n as u64)?;
+                                }
+                                control
+                                    .add_lun(
+                                        &t.name,
+                                        Some(n as u64),
+                                        Arc::new(lu),
+                                        Some(want.clone()),
+                                    )
+                                    .map(|_| ())
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        if control.access(None).ok().as_ref() != Some(&plan.discovery) {
+            step("~ discovery: access (ACL/CHAP)".into(), &mut || {
+                control.set_access(None, plan.discovery.clone())
+            });
+        }
+        if !errors.is_empty() {
+            return Err(format!(
+                "applied:\n  {}\nfailed:\n  {}",
+                changes.join("\n  "),
+                errors.join("\n  ")
+            ));
+        }
+        if !dry_run {
+            let mut p = self.plan.lock().unwrap_or_else(|p| p.into_inner());
+            p.targets = plan.targets;
+            p.discovery = plan.discovery;
+        }
+        Ok(changes)
+    }
+
+    /// The running state as a configuration file.
+    pub fn save_text(&self, control: &Control) -> Result<String, String> {
+        let plan = self.plan.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut out = String::from("# Written by `ironsan ctl save`.\n");
+        let q = |s: &str| toml::Value::String(s.to_string()).to_string();
+        out.push_str(&format!(
+            "listen = [{}]\ndata_dir = {}\nqueue_depth = {}\n",
+            plan.listen
+                .iter()
+                .map(|a| q(&a.to_string()))
+                .collect::<Vec<_>>()
+                .join(", "),
+            q(&plan.data_dir.display().to_string()),
+            plan.queue_depth
+        ));
+        let access_lines = |who: &str, a: &Access, out: &mut String| -> Result<(), String> {
+            if !a.acl.is_empty() {
+                out.push_str(&format!(
+                    "acl = [{}]\n",
+                    a.acl
+                        .iter()
+                        .map(|r| q(&r.to_string()))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
+            if a.chap.is_some() {
+                return Err(format!(
+                    "{who} uses CHAP: save does not write secrets; edit the configuration file and use ironsan ctl apply"
+                ));
+            }
+            Ok(())
+        };
+        let disc = control.access(None)?;
+        if disc != Access::default() {
+            out.push_str("\n[discovery]\n");
+            access_lines("discovery", &disc, &mut out)?;
+        }
+        for t in control.target_names() {
+            out.push_str(&format!("\n[[target]]\nname = {}\n", q(&t)));
+            if let Some(a) = control.alias(&t)? {
+                out.push_str(&format!("alias = {}\n", q(&a)));
+            }
+            access_lines(&t, &control.access(Some(&t))?, &mut out)?;
+            let luns = control.lun_list(&t)?;
+            for (i, (n, lu, spec)) in luns.iter().enumerate() {
+                if *n != i as u64 {
+                    return Err(format!(
+                        "{t}: LUN numbers have a gap before {n}; a configuration file numbers LUNs 0, 1, 2…"
+                    ));
+                }
+                let spec = spec
+                    .as_deref()
+                    .ok_or_else(|| format!("{t} LUN {n}: its spec is unknown"))?;
+                let mut l = config::parse_lun(spec, &plan.data_dir)?;
+                let now = lu.capacity_blocks() * u64::from(lu.block_size());
+                match &mut l.backing {
+                    Backing::Null { size } | Backing::Ram { size } => *size = now,
+                    Backing::File { size, .. } => *size = Some(now),
+                }
+                out.push_str(&format!("\n[[target.lun]]\nspec = {}\n", q(&lun_spec(&l))));
+            }
+        }
+        // The file must read back.
+        config::parse_file(&out, Path::new("(saved)"))?;
+        Ok(out)
+    }
+}
+
+fn plan_size(l: &LunPlan) -> Option<u64> {
+    match &l.backing {
+        Backing::Null { size } | Backing::Ram { size } => Some(*size),
+        Backing::File { size, .. } => *size,
+    }
+}
+
+/// Whether the running `spec` and `want` differ at most in size.
+fn same_but_size(spec: &str, want: &LunPlan, data_dir: &Path) -> bool {
+    let Ok(mut cur) = config::parse_lun(spec, data_dir) else {
+        return false;
+    };
+    let mut want = want.clone();
+    for b in [&mut cur.backing, &mut want.backing] {
+        match b {
+            Backing::Null { size } | Backing::Ram { size } => *size = 0,
+            Backing::File { size, .. } => *size = None,
+        }
+    }
+    cur == want
+}
+
+impl Hooks for BinHooks {
+    fn build_lun(
+        &self,
+        target: &str,
+        lun: u64,
+        spec: &str,
+    ) -> Result<(Arc<LogicalUnit>, String), String> {
+        let data_dir = self.data_dir();
+        let l = config::parse_lun(spec, &data_dir)?;
+        let (_, lu) =
+            crate::build_lu(target, lun as usize, &l, &data_dir).map_err(|e| format!("{e:#}"))?;
+        Ok((Arc::new(lu), lun_spec(&l)))
+    }
+
+    fn command(&self, control: &Control, argv: &[String]) -> Option<Result<Value, String>> {
+        let a: Vec<&str> = argv.iter().map(String::as_str).collect();
+        Some(match a.as_slice() {
+            ["apply", file] | ["apply", file, "--dry-run"] => {
+                let dry = a.len() == 3;
+                self.apply(control, Path::new(file), dry).map(|c| {
+                    let mut text = if c.is_empty() {
+                        "no changes\n".to_string()
+                    } else {
+                        c.join("\n") + "\n"
+                    };
+                    if dry {
+                        text.push_str("(dry run: nothing changed)\n");
+                    }
+                    json!({ "changes": c, "dry_run": dry, "text": text })
+                })
+            }
+            ["save"] | ["save", _] => {
+                let file = a.get(1).map(PathBuf::from).or_else(|| self.config.clone());
+                self.save_text(control).and_then(|text| match file {
+                    None => Ok(json!({ "text": text })),
+                    Some(f) => {
+                        let tmp = f.with_extension("toml.new");
+                        std::fs::write(&tmp, &text)
+                            .and_then(|_| std::fs::rename(&tmp, &f))
+                            .map_err(|e| format!("{}: {e}", f.display()))?;
+                        Ok(json!({ "message": format!("saved to {}", f.display()) }))
+                    }
+                })
+            }
+            _ => return None,
+        })
+    }
+}
