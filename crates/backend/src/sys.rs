@@ -97,6 +97,23 @@ pub fn read_exact_at(file: &impl AsRawFd, mut buf: &mut [u8], mut offset: u64) -
     Ok(())
 }
 
+/// The file system type (`statfs.f_type`) of the file system holding `file`.
+pub fn fs_type(file: &impl AsRawFd) -> io::Result<i64> {
+    // SAFETY: all-zero bytes are a valid `statfs` (a plain C struct of integers).
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, exclusively borrowed `statfs` the kernel fills in; the descriptor
+    // is valid and owned by `file`, borrowed for the call.
+    let ret = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(st.f_type as i64)
+    }
+}
+
+/// `statfs.f_type` of FUSE file systems.
+pub const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+
 /// Deallocate a byte range, keeping the file size (`fallocate(PUNCH_HOLE|KEEP_SIZE)`).
 pub fn punch_hole(file: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> {
     // SAFETY: plain syscall on a valid descriptor owned by `file`; no memory is passed.
