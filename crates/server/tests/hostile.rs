@@ -8,23 +8,21 @@
 //! (2,000 idle connections, ...). Tests that measure fds or RSS take the `GATE` exclusively,
 //! every other test takes it shared, so measurements are not disturbed by parallel tests.
 
+mod support;
 use bytes::Bytes;
-use ironsan_backend::RamBackend;
 use ironsan_initiator::{Client, LoginOptions};
 use ironsan_proto::pdu::*;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
-use ironsan_scsi::{LogicalUnit, LuConfig};
 use ironsan_server::io::{read_pdu, Digests, ReadError};
-use ironsan_server::{Server, ServerConfig, TargetDef};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-const TARGET: &str = "iqn.2026-11.org.ironsan:test";
 const INITIATOR: &str = "iqn.2026-11.org.ironsan:hostile";
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -33,39 +31,6 @@ static GATE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 fn long() -> bool {
     std::env::var("IRONSAN_LONG").is_ok_and(|v| v == "1")
-}
-
-async fn start_with(
-    f: impl FnOnce(&mut ServerConfig),
-) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-    let mut scsi = ironsan_scsi::Target::new();
-    let lu = LogicalUnit::new(
-        Arc::new(RamBackend::new(64 << 20)),
-        LuConfig {
-            naa: 0x3000_0000_0000_0001,
-            ..Default::default()
-        },
-    );
-    scsi.add_lun(0, Arc::new(lu));
-    let t = TargetDef {
-        name: TARGET.into(),
-        alias: None,
-        tpgt: 1,
-        scsi: Arc::new(scsi),
-    };
-    let mut cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
-    f(&mut cfg);
-    let server = Server::bind(cfg).await.unwrap();
-    let addr = server.local_addrs()[0];
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
-    (addr, tx)
-}
-
-async fn start() -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-    start_with(|_| {}).await
 }
 
 fn fd_count() -> usize {
@@ -78,14 +43,6 @@ fn rss_kib() -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap()
-}
-
-fn pattern(len: usize, seed: u8) -> Bytes {
-    Bytes::from(
-        (0..len)
-            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-            .collect::<Vec<u8>>(),
-    )
 }
 
 fn opts(isid: u8) -> LoginOptions {

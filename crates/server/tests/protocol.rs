@@ -3,59 +3,13 @@
 //! do not choose themselves (digests, R2T-only writes, small segments, window abuse, task
 //! management, reinstatement, hostile PDUs).
 
+mod support;
 use bytes::Bytes;
-use ironsan_backend::RamBackend;
 use ironsan_initiator::{Client, LoginOptions};
 use ironsan_proto::pdu::*;
 use ironsan_proto::{CmdSn, DataSn};
-use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::{Server, ServerConfig, TargetDef};
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
-
-const TARGET: &str = "iqn.2026-11.org.ironsan:test";
-
-async fn start_with(
-    f: impl FnOnce(&mut ServerConfig),
-) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-    let mut scsi = ironsan_scsi::Target::new();
-    let lu = LogicalUnit::new(
-        Arc::new(RamBackend::new(64 << 20)),
-        LuConfig {
-            naa: 0x3000_0000_0000_0001,
-            ..Default::default()
-        },
-    );
-    scsi.add_lun(0, Arc::new(lu));
-    let t = TargetDef {
-        name: TARGET.into(),
-        alias: None,
-        tpgt: 1,
-        scsi: Arc::new(scsi),
-    };
-    let mut cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
-    f(&mut cfg);
-    let server = Server::bind(cfg).await.unwrap();
-    let addr = server.local_addrs()[0];
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
-    (addr, tx)
-}
-
-async fn start() -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-    start_with(|_| {}).await
-}
-
-fn pattern(len: usize, seed: u8) -> Bytes {
-    Bytes::from(
-        (0..len)
-            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-            .collect::<Vec<u8>>(),
-    )
-}
+use support::*;
 
 async fn round_trip(c: &mut Client, lba: u64, len: usize, seed: u8) {
     let data = pattern(len, seed);

@@ -3,13 +3,14 @@
 //! do CHAP one-way and mutual, MD5 and SHA-256, hex and base64, and misbehave on purpose).
 //! Every refusal is checked for its exact login status or SCSI status.
 
+mod support;
 use bytes::Bytes;
 use ironsan_backend::RamBackend;
 use ironsan_initiator::{ChapOptions, Client, Error, LoginOptions};
 use ironsan_proto::pdu::*;
 use ironsan_proto::{CmdSn, DataSn};
 use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::{Access, AclRule, ChapAccount, Server, ServerConfig, TargetDef};
+use ironsan_server::{Access, AclRule, ChapAccount, ServerConfig, TargetDef};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,13 +44,7 @@ async fn start_with(
         vec![target(DISK), target(OTHER)],
     );
     f(&mut cfg);
-    let server = Server::bind(cfg).await.unwrap();
-    let addr = server.local_addrs()[0];
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
-    (addr, tx)
+    support::serve(cfg).await
 }
 
 fn chap_access(mutual: bool) -> Access {

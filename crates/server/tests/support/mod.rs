@@ -1,0 +1,69 @@
+//! What the in-process server tests share: a RAM-backed target, a server on 127.0.0.1:0 that
+//! stops when the returned sender is dropped, and a data pattern.
+#![allow(dead_code)] // each test crate uses a different part
+
+use bytes::Bytes;
+use ironsan_backend::RamBackend;
+use ironsan_scsi::{LogicalUnit, LuConfig};
+use ironsan_server::{Server, ServerConfig, TargetDef};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// The target name most tests use.
+pub const TARGET: &str = "iqn.2026-11.org.ironsan:test";
+
+/// A target called `name` with LUN 0 on a 64 MiB RAM disk.
+pub fn ram_target(name: &str) -> TargetDef {
+    let mut scsi = ironsan_scsi::Target::new();
+    let lu = LogicalUnit::new(
+        Arc::new(RamBackend::new(64 << 20)),
+        LuConfig {
+            naa: 0x3000_0000_0000_0001,
+            ..Default::default()
+        },
+    );
+    scsi.add_lun(0, Arc::new(lu));
+    TargetDef {
+        name: name.into(),
+        alias: None,
+        tpgt: 1,
+        scsi: Arc::new(scsi),
+    }
+}
+
+/// Run a server with `cfg` in the background; it stops when the sender is dropped.
+pub async fn serve(cfg: ServerConfig) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let server = Server::bind(cfg).await.unwrap();
+    let addr = server.local_addrs()[0];
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(server.run(async {
+        let _ = rx.await;
+    }));
+    (addr, tx)
+}
+
+/// A server with one RAM target ([`TARGET`]) on 127.0.0.1:0, after `f` adjusted the config.
+pub async fn start_with(
+    f: impl FnOnce(&mut ServerConfig),
+) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let mut cfg = ServerConfig::new(
+        vec!["127.0.0.1:0".parse().unwrap()],
+        vec![ram_target(TARGET)],
+    );
+    f(&mut cfg);
+    serve(cfg).await
+}
+
+/// [`start_with`] with the default config.
+pub async fn start() -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    start_with(|_| {}).await
+}
+
+/// `len` bytes of a pattern that differs per `seed`.
+pub fn pattern(len: usize, seed: u8) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect::<Vec<u8>>(),
+    )
+}
