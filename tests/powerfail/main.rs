@@ -325,6 +325,9 @@ async fn fuse_direct_io_is_durable_through_fdatasync() {
             "FUSE direct_io: {}",
             rep.summary("real backend on a direct_io FUSE file")
         );
-        assert_eq!(rep.lost, 0, "acknowledged writes lost on a direct_io FUSE file");
+        assert_eq!(
+            rep.lost, 0,
+            "acknowledged writes lost on a direct_io FUSE file"
+        );
     }
 }

@@ -12,11 +12,13 @@
 //! | `error`   | [`BackendError::Io`] (HARDWARE ERROR, INTERNAL TARGET FAILURE 44h/00h)      |
 //! | `delay=D` | the operation is held `D` (e.g. `50ms`, `2s`) on a worker thread, then done |
 //! | `stuck`   | the operation waits until [`FaultControl::release`]; from the command line that is for ever (a hung device) |
+//! | `hang`    | the operation is handed to the device at once (on a worker thread) and held there until [`FaultControl::release`]; dropping its future does **not** cancel it: it lands after release, like a `pwritev2` already running on an I/O thread |
 //!
 //! A failed operation never reaches the wrapped device: a failed write writes nothing, so the
 //! promise "a failed write never leaves bytes the initiator did not send" holds trivially.
 //! A stuck or delayed operation whose future is dropped (ABORT TASK, LUN RESET) never reaches
-//! it either.
+//! it either; a `hang` one does, on release, and keeps the caller's [`Keep`](crate::Keep)
+//! value (the SCSI layer's write range lock) until it has.
 //!
 //! # Grammar (one rule; give `fault=` once per rule on a `--lun`)
 //! ```text
@@ -28,13 +30,13 @@
 //!                              overlaps the range (flush has no range and matches only '*')
 //!          | 'rate=' P         probability 0 < P <= 1 per matching operation
 //!          | 'count=' N        at most N injections, then the rule is spent
-//! EFFECT  := eio | enospc | error | stuck | 'delay=' N ('us'|'ms'|'s')
+//! EFFECT  := eio | enospc | error | stuck | hang | 'delay=' N ('us'|'ms'|'s')
 //! ```
 //! Examples: `read@1000-1010:eio`, `write@rate=0.01`, `any@rate=0.1:delay=50ms`,
 //! `write@0-99/count=1:enospc`, `rw@*:stuck`. `fault-seed=N` seeds the PRNG (default 1).
 
 use crate::pool::IoPool;
-use crate::{BackendError, BlockDevice, Capabilities, IoFuture, WriteMode};
+use crate::{BackendError, BlockDevice, Capabilities, IoFuture, Keep, WriteMode};
 use bytes::Bytes;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -68,8 +70,13 @@ pub enum Effect {
     Error,
     /// Hold the operation this long (on a worker thread), then do it.
     Delay(Duration),
-    /// Hold the operation until [`FaultControl::release`].
+    /// Hold the operation until [`FaultControl::release`] (cancelled when its future is
+    /// dropped).
     Stuck,
+    /// Submit the operation to the device now, on a worker thread, where it waits for
+    /// [`FaultControl::release`] and then runs, whether or not its future still exists (an
+    /// I/O that cannot be called back).
+    Hang,
 }
 
 /// One fault rule; see the module documentation for the grammar.
@@ -165,6 +172,7 @@ impl FaultRule {
                     "enospc" => Effect::NoSpace,
                     "error" => Effect::Error,
                     "stuck" => Effect::Stuck,
+                    "hang" => Effect::Hang,
                     _ => match e.strip_prefix("delay=") {
                         Some(d) => Effect::Delay(parse_duration(d).ok_or_else(|| {
                             err("delay wants a duration such as 500us, 50ms or 2s")
@@ -213,7 +221,8 @@ impl FaultControl {
             self.release();
         }
     }
-    /// Operations waiting in a `stuck` rule right now (a dropped, e.g. aborted, one leaves).
+    /// Operations waiting in a `stuck` or `hang` rule right now (a dropped, e.g. aborted,
+    /// `stuck` one leaves; a `hang` one stays until released).
     pub fn stuck_now(&self) -> usize {
         self.stuck_now.load(Ordering::SeqCst)
     }
@@ -239,6 +248,29 @@ struct StuckGuard<'a>(&'a FaultControl);
 impl Drop for StuckGuard<'_> {
     fn drop(&mut self) {
         self.0.stuck_now.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Drive `f` to completion on the current (worker) thread, parking between polls. The
+/// wrapped device's futures need no runtime (RAM completes inline, files wait on a oneshot).
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
     }
 }
 
@@ -277,6 +309,7 @@ enum Verdict {
     Fail(BackendError),
     Delay(Duration),
     Stuck,
+    Hang,
 }
 
 impl FaultBackend {
@@ -362,31 +395,76 @@ impl FaultBackend {
                 Effect::Error => Verdict::Fail(BackendError::Io("injected error".into())),
                 Effect::Delay(d) => Verdict::Delay(d),
                 Effect::Stuck => Verdict::Stuck,
+                Effect::Hang => Verdict::Hang,
             };
         }
         Verdict::Pass
     }
 
-    /// Apply the verdict for `op`: `Err` to fail, `Ok` to go on to the wrapped device.
-    async fn gate(&self, op: Ops, range: Option<(u64, u64)>) -> Result<(), BackendError> {
-        match self.verdict(op, range) {
-            Verdict::Pass => Ok(()),
+    fn pool(&self) -> Result<&IoPool, BackendError> {
+        Ok(match self.pool.get() {
+            Some(p) => p,
+            None => {
+                let p = IoPool::new("fault", 8).map_err(|e| BackendError::Io(e.to_string()))?;
+                self.pool.get_or_init(|| p)
+            }
+        })
+    }
+
+    /// Run `op` on the wrapped device under the verdict for `op_kind`: fail, wait (cancellably)
+    /// then run it, or hand it to a worker thread where it waits for a release and then runs
+    /// even if this future is dropped (`hang`).
+    async fn run<T: Send + 'static>(
+        &self,
+        op_kind: Ops,
+        range: Option<(u64, u64)>,
+        op: impl FnOnce(&dyn BlockDevice) -> IoFuture<'_, T> + Send + 'static,
+    ) -> Result<T, BackendError> {
+        let verdict = self.verdict(op_kind, range);
+        if let Verdict::Hang = verdict {
+            // The gate generation is read now, so a job that starts on a busy pool after a
+            // release still sees that release.
+            let mut rx = self.ctl.gate.subscribe();
+            let start = *rx.borrow_and_update();
+            self.ctl.stuck_now.fetch_add(1, Ordering::SeqCst);
+            let ctl = Arc::clone(&self.ctl);
+            let inner = Arc::clone(&self.inner);
+            let pool = match self.pool() {
+                Ok(p) => p,
+                Err(e) => {
+                    drop(StuckGuard(&self.ctl));
+                    return Err(e);
+                }
+            };
+            return pool
+                .run(move || {
+                    block_on(async move {
+                        {
+                            let _g = StuckGuard(&ctl);
+                            let _ = rx.wait_for(|g| *g != start).await;
+                        }
+                        op(&*inner).await
+                    })
+                })
+                .await;
+        }
+        self.gate(verdict).await?;
+        op(&*self.inner).await
+    }
+
+    /// Apply a verdict other than `Hang`: `Err` to fail, `Ok` to go on to the wrapped device.
+    async fn gate(&self, verdict: Verdict) -> Result<(), BackendError> {
+        match verdict {
+            Verdict::Pass | Verdict::Hang => Ok(()),
             Verdict::Fail(e) => Err(e),
             Verdict::Delay(d) => {
                 // Sleep on a worker thread, as a slow device would hold an I/O thread.
-                let pool = match self.pool.get() {
-                    Some(p) => p,
-                    None => {
-                        let p =
-                            IoPool::new("fault", 8).map_err(|e| BackendError::Io(e.to_string()))?;
-                        self.pool.get_or_init(|| p)
-                    }
-                };
-                pool.run(move || {
-                    std::thread::sleep(d);
-                    Ok(())
-                })
-                .await
+                self.pool()?
+                    .run(move || {
+                        std::thread::sleep(d);
+                        Ok(())
+                    })
+                    .await
             }
             Verdict::Stuck => {
                 let mut rx = self.ctl.gate.subscribe();
@@ -411,29 +489,38 @@ impl BlockDevice for FaultBackend {
         self.inner.capabilities()
     }
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
-        Box::pin(async move {
-            self.gate(Ops::READ, Some((offset, len as u64))).await?;
-            self.inner.read(offset, len).await
-        })
+        Box::pin(self.run(Ops::READ, Some((offset, len as u64)), move |d| {
+            d.read(offset, len)
+        }))
     }
     fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            self.gate(Ops::WRITE, Some((offset, data.len() as u64)))
-                .await?;
-            self.inner.write(offset, data, mode).await
-        })
+        self.write_keeping(offset, data, mode, Box::new(()))
+    }
+    /// `keep` is passed on to the wrapped device; a failed or dropped `stuck`/`delay`
+    /// operation drops it at once (it will never reach the device), a `hang` one keeps it on
+    /// its worker thread until the device is done.
+    fn write_keeping(
+        &self,
+        offset: u64,
+        data: Bytes,
+        mode: WriteMode,
+        keep: Keep,
+    ) -> IoFuture<'_, ()> {
+        let range = Some((offset, data.len() as u64));
+        Box::pin(self.run(Ops::WRITE, range, move |d| {
+            d.write_keeping(offset, data, mode, keep)
+        }))
     }
     fn flush(&self) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            self.gate(Ops::FLUSH, None).await?;
-            self.inner.flush().await
-        })
+        Box::pin(self.run(Ops::FLUSH, None, |d| d.flush()))
     }
     fn unmap(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            self.gate(Ops::UNMAP, Some((offset, len))).await?;
-            self.inner.unmap(offset, len).await
-        })
+        self.unmap_keeping(offset, len, Box::new(()))
+    }
+    fn unmap_keeping(&self, offset: u64, len: u64, keep: Keep) -> IoFuture<'_, ()> {
+        Box::pin(self.run(Ops::UNMAP, Some((offset, len)), move |d| {
+            d.unmap_keeping(offset, len, keep)
+        }))
     }
     fn resize(&self, new_size: u64) -> Result<(), BackendError> {
         self.inner.resize(new_size)
@@ -627,5 +714,80 @@ mod tests {
         ctl.release();
         h.await.unwrap().unwrap();
         assert_eq!(be.read(512, 512).await.unwrap(), vec![5u8; 512]);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn hang_lands_after_its_future_is_dropped_and_keeps_the_keep_until_then() {
+        let be = Arc::new(FaultBackend::new(
+            ram(),
+            vec![FaultRule::parse("write|unmap@*:hang").unwrap()],
+            512,
+            1,
+        ));
+        let ctl = be.control();
+        let token = Arc::new(());
+        {
+            let keep: Keep = Box::new(Arc::clone(&token));
+            let mut fut =
+                be.write_keeping(0, Bytes::from(vec![9u8; 512]), WriteMode::Durable, keep);
+            let waker = std::task::Waker::noop();
+            let mut cx = std::task::Context::from_waker(waker);
+            assert!(fut.as_mut().poll(&mut cx).is_pending());
+        }
+        // The future is gone, the I/O is not: still stuck, still holding the keep.
+        assert!(ctl.wait_stuck(1, Duration::from_secs(5)));
+        assert_eq!(Arc::strong_count(&token), 2);
+        assert!(be
+            .inner()
+            .read(0, 512)
+            .await
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0));
+        ctl.release();
+        let t0 = std::time::Instant::now();
+        while Arc::strong_count(&token) > 1 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "keep never dropped");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Dropped only after the write reached the device.
+        assert_eq!(be.inner().read(0, 512).await.unwrap(), vec![9u8; 512]);
+        assert_eq!(ctl.stuck_now(), 0);
+        // An awaited hang completes on release, and unmap keeps its value the same way.
+        let be2 = Arc::clone(&be);
+        let keep: Keep = Box::new(Arc::clone(&token));
+        let h = tokio::spawn(async move { be2.unmap_keeping(0, 512, keep).await });
+        while ctl.stuck_now() == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(Arc::strong_count(&token), 2);
+        ctl.release();
+        h.await.unwrap().unwrap();
+        assert_eq!(Arc::strong_count(&token), 1);
+        assert!(be.read(0, 512).await.unwrap().iter().all(|&b| b == 0));
+        // A stuck (cancellable) write that is dropped gives its keep back at once.
+        let be3 = FaultBackend::new(
+            ram(),
+            vec![FaultRule::parse("write@*:stuck").unwrap()],
+            512,
+            1,
+        );
+        {
+            let keep: Keep = Box::new(Arc::clone(&token));
+            let mut fut =
+                be3.write_keeping(0, Bytes::from(vec![1u8; 512]), WriteMode::Durable, keep);
+            let waker = std::task::Waker::noop();
+            let mut cx = std::task::Context::from_waker(waker);
+            assert!(fut.as_mut().poll(&mut cx).is_pending());
+            assert_eq!(Arc::strong_count(&token), 2);
+        }
+        assert_eq!(Arc::strong_count(&token), 1);
+    }
+
+    #[test]
+    fn parses_hang() {
+        let r = FaultRule::parse("write@0-7/count=1:hang").unwrap();
+        assert_eq!(r.effect, Effect::Hang);
+        assert_eq!(r.count, Some(1));
     }
 }

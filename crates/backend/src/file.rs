@@ -10,7 +10,7 @@
 //! device's volatile cache via FUA/flush); `flush()` is `fdatasync`.
 
 use crate::pool::IoPool;
-use crate::{sys, BackendError, BlockDevice, Capabilities, IoFuture, WriteMode};
+use crate::{sys, BackendError, BlockDevice, Capabilities, IoFuture, Keep, WriteMode};
 use bytes::Bytes;
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
@@ -212,6 +212,18 @@ impl BlockDevice for FileBackend {
     }
 
     fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()> {
+        self.write_keeping(offset, data, mode, Box::new(()))
+    }
+
+    /// `keep` goes with the job to the I/O thread and is dropped there when the syscall has
+    /// returned: a `pwritev2` cannot be cancelled, so dropping the future must not release it.
+    fn write_keeping(
+        &self,
+        offset: u64,
+        data: Bytes,
+        mode: WriteMode,
+        keep: Keep,
+    ) -> IoFuture<'_, ()> {
         let file = Arc::clone(&self.file);
         let direct = self.direct;
         let durable = mode == WriteMode::Durable;
@@ -230,7 +242,7 @@ impl BlockDevice for FileBackend {
             } else {
                 res
             };
-            match res {
+            let res = match res {
                 Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) && dsync => {
                     // Kernel without RWF_DSYNC for this file: write, then fdatasync.
                     sys::write_all_at(&*file, &data, offset, false)
@@ -238,7 +250,9 @@ impl BlockDevice for FileBackend {
                         .map_err(|e| BackendError::from_io(&e, offset, true))
                 }
                 other => other.map_err(|e| BackendError::from_io(&e, offset, true)),
-            }
+            };
+            drop(keep);
+            res
         }))
     }
 
@@ -262,15 +276,22 @@ impl BlockDevice for FileBackend {
     }
 
     fn unmap(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
+        self.unmap_keeping(offset, len, Box::new(()))
+    }
+
+    /// As for [`write_keeping`](Self::write_keeping): `keep` lives until `fallocate` returned.
+    fn unmap_keeping(&self, offset: u64, len: u64, keep: Keep) -> IoFuture<'_, ()> {
         if !self.punch {
             return Box::pin(async { Err(BackendError::Unsupported) });
         }
         let file = Arc::clone(&self.file);
         Box::pin(self.pool.run(move || {
-            sys::punch_hole(&*file, offset, len).map_err(|e| match e.raw_os_error() {
+            let res = sys::punch_hole(&*file, offset, len).map_err(|e| match e.raw_os_error() {
                 Some(libc::EOPNOTSUPP) => BackendError::Unsupported,
                 _ => BackendError::Io(e.to_string()),
-            })
+            });
+            drop(keep);
+            res
         }))
     }
 }

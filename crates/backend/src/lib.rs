@@ -21,6 +21,22 @@
 //! # Blocking
 //! Methods are `async`: in-memory backends complete inline, file backends hand the syscall to a
 //! small pool of I/O threads ([`pool::IoPool`]) so the network side never blocks.
+//!
+//! # Cancellation and [`Keep`]
+//! Dropping an operation's future (an aborted task) may or may not stop it: a file backend's
+//! `pwritev2` already running on an I/O thread cannot be called back and lands later.
+//! [`BlockDevice::write_keeping`] and [`BlockDevice::unmap_keeping`] therefore take a
+//! [`Keep`] value that the backend drops only when the operation can no longer change the
+//! medium: after the syscall returned, or when it is certain never to be issued (failed
+//! first, or dropped before it was handed to a thread). The SCSI layer puts its write range
+//! lock guard there, so a later writer of the same blocks waits for an aborted write's I/O
+//! even though the aborted task (and its TMF response) did not.
+//!
+//! The defaults call `write`/`unmap` and drop the value when that future completes or is
+//! dropped, which is right for a backend whose future does all the work while polled (RAM,
+//! null). **A backend whose operation goes on after its future is dropped (thread pool,
+//! io_uring, another process) must override both**, moving the value into the job; a wrapper
+//! must pass it on to the device it wraps.
 
 use bytes::Bytes;
 use std::future::Future;
@@ -40,6 +56,10 @@ pub use ram::RamBackend;
 
 /// A boxed future returned by backend operations (object-safe async).
 pub type IoFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;
+
+/// Something the caller needs kept alive until an operation can no longer change the medium
+/// (see "Cancellation and Keep" above): typically a range lock guard.
+pub type Keep = Box<dyn std::any::Any + Send>;
 
 /// What went wrong in a backend, small enough to map to sense data in one table.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -112,12 +132,37 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes>;
     /// Write `data` at `offset`.
     fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()>;
+    /// [`write`](Self::write), dropping `keep` only when the write can no longer change the
+    /// medium, even if the returned future is dropped first (see "Cancellation and Keep").
+    /// The default is right only for backends whose write does nothing once its future is
+    /// dropped.
+    fn write_keeping(
+        &self,
+        offset: u64,
+        data: Bytes,
+        mode: WriteMode,
+        keep: Keep,
+    ) -> IoFuture<'_, ()> {
+        Box::pin(async move {
+            let r = self.write(offset, data, mode).await;
+            drop(keep);
+            r
+        })
+    }
     /// Make every completed write durable.
     fn flush(&self) -> IoFuture<'_, ()>;
     /// Deallocate `len` bytes at `offset`; afterwards the range reads as zeros.
     fn unmap(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
         let _ = (offset, len);
         Box::pin(async { Err(BackendError::Unsupported) })
+    }
+    /// [`unmap`](Self::unmap) with `keep` held as for [`write_keeping`](Self::write_keeping).
+    fn unmap_keeping(&self, offset: u64, len: u64, keep: Keep) -> IoFuture<'_, ()> {
+        Box::pin(async move {
+            let r = self.unmap(offset, len).await;
+            drop(keep);
+            r
+        })
     }
     /// Change the size of the device to `new_size` bytes (`ironsan ctl lun resize`). Growing
     /// exposes zeros; shrinking hides the tail (the file backend leaves the file's bytes

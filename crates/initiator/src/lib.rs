@@ -490,6 +490,19 @@ impl Client {
         Ok(())
     }
 
+    /// Abort the connection with a TCP RST (SO_LINGER 0, then close), as a crashed host or a
+    /// middlebox would, instead of an orderly FIN. Unread input is discarded.
+    pub fn reset(self) -> Result<()> {
+        let s = self
+            .rd
+            .into_inner()
+            .reunite(self.wr)
+            .map_err(|e| Error::Protocol(format!("reunite: {e}")))?;
+        s.set_zero_linger()?;
+        drop(s);
+        Ok(())
+    }
+
     /// Write raw bytes to the socket.
     pub async fn send_bytes(&mut self, b: &[u8]) -> Result<()> {
         self.wr.write_all(b).await?;

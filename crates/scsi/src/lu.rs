@@ -332,9 +332,14 @@ impl LogicalUnit {
 /// An async exclusive lock over LBA ranges. Every command that modifies the medium holds it
 /// over its range for the duration of the backend call, so COMPARE AND WRITE's read-compare-
 /// write cannot interleave with another writer (SBC-3 COMPARE AND WRITE). Runtime-agnostic (plain wakers).
+///
+/// Guards are owned (`'static`): a write hands its guard to the backend as the operation's
+/// [`Keep`](ironsan_backend::Keep) value, so the range stays locked until the backend I/O has
+/// really finished, even when the task was aborted and its future dropped first. A later
+/// writer of the same blocks therefore always lands after an aborted one.
 #[derive(Default)]
 pub(crate) struct RangeLock {
-    inner: Mutex<RangeLockInner>,
+    inner: Arc<Mutex<RangeLockInner>>,
 }
 
 #[derive(Default)]
@@ -353,6 +358,12 @@ impl RangeLock {
             end,
         }
     }
+
+    /// Ranges held right now (tests).
+    #[cfg(test)]
+    pub fn held(&self) -> usize {
+        lock(&self.inner).held.len()
+    }
 }
 
 pub(crate) struct RangeLockFuture<'a> {
@@ -361,9 +372,9 @@ pub(crate) struct RangeLockFuture<'a> {
     end: u64,
 }
 
-impl<'a> Future for RangeLockFuture<'a> {
-    type Output = RangeGuard<'a>;
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RangeGuard<'a>> {
+impl Future for RangeLockFuture<'_> {
+    type Output = RangeGuard;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RangeGuard> {
         let mut g = lock(&self.lock.inner);
         let (s, e) = (self.start, self.end);
         if g.held.iter().any(|&(hs, he, _)| hs < e && s < he) {
@@ -376,21 +387,35 @@ impl<'a> Future for RangeLockFuture<'a> {
         g.next_token = g.next_token.wrapping_add(1);
         g.held.push((s, e, token));
         Poll::Ready(RangeGuard {
-            lock: self.lock,
+            lock: Arc::clone(&self.lock.inner),
             token,
         })
     }
 }
 
-pub(crate) struct RangeGuard<'a> {
-    lock: &'a RangeLock,
+/// A held range; dropping it (on any thread, e.g. a backend I/O thread) releases the range.
+pub(crate) struct RangeGuard {
+    lock: Arc<Mutex<RangeLockInner>>,
     token: u64,
 }
 
-impl Drop for RangeGuard<'_> {
+impl RangeGuard {
+    /// This guard as a backend [`Keep`](ironsan_backend::Keep) value.
+    pub fn keep(self) -> ironsan_backend::Keep {
+        Box::new(self)
+    }
+    /// A shared guard as a [`Keep`](ironsan_backend::Keep) value, for commands that issue
+    /// several backend operations under one lock: the range is released when the command
+    /// and every operation it issued are done.
+    pub fn keep_shared(self: &Arc<Self>) -> ironsan_backend::Keep {
+        Box::new(Arc::clone(self))
+    }
+}
+
+impl Drop for RangeGuard {
     fn drop(&mut self) {
         let waiters = {
-            let mut g = lock(&self.lock.inner);
+            let mut g = lock(&self.lock);
             g.held.retain(|&(_, _, t)| t != self.token);
             std::mem::take(&mut g.waiters)
         };

@@ -7,12 +7,13 @@
 //! [`MAX_TRANSFER_BYTES`](crate::MAX_TRANSFER_BYTES), so no CDB can make us allocate more.
 
 use crate::cdb::{block_range, opcode::*, verify_bytchk, BlockRange, Cdb};
-use crate::lu::lock;
+use crate::lu::{lock, RangeGuard};
 use crate::sense::SenseReason;
 use crate::spc::truncate;
 use crate::LogicalUnit;
 use bytes::{Bytes, BytesMut};
 use ironsan_backend::{BackendError, WriteMode};
+use std::sync::Arc;
 
 /// Largest WRITE SAME (without UNMAP) in bytes; MAXIMUM WRITE SAME LENGTH in B0h.
 const MAX_WRITE_SAME_BYTES: u64 = 1 << 30;
@@ -135,12 +136,13 @@ pub(crate) async fn write(
     }
     let len = bytes_of(lu, u64::from(blocks)) as usize;
     let fua = cdb.op() != WRITE_6 && cdb.bit(1, 3);
-    let _g = lu.writes.lock(r.lba, r.lba + u64::from(blocks)).await;
+    let g = lu.writes.lock(r.lba, r.lba + u64::from(blocks)).await;
     lu.backend()
-        .write(
+        .write_keeping(
             bytes_of(lu, r.lba),
             data_out.slice(..len),
             write_mode(lu, fua),
+            g.keep(),
         )
         .await
         .map_err(backend_err(lu))?;
@@ -163,12 +165,14 @@ pub(crate) async fn write_and_verify(
         return Ok(Bytes::new());
     }
     let len = bytes_of(lu, u64::from(blocks)) as usize;
-    let _g = lu.writes.lock(r.lba, r.lba + u64::from(blocks)).await;
+    // Held over the read-back too (no other writer between write and verify).
+    let g = Arc::new(lu.writes.lock(r.lba, r.lba + u64::from(blocks)).await);
     lu.backend()
-        .write(
+        .write_keeping(
             bytes_of(lu, r.lba),
             data_out.slice(..len),
             ironsan_backend::WriteMode::Durable,
+            g.keep_shared(),
         )
         .await
         .map_err(backend_err(lu))?;
@@ -460,13 +464,15 @@ pub(crate) fn provisioning_vpd(lu: &LogicalUnit) -> Vec<u8> {
 }
 
 /// Write `pattern` (one block) over `blocks` blocks at `lba`, in chunks of at most
-/// [`WRITE_SAME_CHUNK`].
+/// [`WRITE_SAME_CHUNK`], each chunk keeping `guard` (the caller's range lock) until its I/O
+/// is done.
 async fn write_repeated(
     lu: &LogicalUnit,
     lba: u64,
     blocks: u64,
     pattern: &[u8],
     mode: WriteMode,
+    guard: &Arc<RangeGuard>,
 ) -> Result<(), SenseReason> {
     let bs = u64::from(lu.block_size());
     let per_chunk = (WRITE_SAME_CHUNK as u64 / bs).max(1);
@@ -480,7 +486,7 @@ async fn write_repeated(
         let n = per_chunk.min(blocks - done);
         let data = buf.slice(..(n * bs) as usize);
         lu.backend()
-            .write((lba + done) * bs, data, mode)
+            .write_keeping((lba + done) * bs, data, mode, guard.keep_shared())
             .await
             .map_err(backend_err(lu))?;
         done += n;
@@ -549,14 +555,14 @@ pub(crate) async fn write_same(
         }
         &data_out[..bs]
     };
-    let _g = lu.writes.lock(r.lba, r.lba + blocks).await;
+    let g = Arc::new(lu.writes.lock(r.lba, r.lba + blocks).await);
     if unmap && unmap_supported(lu) && pattern.iter().all(|&b| b == 0) {
         lu.backend()
-            .unmap(bytes_of(lu, r.lba), bytes_of(lu, blocks))
+            .unmap_keeping(bytes_of(lu, r.lba), bytes_of(lu, blocks), g.keep_shared())
             .await
             .map_err(backend_err(lu))?;
     } else {
-        write_repeated(lu, r.lba, blocks, pattern, write_mode(lu, false)).await?;
+        write_repeated(lu, r.lba, blocks, pattern, write_mode(lu, false), &g).await?;
     }
     Ok(Bytes::new())
 }
@@ -608,9 +614,9 @@ pub(crate) async fn unmap(
         }
     }
     for (lba, n) in ranges {
-        let _g = lu.writes.lock(lba, lba + n).await;
+        let g = lu.writes.lock(lba, lba + n).await;
         lu.backend()
-            .unmap(bytes_of(lu, lba), bytes_of(lu, n))
+            .unmap_keeping(bytes_of(lu, lba), bytes_of(lu, n), g.keep())
             .await
             .map_err(backend_err(lu))?;
     }
@@ -648,7 +654,7 @@ pub(crate) async fn compare_and_write(
         return Err(SenseReason::cdb_byte(r.len_byte));
     }
     let fua = cdb.bit(1, 3);
-    let _g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
+    let g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
     let current = read_blocks(lu, r.lba, r.blocks).await?;
     if let Some(offset) = first_difference(&current, &data_out[..len]) {
         return Err(SenseReason::Miscompare {
@@ -656,10 +662,11 @@ pub(crate) async fn compare_and_write(
         });
     }
     lu.backend()
-        .write(
+        .write_keeping(
             bytes_of(lu, r.lba),
             data_out.slice(len..2 * len),
             write_mode(lu, fua),
+            g.keep(),
         )
         .await
         .map_err(backend_err(lu))?;
@@ -682,14 +689,19 @@ pub(crate) async fn orwrite(
         return Err(SenseReason::cdb_byte(r.len_byte));
     }
     let fua = cdb.bit(1, 3);
-    let _g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
+    let g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
     let current = read_blocks(lu, r.lba, r.blocks).await?;
     let mut merged = BytesMut::from(&current[..]);
     for (m, o) in merged.iter_mut().zip(&data_out[..len]) {
         *m |= *o;
     }
     lu.backend()
-        .write(bytes_of(lu, r.lba), merged.freeze(), write_mode(lu, fua))
+        .write_keeping(
+            bytes_of(lu, r.lba),
+            merged.freeze(),
+            write_mode(lu, fua),
+            g.keep(),
+        )
         .await
         .map_err(backend_err(lu))?;
     Ok(Bytes::new())
@@ -722,12 +734,13 @@ pub(crate) async fn write_atomic(
         return Err(SenseReason::cdb_byte(r.len_byte));
     }
     let fua = cdb.bit(1, 3);
-    let _g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
+    let g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
     lu.backend()
-        .write(
+        .write_keeping(
             bytes_of(lu, r.lba),
             data_out.slice(..len),
             write_mode(lu, fua),
+            g.keep(),
         )
         .await
         .map_err(backend_err(lu))?;
@@ -790,7 +803,7 @@ pub(crate) async fn sanitize(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, Se
         return Ok(Bytes::new());
     }
     let cap = lu.capacity_blocks();
-    let _g = lu.writes.lock(0, cap).await;
+    let g = Arc::new(lu.writes.lock(0, cap).await);
     let bs = u64::from(lu.block_size());
     let step = (1u64 << 30) / bs;
     let mut lba = 0;
@@ -798,11 +811,12 @@ pub(crate) async fn sanitize(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, Se
         let n = step.min(cap - lba);
         if unmap_supported(lu) {
             lu.backend()
-                .unmap(lba * bs, n * bs)
+                .unmap_keeping(lba * bs, n * bs, g.keep_shared())
                 .await
                 .map_err(backend_err(lu))?;
         } else {
-            write_repeated(lu, lba, n, &vec![0u8; bs as usize], WriteMode::Cached).await?;
+            let zeros = vec![0u8; bs as usize];
+            write_repeated(lu, lba, n, &zeros, WriteMode::Cached, &g).await?;
         }
         lba += n;
     }

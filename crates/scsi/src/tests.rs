@@ -2830,3 +2830,127 @@ async fn resize_raises_capacity_data_has_changed_and_reports_the_new_size() {
     );
     assert!(t.clone().remove_lun(1).is_some());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Aborted writes and the write range lock
+// ---------------------------------------------------------------------------------------------
+
+/// A FaultBackend over RAM whose first write to LBAs 0..=7 does `effect`; the target over it.
+fn fault_target(effect: &str) -> (Arc<Target>, Arc<ironsan_backend::FaultControl>) {
+    let rule = ironsan_backend::FaultRule::parse(&format!("write@0-7/count=1:{effect}")).unwrap();
+    let be =
+        ironsan_backend::FaultBackend::new(Arc::new(RamBackend::new(1 << 20)), vec![rule], 512, 1);
+    let ctl = be.control();
+    (Arc::new(target_over(Arc::new(be), cfg(512))), ctl)
+}
+
+async fn yield_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while !cond() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "timed out: {what}"
+        );
+        tokio::task::yield_now().await;
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+/// An aborted write whose I/O is already in the device (cannot be called back) keeps the range
+/// locked until that I/O is done, so a newer write of the same blocks lands after it and wins.
+/// Before the fix the lock went with the dropped task: the newer write was acknowledged at
+/// once and then overwritten by the aborted one.
+#[tokio::test(flavor = "current_thread")]
+async fn aborted_write_in_flight_keeps_the_range_until_its_io_is_done() {
+    let (t, ctl) = fault_target("hang");
+    let old = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 1)).await }
+    });
+    yield_until("old write in the device", || ctl.stuck_now() == 1).await;
+    // ABORT TASK: the task future is dropped; the transport answers the TMF at once.
+    old.abort();
+    assert!(old.await.unwrap_err().is_cancelled());
+    assert_eq!(
+        t.lun(0).unwrap().writes.held(),
+        1,
+        "range released with the task"
+    );
+    // A newer write of the same blocks waits for the aborted I/O ...
+    let new = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 2)).await }
+    });
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!new.is_finished(), "newer write overtook the aborted one");
+    // ... a write elsewhere does not.
+    good(&run_data(&t, &cdb16(WRITE_16, 8, 8), &pattern(4096, 3)).await);
+    // The device lets the old I/O finish; then the newer write runs and is acknowledged.
+    ctl.release();
+    good(&new.await.unwrap());
+    let r = run(&t, &cdb16(READ_16, 0, 16)).await;
+    assert_eq!(
+        &good(&r)[..4096],
+        &pattern(4096, 2)[..],
+        "aborted write landed last"
+    );
+    assert_eq!(&good(&r)[4096..], &pattern(4096, 3)[..]);
+    assert_eq!(t.lun(0).unwrap().writes.held(), 0);
+}
+
+/// An aborted write that never reached the device (stuck before it) gives its range back at
+/// once: a newer write neither waits for the hung device nor is overwritten.
+#[tokio::test(flavor = "current_thread")]
+async fn aborted_write_that_never_reached_the_device_releases_the_range_at_once() {
+    let (t, ctl) = fault_target("stuck");
+    let old = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 1)).await }
+    });
+    yield_until("old write stuck", || ctl.stuck_now() == 1).await;
+    old.abort();
+    assert!(old.await.unwrap_err().is_cancelled());
+    assert_eq!(t.lun(0).unwrap().writes.held(), 0);
+    good(&run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 2)).await);
+    ctl.release();
+    let r = run(&t, &cdb16(READ_16, 0, 8)).await;
+    assert_eq!(good(&r), &pattern(4096, 2)[..]);
+}
+
+/// The same for UNMAP and WRITE SAME: an aborted deallocation in the device is ordered before
+/// a newer write of the blocks.
+#[tokio::test(flavor = "current_thread")]
+async fn aborted_unmap_in_flight_keeps_the_range_until_its_io_is_done() {
+    let rule = ironsan_backend::FaultRule::parse("unmap@0-7/count=1:hang").unwrap();
+    let inner = Arc::new(TestBackend::new(1 << 20));
+    let be = ironsan_backend::FaultBackend::new(inner, vec![rule], 512, 1);
+    let ctl = be.control();
+    let t = Arc::new(target_over(Arc::new(be), cfg(512)));
+    good(&run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 1)).await);
+    let mut unmap = vec![0u8; 24];
+    unmap[1] = 22;
+    unmap[3] = 16;
+    unmap[8..16].copy_from_slice(&0u64.to_be_bytes());
+    unmap[16..20].copy_from_slice(&8u32.to_be_bytes());
+    let old = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &cdb10(UNMAP, 0, 24), &unmap).await }
+    });
+    yield_until("unmap in the device", || ctl.stuck_now() == 1).await;
+    old.abort();
+    assert!(old.await.unwrap_err().is_cancelled());
+    let new = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 2)).await }
+    });
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!new.is_finished(), "newer write overtook the aborted unmap");
+    ctl.release();
+    good(&new.await.unwrap());
+    let r = run(&t, &cdb16(READ_16, 0, 8)).await;
+    assert_eq!(good(&r), &pattern(4096, 2)[..]);
+}

@@ -480,7 +480,7 @@ async fn copy_segment(s: &Planned, moved: &mut u64) -> Result<(), SenseReason> {
         let off = k * COPY_CHUNK;
         let n = COPY_CHUNK.min(s.bytes - off);
         let dst_lba = (s.dst_off + off) / dbs;
-        let _g = s.dst.writes.lock(dst_lba, dst_lba + n / dbs).await;
+        let g = s.dst.writes.lock(dst_lba, dst_lba + n / dbs).await;
         let data = s
             .src
             .backend()
@@ -492,7 +492,7 @@ async fn copy_segment(s: &Planned, moved: &mut u64) -> Result<(), SenseReason> {
         }
         s.dst
             .backend()
-            .write(s.dst_off + off, data.slice(..n as usize), mode)
+            .write_keeping(s.dst_off + off, data.slice(..n as usize), mode, g.keep())
             .await
             .map_err(|e| medium(e, s.dst.block_size()))?;
         *moved += n;

@@ -1,0 +1,396 @@
+//! Aborted writes and broken connections, through iSCSI (issue 6):
+//!
+//! * An aborted write whose I/O is already in the device (a `hang` fault: it cannot be called
+//!   back, like a `pwritev2` running on an I/O thread) keeps its blocks' write range lock until
+//!   the I/O is done. ABORT TASK still completes at once; a newer write of the same blocks waits
+//!   for the device and then lands last, so the acknowledged newer data is what stays.
+//! * A TCP reset in the middle of a write (R2Ts outstanding, Data-Out half sent), with session
+//!   reinstatement (same initiator name and ISID, TSIH 0) before or after the reset: no old
+//!   task is answered, a stuck old task is dropped, none of the broken write's blocks change
+//!   (we never write before all of a command's data arrived, so whole blocks received are not
+//!   written either), an old write in the device is ordered before the new session's writes,
+//!   and the new session works.
+//!
+//! LUN 0 is a [`FaultBackend`] over RAM; the test reads the RAM under it directly.
+
+use bytes::Bytes;
+use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBackend};
+use ironsan_initiator::{Client, CommandResult, LoginOptions};
+use ironsan_proto::pdu::*;
+use ironsan_proto::{CmdSn, DataSn};
+use ironsan_scsi::{LogicalUnit, LuConfig};
+use ironsan_server::{Server, ServerConfig, TargetDef};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+const TARGET: &str = "iqn.2026-11.org.ironsan:abort-order";
+const BS: u32 = 512;
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Rig {
+    addr: SocketAddr,
+    ctl: Arc<FaultControl>,
+    inner: Arc<dyn BlockDevice>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn start(rules: &[&str]) -> Rig {
+    let inner: Arc<dyn BlockDevice> = Arc::new(RamBackend::new(16 << 20));
+    let rules = rules.iter().map(|r| FaultRule::parse(r).unwrap()).collect();
+    let fault = FaultBackend::new(Arc::clone(&inner), rules, BS, 1);
+    let ctl = fault.control();
+    let mut scsi = ironsan_scsi::Target::new();
+    let cfg = LuConfig {
+        naa: 0x3000_0000_0000_0020,
+        ..Default::default()
+    };
+    scsi.add_lun(0, Arc::new(LogicalUnit::new(Arc::new(fault), cfg)));
+    let t = TargetDef {
+        name: TARGET.into(),
+        alias: None,
+        tpgt: 1,
+        scsi: Arc::new(scsi),
+    };
+    let cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
+    let server = Server::bind(cfg).await.unwrap();
+    let addr = server.local_addrs()[0];
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(server.run(async {
+        let _ = rx.await;
+    }));
+    Rig {
+        addr,
+        ctl,
+        inner,
+        _stop: tx,
+    }
+}
+
+fn opts(isid_last: u8) -> LoginOptions {
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.isid.0[5] = isid_last;
+    o
+}
+
+async fn login_with(addr: SocketAddr, o: &LoginOptions) -> Client {
+    tokio::time::timeout(WAIT, Client::login(addr, o))
+        .await
+        .expect("login hung")
+        .unwrap()
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+            .collect::<Vec<u8>>(),
+    )
+}
+
+async fn write(c: &mut Client, lba: u64, data: Bytes) -> CommandResult {
+    tokio::time::timeout(WAIT, c.write16(0, lba, data, BS, false))
+        .await
+        .expect("write hung")
+        .unwrap()
+}
+
+async fn read(c: &mut Client, lba: u64, blocks: u32) -> CommandResult {
+    tokio::time::timeout(WAIT, c.read16(0, lba, blocks, BS))
+        .await
+        .expect("read hung")
+        .unwrap()
+}
+
+fn write16_cdb(lba: u64, blocks: u32) -> [u8; 16] {
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x8a;
+    cdb[2..10].copy_from_slice(&lba.to_be_bytes());
+    cdb[10..14].copy_from_slice(&blocks.to_be_bytes());
+    cdb
+}
+
+/// Send a WRITE(16) of `len` bytes without waiting, with `data` as immediate data (all of it,
+/// or none to go by R2T); returns its ITT and CmdSN.
+async fn send_write(c: &mut Client, lba: u64, len: u32, data: Bytes) -> (Itt, CmdSn) {
+    let itt = c.itt();
+    let sn = c.cmd_sn;
+    let cmd = ScsiCommand {
+        final_bit: true,
+        write: true,
+        attr: TaskAttr::SIMPLE,
+        lun: Lun::from_number(0),
+        itt,
+        expected_data_transfer_length: len,
+        cmd_sn: sn,
+        exp_stat_sn: c.exp_stat_sn,
+        cdb: write16_cdb(lba, len / BS),
+        ..Default::default()
+    };
+    c.cmd_sn = c.cmd_sn.next();
+    c.send(Header::ScsiCommand(cmd), data).await.unwrap();
+    (itt, sn)
+}
+
+async fn wait_stuck(ctl: &FaultControl, n: usize) {
+    let t0 = std::time::Instant::now();
+    while ctl.stuck_now() != n {
+        assert!(
+            t0.elapsed() < WAIT,
+            "{} I/Os stuck, waiting for {n}",
+            ctl.stuck_now()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// (ITT, status) of every final status in `pdus`.
+fn completions(pdus: &[Pdu]) -> Vec<(Itt, u8)> {
+    pdus.iter()
+        .filter_map(|p| match &p.header {
+            Header::ScsiResponse(r) => Some((r.itt, r.status)),
+            Header::DataIn(d) => d.status.map(|s| (d.itt, s)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Collect PDUs for `dur` (or until the connection closes).
+async fn drain(c: &mut Client, dur: Duration) -> Vec<Pdu> {
+    let mut out = Vec::new();
+    let end = tokio::time::Instant::now() + dur;
+    while let Ok(Ok(p)) = tokio::time::timeout_at(end, c.recv()).await {
+        out.push(p);
+    }
+    out
+}
+
+/// Receive until the final status of `itt`; returns it and everything else seen.
+async fn wait_status(c: &mut Client, itt: Itt) -> (u8, Vec<Pdu>) {
+    let mut seen = Vec::new();
+    loop {
+        let p = tokio::time::timeout(WAIT, c.recv())
+            .await
+            .expect("no status")
+            .unwrap();
+        if let Some(&(_, s)) = completions(std::slice::from_ref(&p))
+            .iter()
+            .find(|(i, _)| *i == itt)
+        {
+            return (s, seen);
+        }
+        seen.push(p);
+    }
+}
+
+/// RAM under the fault layer at `lba`, `blocks` long.
+async fn medium(rig: &Rig, lba: u64, blocks: u32) -> Bytes {
+    rig.inner
+        .read(lba * u64::from(BS), (blocks * BS) as usize)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn aborted_write_in_the_device_cannot_overwrite_a_newer_acknowledged_write() {
+    let rig = start(&["write@0-7/count=1:hang"]).await;
+    let mut c = login_with(rig.addr, &opts(1)).await;
+    let old = pattern(4096, 1);
+    let new = pattern(4096, 2);
+    let (itt, sn) = send_write(&mut c, 0, 4096, old.clone()).await;
+    wait_stuck(&rig.ctl, 1).await;
+    // ABORT TASK completes at once although the device holds the I/O.
+    let code = tokio::time::timeout(
+        Duration::from_secs(2),
+        c.task_mgmt(TmfFunction::ABORT_TASK, 0, itt, sn),
+    )
+    .await
+    .expect("ABORT TASK waited for the stuck device")
+    .unwrap();
+    assert_eq!(code, TmfResponseCode::COMPLETE);
+    // The I/O itself cannot be called back: it is still in the device.
+    assert_eq!(rig.ctl.stuck_now(), 1);
+    // A newer write of the same blocks waits for it (the range stays locked) ...
+    let (itt2, _) = send_write(&mut c, 0, 4096, new.clone()).await;
+    // ... while other blocks are written and read as usual.
+    assert_eq!(write(&mut c, 64, pattern(4096, 3)).await.status, 0);
+    let early = drain(&mut c, Duration::from_millis(300)).await;
+    let mut seen = completions(&early);
+    seen.extend(completions(&c.unsolicited));
+    assert!(
+        !seen.iter().any(|(i, _)| *i == itt2),
+        "newer write acknowledged while the aborted one was still in the device"
+    );
+    assert!(medium(&rig, 0, 8).await.iter().all(|&b| b == 0));
+    // The device finishes the aborted write; then the newer one runs and is acknowledged.
+    rig.ctl.release();
+    let (status, others) = wait_status(&mut c, itt2).await;
+    assert_eq!(status, 0);
+    let mut all = completions(&others);
+    all.extend(completions(&c.unsolicited));
+    all.extend(completions(&early));
+    assert!(
+        !all.iter().any(|(i, _)| *i == itt),
+        "aborted task answered: {all:?}"
+    );
+    // Newest acknowledged data wins, through iSCSI and on the medium.
+    assert_eq!(
+        read(&mut c, 0, 8).await.data,
+        new,
+        "aborted write landed last"
+    );
+    assert_eq!(medium(&rig, 0, 8).await, new);
+    assert_eq!(read(&mut c, 64, 8).await.data, pattern(4096, 3));
+    assert_eq!(rig.ctl.stuck_now(), 0);
+}
+
+/// Start the broken write on `c`: WRITE(16) of 64 blocks with no immediate data (InitialR2T=Yes,
+/// so nothing unsolicited either), answer the
+/// first R2T in full and send the first half of the second one (not final). Returns with R2Ts
+/// outstanding and the write incomplete.
+async fn half_send_write(c: &mut Client, lba: u64, data: &Bytes) -> Itt {
+    let (itt, _) = send_write(c, lba, data.len() as u32, Bytes::new()).await;
+    let mut r2ts: Vec<R2t> = Vec::new();
+    let mut sent_full = false;
+    loop {
+        let p = tokio::time::timeout(WAIT, c.recv())
+            .await
+            .expect("no R2T")
+            .unwrap();
+        match p.header {
+            Header::R2t(r) if r.itt == itt => r2ts.push(r),
+            other => panic!("unexpected {other:?}"),
+        }
+        if !sent_full {
+            // The first R2T: all of its data, final.
+            let r = r2ts[0].clone();
+            assert_eq!(r.buffer_offset, 0);
+            let end = (r.buffer_offset + r.desired_data_transfer_length) as usize;
+            let d = DataOut {
+                final_bit: true,
+                lun: Lun::from_number(0),
+                itt,
+                ttt: r.ttt,
+                exp_stat_sn: c.exp_stat_sn,
+                data_sn: DataSn(0),
+                buffer_offset: 0,
+            };
+            c.send(Header::DataOut(d), data.slice(0..end))
+                .await
+                .unwrap();
+            sent_full = true;
+        }
+        if let Some(r) = r2ts.iter().find(|r| r.buffer_offset > 0).cloned() {
+            // A later R2T: half of its data, whole blocks, not final.
+            let half = (r.desired_data_transfer_length / 2) / BS * BS;
+            let start = r.buffer_offset as usize;
+            let d = DataOut {
+                final_bit: false,
+                lun: Lun::from_number(0),
+                itt,
+                ttt: r.ttt,
+                exp_stat_sn: c.exp_stat_sn,
+                data_sn: DataSn(0),
+                buffer_offset: r.buffer_offset,
+            };
+            c.send(Header::DataOut(d), data.slice(start..start + half as usize))
+                .await
+                .unwrap();
+            // Let the target take the data in before the connection breaks.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            return itt;
+        }
+    }
+}
+
+async fn tcp_reset_mid_write(reinstate_first: bool) {
+    let rig = start(&["write@1000-1007:stuck", "write@2000-2007/count=1:hang"]).await;
+    let mut o = opts(7);
+    o.initial_r2t = true;
+    o.immediate_data = true;
+    o.first_burst_length = 8192;
+    o.max_burst_length = 8192;
+    o.max_outstanding_r2t = 2;
+    let mut old = login_with(rig.addr, &o).await;
+    let old_tsih = old.tsih;
+    // Old task 1: stuck before the device (cancellable). Old task 2: in the device.
+    let (t1, _) = send_write(&mut old, 1000, 4096, pattern(4096, 11)).await;
+    let (t2, _) = send_write(&mut old, 2000, 4096, pattern(4096, 12)).await;
+    wait_stuck(&rig.ctl, 2).await;
+    // Old task 3: the broken write, 64 blocks at LBA 0, 8 KiB + 2 KiB of its 32 KiB sent.
+    let broken = pattern(64 * BS as usize, 13);
+    let t3 = half_send_write(&mut old, 0, &broken).await;
+
+    // The same initiator name and ISID, TSIH 0: a reinstatement.
+    let o2 = opts(7);
+    let (mut new, old_pdus) = if reinstate_first {
+        // Reinstatement while the old connection is still up, then the reset.
+        let new = login_with(rig.addr, &o2).await;
+        let mut old = old;
+        let late = drain(&mut old, Duration::from_millis(200)).await;
+        old.reset().unwrap();
+        (new, late)
+    } else {
+        // The reset first; the target may or may not have seen it when the new login comes.
+        old.reset().unwrap();
+        (login_with(rig.addr, &o2).await, Vec::new())
+    };
+    assert_ne!(new.tsih.0, 0);
+    assert_ne!(new.tsih, old_tsih, "a reinstated session gets a new TSIH");
+    // No old task was answered on the old connection (it would be on nothing else).
+    let answered = completions(&old_pdus);
+    for t in [t1, t2, t3] {
+        assert!(
+            !answered.iter().any(|(i, _)| *i == t),
+            "old task {t:?} answered: {answered:?}"
+        );
+    }
+    // The stuck (cancellable) task was dropped; the one in the device is still there.
+    wait_stuck(&rig.ctl, 1).await;
+    // None of the broken write's blocks changed: not the 16 blocks of the full R2T, not the 4
+    // of the half-sent one, nothing else.
+    assert!(
+        medium(&rig, 0, 64).await.iter().all(|&b| b == 0),
+        "the broken write was applied"
+    );
+    assert!(medium(&rig, 1000, 8).await.iter().all(|&b| b == 0));
+    // The new session works on the blocks of the broken write.
+    let d = pattern(64 * BS as usize, 21);
+    assert_eq!(write(&mut new, 0, d.clone()).await.status, 0);
+    assert_eq!(read(&mut new, 0, 64).await.data, d);
+    // The old write still in the device may land (it was in flight), but before the new
+    // session's write of its blocks, which waits for it and then stays.
+    let d2000 = pattern(4096, 23);
+    let (itt, _) = send_write(&mut new, 2000, 4096, d2000.clone()).await;
+    let early = drain(&mut new, Duration::from_millis(200)).await;
+    assert!(
+        !completions(&early).iter().any(|(i, _)| *i == itt),
+        "new write acknowledged before the old one in the device finished: {early:?}"
+    );
+    rig.ctl.set_enabled(false); // releases the device
+    assert_eq!(wait_status(&mut new, itt).await.0, 0);
+    assert_eq!(read(&mut new, 2000, 8).await.data, d2000);
+    assert_eq!(medium(&rig, 2000, 8).await, d2000);
+    assert_eq!(rig.ctl.stuck_now(), 0);
+    // ... and on the blocks of the dropped stuck task.
+    let d = pattern(4096, 22);
+    assert_eq!(write(&mut new, 1000, d.clone()).await.status, 0);
+    assert_eq!(read(&mut new, 1000, 8).await.data, d);
+    // Nothing of the old session reached the new connection.
+    let late = drain(&mut new, Duration::from_millis(100)).await;
+    let mut seen = completions(&late);
+    seen.extend(completions(&new.unsolicited));
+    for t in [t1, t2, t3] {
+        assert!(!seen.iter().any(|(i, _)| *i == t));
+    }
+}
+
+#[tokio::test]
+async fn tcp_reset_mid_write_then_reinstatement_applies_nothing_of_the_broken_write() {
+    tcp_reset_mid_write(false).await;
+}
+
+#[tokio::test]
+async fn reinstatement_then_tcp_reset_mid_write_applies_nothing_of_the_broken_write() {
+    tcp_reset_mid_write(true).await;
+}
