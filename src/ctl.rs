@@ -14,6 +14,8 @@ use std::sync::{Arc, Mutex};
 #[command(after_help = "COMMANDS:
   sessions                          sessions and connections: negotiated keys, counters, TCP_INFO
   targets | luns [TARGET] | portals | show target IQN | counters
+  stats [TARGET]                    latency per stage (receive, queue, backend, respond, send, total)
+                                    per LUN and class: count, bytes, mean, p50, p99
   lun add TARGET SPEC [LUN]         map a new LUN (SPEC as for --lun, e.g. ram:1G, file:x.img:10G,direct)
   lun remove TARGET LUN             unmap a LUN (other LUs report REPORTED LUNS DATA HAS CHANGED)
   lun resize TARGET LUN SIZE        grow (or shrink) a LUN; raises CAPACITY DATA HAS CHANGED

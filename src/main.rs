@@ -92,6 +92,11 @@ struct ServeArgs {
     /// the default is taken by another server, serve runs without one. "none" disables it.
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
+    /// Serve Prometheus metrics (GET /metrics, plain HTTP) on ADDR:PORT, e.g. 127.0.0.1:9360.
+    /// Off by default; anyone who can reach it sees target names and load. Port 0 picks a free
+    /// port (printed at start-up).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<std::net::SocketAddr>,
     /// Log filter (error, warn, info, debug, trace, or a tracing directive).
     #[arg(long, default_value = "info", env = "IRONSAN_LOG")]
     log: String,
@@ -277,6 +282,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     let hooks = Arc::new(ctl::BinHooks::new(plan.clone(), args.config.clone()));
     let control_task = start_control(&args, control.clone(), Arc::clone(&hooks))?;
+    let metrics_task = match args.metrics {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("--metrics: cannot listen on {addr}: {e}"))?;
+            println!("  metrics http://{}/metrics", l.local_addr()?);
+            Some(tokio::spawn(ironsan_server::metrics::serve_metrics(
+                l,
+                control.clone(),
+            )))
+        }
+        None => None,
+    };
     let addrs = server.local_addrs();
     println!("ironsan {} serving:", env!("CARGO_PKG_VERSION"));
     for s in &summary {
@@ -315,6 +333,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         })
         .await;
     if let Some(t) = control_task {
+        t.abort();
+    }
+    if let Some(t) = metrics_task {
         t.abort();
     }
     Ok(())

@@ -103,6 +103,16 @@ pub trait Hooks: Send + Sync + 'static {
     }
 }
 
+/// Server-wide gauges and counters, as [`Control::gauges`] reads them.
+#[derive(Clone, Debug, Default)]
+pub struct Gauges {
+    pub connections: u64,
+    pub sessions: u64,
+    pub logins: u64,
+    pub login_failures: BTreeMap<String, u64>,
+    pub digest_errors: u64,
+}
+
 /// (LUN, the LU, the spec it was made from) as [`Control::lun_list`] returns them.
 pub type LunEntry = (u64, Arc<LogicalUnit>, Option<String>);
 
@@ -245,6 +255,45 @@ impl Control {
             "login_failures": lock(&st.login_failures).clone(),
             "digest_errors": st.digest_errors.load(Relaxed),
         })
+    }
+
+    /// (target, LUN, counters) of one target or of every target, sorted.
+    pub fn lun_metrics(
+        &self,
+        target: Option<&str>,
+    ) -> Result<Vec<(String, u64, Arc<crate::metrics::LunMetrics>)>, String> {
+        let rt = self.shared.runtime();
+        let mut names: Vec<&String> = match target {
+            Some(t) => vec![
+                rt.targets
+                    .get_key_value(t)
+                    .ok_or_else(|| format!("no target '{t}'"))?
+                    .0,
+            ],
+            None => rt.targets.keys().collect(),
+        };
+        names.sort();
+        Ok(names
+            .into_iter()
+            .flat_map(|n| {
+                rt.targets[n]
+                    .all_lun_metrics()
+                    .into_iter()
+                    .map(move |(l, m)| (n.clone(), l, m))
+            })
+            .collect())
+    }
+
+    /// Server-wide gauges and counters (for the Prometheus exposition).
+    pub fn gauges(&self) -> Gauges {
+        let st = &self.shared.stats;
+        Gauges {
+            connections: self.shared.connections.load(Relaxed) as u64,
+            sessions: lock(&self.shared.sessions).len() as u64,
+            logins: st.logins.load(Relaxed),
+            login_failures: lock(&st.login_failures).clone(),
+            digest_errors: st.digest_errors.load(Relaxed),
+        }
     }
 
     /// The access rules of a target (`None`: discovery).
@@ -463,6 +512,8 @@ impl Control {
             ["portals"] => Ok(self.portals()),
             ["show", "target", t] => self.show_target(t),
             ["counters"] => Ok(self.counters()),
+            ["stats"] => crate::metrics::stats_view(self, None),
+            ["stats", t] => crate::metrics::stats_view(self, Some(t)),
             ["lun", "add", t, spec] | ["lun", "add", t, spec, _] => {
                 let want = match a.get(4) {
                     Some(n) => Some(num(n, "LUN")?),
@@ -931,6 +982,7 @@ pub fn render(argv: &[String], data: &Value) -> String {
         ["sessions"] => render_sessions(data),
         ["targets"] => render_targets(data),
         ["luns", ..] => render_luns(data),
+        ["stats", ..] => crate::metrics::render_stats(data),
         ["portals"] => data
             .as_array()
             .map(|p| p.iter().map(|x| format!("{}\n", s(x))).collect())

@@ -8,6 +8,7 @@
 use crate::access::{os_random, Access};
 use crate::admin::ConnStats;
 use crate::io::{self, Digests, ReadError};
+use crate::metrics::{Class, LunMetrics, Timing};
 use crate::session::{ConnInfo, Running, Session};
 use crate::writer::{self, Out, OutPdu, TxStats};
 use crate::{LiveTarget, Runtime, Shared};
@@ -101,6 +102,8 @@ struct PendingWrite {
     transfer: WriteTransfer,
     buf: BytesMut,
     slot: Slot,
+    /// When the command's header was read (start of the "receive" stage).
+    t_header: Instant,
 }
 
 /// A command's place in the session's CmdSN window; released (opening the window) when the
@@ -170,6 +173,9 @@ struct Connection {
     epoch: Instant,
     /// Counters for `ironsan ctl sessions` and the metrics (relaxed atomics).
     stats: Arc<ConnStats>,
+    /// The latency counters of the LUNs this connection used (a private cache of the target's
+    /// map, so a command takes no lock to find them).
+    lun_metrics: HashMap<u64, Arc<LunMetrics>>,
 }
 
 fn reject(reason: RejectReason, bhs: &Bhs) -> OutPdu {
@@ -243,6 +249,7 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, over_
         last_rx: Arc::clone(&last_rx),
         epoch: Instant::now(),
         stats: conn_stats,
+        lun_metrics: HashMap::new(),
     };
     let keepalive = tokio::spawn(keepalive(
         conn.tx.clone(),
@@ -721,7 +728,11 @@ impl Connection {
             self.last_rx
                 .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
             let result = match Header::decode(&bhs) {
-                Header::ScsiCommand(cmd) => self.on_scsi_command(rd, &bhs, ahs, &plan, cmd).await,
+                Header::ScsiCommand(cmd) => {
+                    let t_header = Instant::now();
+                    self.on_scsi_command(rd, &bhs, ahs, &plan, cmd, t_header)
+                        .await
+                }
                 Header::DataOut(d) => self.on_data_out(rd, &bhs, &plan, d).await,
                 other => {
                     let mut data = BytesMut::zeroed(plan.data_len);
@@ -774,14 +785,15 @@ impl Connection {
         ahs: Bytes,
         plan: &ReceivePlan,
         cmd: ScsiCommand,
+        t_header: Instant,
     ) -> Result<(), String> {
-        let Some(target) = self.session.target.clone() else {
+        if self.session.target.is_none() {
             // SCSI commands are not allowed in a discovery session (RFC 7143 §4.3).
             io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
             self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
                 .await;
             return Ok(());
-        };
+        }
         // Immediate data goes straight into the command's buffer.
         let edtl = cmd.expected_data_transfer_length;
         let immediate_len = plan.data_len as u32;
@@ -896,7 +908,7 @@ impl Connection {
             return Ok(());
         }
         if !cmd.write || edtl == 0 {
-            self.spawn_exec(target, cmd, cdb, Bytes::new(), DataSn(0), slot);
+            self.spawn_exec(cmd, cdb, Bytes::new(), DataSn(0), slot, t_header);
             return Ok(());
         }
         let transfer =
@@ -921,6 +933,7 @@ impl Connection {
             transfer,
             buf,
             slot,
+            t_header,
         };
         self.advance_write(pw).await;
         Ok(())
@@ -929,17 +942,14 @@ impl Connection {
     /// Send any R2Ts the write now needs, or execute it if all data is in.
     async fn advance_write(&mut self, mut pw: PendingWrite) {
         if pw.transfer.is_complete() {
-            let Some(target) = self.session.target.clone() else {
-                return;
-            };
             let exp_data_sn = pw.transfer.r2t_count();
             self.spawn_exec(
-                target,
                 pw.cmd,
                 pw.cdb,
                 pw.buf.freeze(),
                 exp_data_sn,
                 pw.slot,
+                pw.t_header,
             );
             return;
         }
@@ -1074,15 +1084,20 @@ impl Connection {
         Ok(())
     }
 
+    /// Run a command whose data is complete on its own task (normal sessions only).
     fn spawn_exec(
         &mut self,
-        target: Arc<LiveTarget>,
         cmd: ScsiCommand,
         cdb: Bytes,
         data_out: Bytes,
         exp_data_sn: DataSn,
         slot: Slot,
+        t_header: Instant,
     ) {
+        let t_data = Instant::now();
+        let Some(target) = self.session.target.clone() else {
+            return;
+        };
         let session = Arc::clone(&self.session);
         let shared = Arc::clone(&self.shared);
         let tx = self.tx.clone();
@@ -1093,6 +1108,18 @@ impl Connection {
         let itt = cmd.itt;
         // The LUN map as of this command: a LUN removed meanwhile still finishes this command.
         let scsi = target.scsi();
+        // Latency counters only for LUNs that exist (an initiator cannot make entries).
+        let metrics = match self.lun_metrics.get(&lun) {
+            Some(m) => Some(Arc::clone(m)),
+            None if scsi.lun(lun).is_some() => {
+                let m = target.lun_metrics(lun);
+                self.lun_metrics.insert(lun, Arc::clone(&m));
+                Some(m)
+            }
+            None => None,
+        };
+        let class = Class::of(cmd.read, cmd.write);
+        let write_bytes = data_out.len() as u64;
         let write_needed = if cmd.write {
             let bs = scsi.lun(lun).map(|l| l.block_size()).unwrap_or(512);
             Some(ironsan_scsi::data_out_len(&cdb, bs).unwrap_or(data_out.len() as u32))
@@ -1123,7 +1150,9 @@ impl Connection {
                     data_out,
                     expected_in_len: cmd.expected_data_transfer_length,
                 };
+                let t_exec = Instant::now();
                 let resp = scsi.execute(lun, &session.nexus, scmd).await;
+                let t_done = Instant::now();
                 // Whoever removes the entry owns the completion: TMF or us, never both.
                 if session.running().remove(&itt).is_none() {
                     return;
@@ -1131,13 +1160,32 @@ impl Connection {
                 if scmd_op == ironsan_scsi::opcode::PERSISTENT_RESERVE_OUT {
                     abort_preempted(&shared, &target, lun);
                 }
+                let bytes = match class {
+                    Class::Read => (resp.data_in.len() as u64)
+                        .min(u64::from(cmd.expected_data_transfer_length)),
+                    Class::Write => write_bytes,
+                    Class::Other => 0,
+                };
                 let pdus =
                     response_pdus(&cmd, resp, write_needed, exp_data_sn, max_xmit, max_burst);
                 drop(slot);
-                let _ = match permit {
-                    Some(p) => tx.send(Out::Held(pdus, p)).await,
-                    None => tx.send(Out::Pdus(pdus)).await,
-                };
+                let timing = metrics.map(|lun| Timing {
+                    lun,
+                    class,
+                    bytes,
+                    header: t_header,
+                    data: t_data,
+                    exec: t_exec,
+                    done: t_done,
+                    queued: Instant::now(),
+                });
+                let _ = tx
+                    .send(Out::Command {
+                        pdus,
+                        permit,
+                        timing,
+                    })
+                    .await;
             }
         });
         running.insert(itt, Running { lun, abort: handle });

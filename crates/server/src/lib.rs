@@ -19,6 +19,7 @@ pub mod access;
 pub mod admin;
 mod conn;
 pub mod io;
+pub mod metrics;
 mod session;
 mod sys;
 mod writer;
@@ -120,6 +121,10 @@ pub(crate) struct LiveTarget {
     pub alias: Option<String>,
     pub tpgt: u16,
     scsi: RwLock<Arc<ironsan_scsi::Target>>,
+    /// Latency and throughput counters per LUN, made when a LUN first serves a command (or
+    /// is first shown); kept after the LUN is removed, until the target is. Connections cache
+    /// the `Arc`s, so the mutex is not on the per-command path.
+    metrics: Mutex<std::collections::BTreeMap<u64, Arc<metrics::LunMetrics>>>,
 }
 
 impl LiveTarget {
@@ -129,7 +134,29 @@ impl LiveTarget {
             alias: def.alias.clone(),
             tpgt: def.tpgt,
             scsi: RwLock::new(Arc::clone(&def.scsi)),
+            metrics: Mutex::default(),
         }
+    }
+
+    /// The counters of a LUN (made on first use).
+    pub fn lun_metrics(&self, lun: u64) -> Arc<metrics::LunMetrics> {
+        Arc::clone(
+            self.metrics
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(lun)
+                .or_default(),
+        )
+    }
+
+    /// The counters of every current LUN and of every LUN that ever served a command.
+    pub fn all_lun_metrics(&self) -> Vec<(u64, Arc<metrics::LunMetrics>)> {
+        let luns: Vec<u64> = self.scsi().luns().map(|(n, _)| n).collect();
+        let mut m = self.metrics.lock().unwrap_or_else(|p| p.into_inner());
+        for n in luns {
+            m.entry(n).or_default();
+        }
+        m.iter().map(|(n, x)| (*n, Arc::clone(x))).collect()
     }
 
     /// The current LUN map (one short read lock and an `Arc` clone).

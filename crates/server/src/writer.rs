@@ -3,6 +3,7 @@
 //! its queue and sends everything ready in one vectored write (batching).
 
 use crate::io::{Digests, WriteBatch};
+use crate::metrics::Timing;
 use crate::session::Session;
 use bytes::Bytes;
 use ironsan_proto::pdu::{Header, Pdu, TargetSn};
@@ -51,8 +52,14 @@ impl OutPdu {
 pub enum Out {
     /// PDUs sent back to back (e.g. a read's Data-In and its status).
     Pdus(Vec<OutPdu>),
-    /// PDUs holding part of the connection's transmit budget, returned once they are written.
-    Held(Vec<OutPdu>, tokio::sync::OwnedSemaphorePermit),
+    /// A SCSI command's response (Data-In and/or status), optionally holding part of the
+    /// connection's transmit budget (returned once written), with the command's stage stamps: once the write that carries the status has returned,
+    /// the writer stamps "written" and records the stages (see [`crate::metrics`]).
+    Command {
+        pdus: Vec<OutPdu>,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        timing: Option<Timing>,
+    },
     /// From now on, stamp sequence numbers from this session's window.
     Attach(Arc<Session>),
     /// From now on, use these digests (set after the final login response).
@@ -129,15 +136,22 @@ pub async fn run<W: AsyncWrite + Unpin>(
     let mut batch = WriteBatch::default();
     const BATCH_BYTES: usize = 1 << 20;
     let mut held = Vec::new();
+    // Stamps of the commands whose status is in the batch (reused: no allocation per batch).
+    let mut timed: Vec<Timing> = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
         let mut close = false;
         while let Some(msg) = next.take() {
             match msg {
                 Out::Pdus(pdus) => push(pdus, &mut batch, &mut stat_sn, &session, digests, &stats),
-                Out::Held(pdus, permit) => {
+                Out::Command {
+                    pdus,
+                    permit,
+                    timing,
+                } => {
                     push(pdus, &mut batch, &mut stat_sn, &session, digests, &stats);
-                    held.push(permit);
+                    held.extend(permit);
+                    timed.extend(timing);
                 }
                 Out::Attach(s) => session = Some(s),
                 Out::Digests(d) => {
@@ -161,6 +175,12 @@ pub async fn run<W: AsyncWrite + Unpin>(
         }
         // Written: the reads' transmit budget is free again.
         held.clear();
+        if !timed.is_empty() {
+            let now = std::time::Instant::now();
+            for t in timed.drain(..) {
+                t.written(now);
+            }
+        }
         if close {
             break;
         }
