@@ -335,7 +335,6 @@ impl Target {
             UNMAP => sbc::unmap(lu, cdb, &cmd.data_out).await,
             COMPARE_AND_WRITE => sbc::compare_and_write(lu, cdb, &cmd.data_out).await,
             ORWRITE_16 => sbc::orwrite(lu, cdb, &cmd.data_out).await,
-            WRITE_ATOMIC_16 => sbc::write_atomic(lu, cdb, &cmd.data_out).await,
             PRE_FETCH_10 | PRE_FETCH_16 => {
                 return Ok(if sbc::pre_fetch(lu, cdb)? {
                     Response::status_only(Status::CONDITION_MET)

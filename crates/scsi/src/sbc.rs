@@ -432,15 +432,10 @@ pub(crate) fn block_limits_vpd(lu: &LogicalUnit) -> Vec<u8> {
         p[24..28].copy_from_slice(&optimal_granularity(lu).to_be_bytes());
     }
     p[32..40].copy_from_slice(&max_write_same_blocks(lu).to_be_bytes());
-    // SBC-4 atomic fields: MAXIMUM ATOMIC TRANSFER LENGTH, ATOMIC ALIGNMENT 0 (none),
-    // ATOMIC TRANSFER LENGTH GRANULARITY 0 (none); no atomic boundary support.
-    p[40..44].copy_from_slice(&max_atomic_blocks(lu).to_be_bytes());
+    // SBC-4 atomic fields (bytes 40..64) stay 0: WRITE ATOMIC is not offered. An atomic write
+    // must be all-or-nothing across power loss, which a positional write of more than one
+    // sector is not; advertising it would let a database skip its own torn-page protection.
     p
-}
-
-/// MAXIMUM ATOMIC TRANSFER LENGTH: 1 MiB.
-fn max_atomic_blocks(lu: &LogicalUnit) -> u32 {
-    ((1u32 << 20) / lu.block_size()).min(lu.max_transfer_blocks())
 }
 
 /// Block Device Characteristics VPD page (B1h, SBC-3): non-rotating medium; WABEREQ=01b and
@@ -707,45 +702,6 @@ pub(crate) async fn orwrite(
     Ok(Bytes::new())
 }
 
-/// SBC-4 WRITE ATOMIC (16): one backend write, holding the write range lock, so no other
-/// command that modifies the medium (WRITE, COMPARE AND WRITE, WRITE SAME, UNMAP, ...)
-/// interleaves with it. TRANSFER LENGTH above MAXIMUM ATOMIC TRANSFER LENGTH, and any
-/// ATOMIC BOUNDARY (we report no boundary support), are INVALID FIELD IN CDB.
-pub(crate) async fn write_atomic(
-    lu: &LogicalUnit,
-    cdb: Cdb<'_>,
-    data_out: &Bytes,
-) -> Result<Bytes, SenseReason> {
-    check_no_protection(cdb)?;
-    check_writable(lu)?;
-    let r = block_range(cdb);
-    if cdb.u16(10) != 0 {
-        return Err(SenseReason::cdb_byte(10));
-    }
-    if r.blocks > max_atomic_blocks(lu) {
-        return Err(SenseReason::cdb_byte(r.len_byte));
-    }
-    check_range(lu, r.lba, u64::from(r.blocks))?;
-    if r.blocks == 0 {
-        return Ok(Bytes::new());
-    }
-    let len = bytes_of(lu, u64::from(r.blocks)) as usize;
-    if data_out.len() < len {
-        return Err(SenseReason::cdb_byte(r.len_byte));
-    }
-    let fua = cdb.bit(1, 3);
-    let g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
-    lu.backend()
-        .write_keeping(
-            bytes_of(lu, r.lba),
-            data_out.slice(..len),
-            write_mode(lu, fua),
-            g.keep(),
-        )
-        .await
-        .map_err(backend_err(lu))?;
-    Ok(Bytes::new())
-}
 
 /// SBC-3 PRE-FETCH (10) / (16): range checked; nothing to stage (RAM is memory, files use the
 /// page cache on demand), so the blocks are "in cache" as far as the initiator can tell and

@@ -491,7 +491,7 @@ async fn vpd_block_limits_reports_transfer_and_unmap_limits() {
     assert_eq!(&p[24..28], &256u32.to_be_bytes());
     assert_eq!(&p[28..32], &8u32.to_be_bytes());
     assert_eq!(&p[36..44], &(2u64 << 20).to_be_bytes());
-    assert_eq!(&p[44..48], &2048u32.to_be_bytes()); // MAXIMUM ATOMIC TRANSFER LENGTH 1 MiB
+    assert_eq!(&p[44..48], &0u32.to_be_bytes()); // MAXIMUM ATOMIC TRANSFER LENGTH: none
 }
 
 #[tokio::test]
@@ -2139,16 +2139,14 @@ async fn orwrite_ors_data_into_the_medium() {
 }
 
 #[tokio::test]
-async fn write_atomic_writes_and_refuses_atomic_boundary() {
+async fn write_atomic_is_not_offered_until_it_is_crash_atomic() {
     let t = ram_target();
     let mut c = vec![0u8; 16];
     c[0] = opcode::WRITE_ATOMIC_16;
     c[13] = 2;
-    good(&run_data(&t, &c, &[7u8; 1024]).await);
+    assert_eq!(sense(&run_data(&t, &c, &[7u8; 1024]).await), (ILLEGAL, 0x20, 0x00));
     let r = run(&t, &cdb10(opcode::READ_10, 0, 2)).await;
-    assert!(good(&r).iter().all(|&b| b == 7));
-    c[11] = 1; // ATOMIC BOUNDARY
-    invalid_cdb_field(&run_data(&t, &c, &[7u8; 1024]).await, 10, None);
+    assert!(good(&r).iter().all(|&b| b == 0), "nothing was written");
 }
 
 #[tokio::test]
