@@ -702,7 +702,6 @@ pub(crate) async fn orwrite(
     Ok(Bytes::new())
 }
 
-
 /// SBC-3 PRE-FETCH (10) / (16): range checked; nothing to stage (RAM is memory, files use the
 /// page cache on demand), so the blocks are "in cache" as far as the initiator can tell and
 /// the answer is CONDITION MET (SBC-3: the cache has room for all the blocks). Returns

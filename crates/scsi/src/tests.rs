@@ -2144,7 +2144,10 @@ async fn write_atomic_is_not_offered_until_it_is_crash_atomic() {
     let mut c = vec![0u8; 16];
     c[0] = opcode::WRITE_ATOMIC_16;
     c[13] = 2;
-    assert_eq!(sense(&run_data(&t, &c, &[7u8; 1024]).await), (ILLEGAL, 0x20, 0x00));
+    assert_eq!(
+        sense(&run_data(&t, &c, &[7u8; 1024]).await),
+        (ILLEGAL, 0x20, 0x00)
+    );
     let r = run(&t, &cdb10(opcode::READ_10, 0, 2)).await;
     assert!(good(&r).iter().all(|&b| b == 0), "nothing was written");
 }
