@@ -31,6 +31,11 @@
 //! # chap = { user = "discover", secret = "..." }
 //! # [limits]
 //! # max_connections = 1024
+//! # shutdown_grace = "10s"   # SIGTERM: how long initiators get to log out
+//!
+//! # Top-level keys (before any [table]); the --metrics / --control flags override them.
+//! # metrics = "127.0.0.1:9360"
+//! # control = "/run/ironsan/control.sock"   # or "none"
 //! ```
 
 use ironsan_backend::parse_size;
@@ -157,6 +162,8 @@ pub struct Limits {
     pub write_buffer_per_session: u64,
     pub max_r2ts_per_connection: usize,
     pub tx_buffer_per_connection: u64,
+    /// SIGTERM: how long to wait for sessions to log out and commands to finish.
+    pub shutdown_grace: std::time::Duration,
 }
 
 impl Default for Limits {
@@ -172,6 +179,7 @@ impl Default for Limits {
             write_buffer_per_session: d.write_buffer_per_session,
             max_r2ts_per_connection: d.max_r2ts_per_connection,
             tx_buffer_per_connection: d.tx_buffer_per_connection,
+            shutdown_grace: d.shutdown_grace,
         }
     }
 }
@@ -186,6 +194,10 @@ pub struct Plan {
     /// ACL and CHAP of discovery sessions.
     pub discovery: Access,
     pub limits: Limits,
+    /// Prometheus listener (`metrics = "ADDR:PORT"`); the `--metrics` flag overrides it.
+    pub metrics: Option<SocketAddr>,
+    /// Control socket (`control = "PATH"` or `"none"`); the `--control` flag overrides it.
+    pub control: Option<PathBuf>,
 }
 
 /// Shortest CHAP secret accepted (RFC 3720 §8.2.1 asks for at least 96 bits; Windows and
@@ -383,6 +395,8 @@ struct FileConfig {
     target: Vec<FileTarget>,
     discovery: Option<FileAccess>,
     limits: Option<FileLimits>,
+    metrics: Option<Spanned<String>>,
+    control: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -426,6 +440,7 @@ struct FileLimits {
     write_buffer_per_session: Option<Spanned<String>>,
     max_r2ts_per_connection: Option<Spanned<usize>>,
     tx_buffer_per_connection: Option<Spanned<String>>,
+    shutdown_grace: Option<Spanned<String>>,
 }
 
 type At<'a> = &'a dyn Fn(std::ops::Range<usize>, String) -> String;
@@ -589,6 +604,19 @@ fn limits_from_file(l: Option<FileLimits>, at: At) -> Result<Limits, String> {
         max_io,
         &mut out.tx_buffer_per_connection,
     )?;
+    if let Some(g) = &l.shutdown_grace {
+        out.shutdown_grace = parse_duration(g.get_ref())
+            .filter(|d| d.as_secs() <= 3600)
+            .ok_or_else(|| {
+                at(
+                    g.span(),
+                    format!(
+                        "shutdown_grace '{}' must be a duration up to 1h (e.g. \"10s\", \"500ms\", \"2m\")",
+                        g.get_ref()
+                    ),
+                )
+            })?;
+    }
     Ok(out)
 }
 
@@ -608,6 +636,22 @@ struct FileLun {
     block_size: Option<Spanned<u32>>,
     physical_block_size: Option<Spanned<u32>>,
     serial: Option<String>,
+}
+
+/// A duration: a number with `ms`, `s`, `m` or `h` (`"10s"`, `"1500ms"`, `"2m"`).
+pub fn parse_duration(v: &str) -> Option<std::time::Duration> {
+    let v = v.trim();
+    let split = v.find(|c: char| !c.is_ascii_digit())?;
+    let (n, unit) = v.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let ms = match unit.trim() {
+        "ms" => n,
+        "s" => n.checked_mul(1000)?,
+        "m" => n.checked_mul(60_000)?,
+        "h" => n.checked_mul(3_600_000)?,
+        _ => return None,
+    };
+    Some(std::time::Duration::from_millis(ms))
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
@@ -730,6 +774,28 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
         None => Access::default(),
     };
     let limits = limits_from_file(cfg.limits, &at)?;
+    let metrics = match &cfg.metrics {
+        Some(m) => Some(m.get_ref().parse::<SocketAddr>().map_err(|_| {
+            at(
+                m.span(),
+                format!(
+                    "metrics address '{}' is not ADDR:PORT (e.g. 127.0.0.1:9360)",
+                    m.get_ref()
+                ),
+            )
+        })?),
+        None => None,
+    };
+    let control = match &cfg.control {
+        Some(c) if c.get_ref().is_empty() => {
+            return Err(at(
+                c.span(),
+                "control must be a socket path or \"none\"".into(),
+            ))
+        }
+        Some(c) => Some(PathBuf::from(c.get_ref())),
+        None => None,
+    };
     Ok(Plan {
         listen,
         data_dir,
@@ -737,6 +803,8 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
         targets,
         discovery,
         limits,
+        metrics,
+        control,
     })
 }
 
@@ -822,6 +890,63 @@ fn lun_from_file(l: FileLun, data_dir: &Path, at: At) -> Result<LunPlan, String>
     })
 }
 
+/// The configuration file `ironsan serve` reads when neither `--config` nor
+/// `$IRONSAN_CONFIG` names one and no target flags are given.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/ironsan/ironsan.toml";
+
+/// Where `ironsan serve` takes its targets from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// `--config FILE`.
+    Flag(PathBuf),
+    /// `$IRONSAN_CONFIG`.
+    Env(PathBuf),
+    /// [`DEFAULT_CONFIG_PATH`] (it exists).
+    Default(PathBuf),
+    /// The command-line flags, or the embedded default (one file LUN) when there are none.
+    Flags,
+}
+
+impl Source {
+    /// The configuration file, if one is used.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            Source::Flag(p) | Source::Env(p) | Source::Default(p) => Some(p),
+            Source::Flags => None,
+        }
+    }
+}
+
+/// Decide where the configuration comes from: `--config` first; then `$IRONSAN_CONFIG`
+/// (an error together with target flags such as `--listen` or `--lun`, as `--config` is);
+/// then the target flags; then `default` if it exists; else the embedded default.
+pub fn config_source(
+    flag: Option<&Path>,
+    env: Option<&std::ffi::OsStr>,
+    target_flags: bool,
+    default: &Path,
+) -> Result<Source, String> {
+    if let Some(p) = flag {
+        return Ok(Source::Flag(p.to_owned()));
+    }
+    if let Some(e) = env.filter(|e| !e.is_empty()) {
+        if target_flags {
+            return Err(format!(
+                "IRONSAN_CONFIG={} and the target flags (--listen, --target, --lun, --chap, --acl, …) both describe the targets: unset one",
+                Path::new(e).display()
+            ));
+        }
+        return Ok(Source::Env(PathBuf::from(e)));
+    }
+    if target_flags {
+        return Ok(Source::Flags);
+    }
+    if default.exists() {
+        return Ok(Source::Default(default.to_owned()));
+    }
+    Ok(Source::Flags)
+}
+
 /// The plan from command-line flags.
 pub fn from_flags(
     listen: &[String],
@@ -877,6 +1002,8 @@ pub fn from_flags(
         }],
         discovery,
         limits: Limits::default(),
+        metrics: None,
+        control: None,
     })
 }
 
@@ -952,6 +1079,110 @@ mod tests {
         assert!(parse_lun("ram:64M,fault=read@9-1", d)
             .unwrap_err()
             .contains("fault rule"));
+    }
+
+    #[test]
+    fn config_source_prefers_flag_then_env_then_flags_then_default_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let present = dir.path().join("ironsan.toml");
+        std::fs::write(&present, "").unwrap();
+        let absent = dir.path().join("missing.toml");
+        let flag = Path::new("/x/flag.toml");
+        let env = std::ffi::OsStr::new("/x/env.toml");
+        // --config wins over everything.
+        assert_eq!(
+            config_source(Some(flag), Some(env), true, &present),
+            Ok(Source::Flag(flag.into()))
+        );
+        // Then IRONSAN_CONFIG, which conflicts with target flags.
+        assert_eq!(
+            config_source(None, Some(env), false, &present),
+            Ok(Source::Env("/x/env.toml".into()))
+        );
+        let err = config_source(None, Some(env), true, &present).unwrap_err();
+        assert!(err.contains("IRONSAN_CONFIG=/x/env.toml"), "{err}");
+        // An empty variable counts as unset.
+        assert_eq!(
+            config_source(None, Some(std::ffi::OsStr::new("")), false, &present),
+            Ok(Source::Default(present.clone()))
+        );
+        // Target flags beat the default file.
+        assert_eq!(config_source(None, None, true, &present), Ok(Source::Flags));
+        // No flags: the default file if it exists, else the embedded default.
+        assert_eq!(
+            config_source(None, None, false, &present),
+            Ok(Source::Default(present.clone()))
+        );
+        assert_eq!(config_source(None, None, false, &absent), Ok(Source::Flags));
+        assert_eq!(
+            Source::Default(present.clone()).path(),
+            Some(present.as_path())
+        );
+        assert_eq!(Source::Flags.path(), None);
+        assert_eq!(DEFAULT_CONFIG_PATH, "/etc/ironsan/ironsan.toml");
+    }
+
+    #[test]
+    fn metrics_control_and_shutdown_grace_keys() {
+        let base =
+            "[[target]]\nname = \"iqn.2026-11.org.x:a\"\n[[target.lun]]\nspec = \"ram:1M\"\n";
+        let plan = parse_file(base, Path::new("t.toml")).unwrap();
+        assert_eq!(plan.metrics, None);
+        assert_eq!(plan.control, None);
+        assert_eq!(
+            plan.limits.shutdown_grace,
+            std::time::Duration::from_secs(10)
+        );
+        let text = format!(
+            "metrics = \"127.0.0.1:9360\"\ncontrol = \"/run/x/control.sock\"\n{base}[limits]\nshutdown_grace = \"2500ms\"\n"
+        );
+        let plan = parse_file(&text, Path::new("t.toml")).unwrap();
+        assert_eq!(plan.metrics, Some("127.0.0.1:9360".parse().unwrap()));
+        assert_eq!(plan.control, Some(PathBuf::from("/run/x/control.sock")));
+        assert_eq!(
+            plan.limits.shutdown_grace,
+            std::time::Duration::from_millis(2500)
+        );
+        let text = format!("control = \"none\"\n{base}");
+        let plan = parse_file(&text, Path::new("t.toml")).unwrap();
+        assert_eq!(plan.control, Some(PathBuf::from("none")));
+        // Errors name the file and line.
+        for (text, line, what) in [
+            (format!("metrics = \"localhost\"\n{base}"), 1, "metrics"),
+            (format!("\ncontrol = \"\"\n{base}"), 2, "control"),
+            (
+                format!("{base}[limits]\nshutdown_grace = \"ten\"\n"),
+                6,
+                "shutdown_grace",
+            ),
+            (
+                format!("{base}[limits]\nshutdown_grace = \"2d\"\n"),
+                6,
+                "shutdown_grace",
+            ),
+            (
+                format!("{base}[limits]\nshutdown_grace = \"2h\"\n"),
+                6,
+                "shutdown_grace",
+            ),
+        ] {
+            let err = parse_file(&text, Path::new("t.toml")).unwrap_err();
+            assert!(
+                err.starts_with(&format!("t.toml:{line}: ")) && err.contains(what),
+                "{err}"
+            );
+        }
+        assert_eq!(
+            parse_duration("10s"),
+            Some(std::time::Duration::from_secs(10))
+        );
+        assert_eq!(
+            parse_duration("2m"),
+            Some(std::time::Duration::from_secs(120))
+        );
+        assert_eq!(parse_duration("0s"), Some(std::time::Duration::ZERO));
+        assert_eq!(parse_duration("10"), None);
+        assert_eq!(parse_duration("s"), None);
     }
 
     #[test]

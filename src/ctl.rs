@@ -125,9 +125,11 @@ impl BinHooks {
                 || old.limits != plan.limits
                 || old.queue_depth != plan.queue_depth
                 || old.data_dir != plan.data_dir
+                || old.metrics != plan.metrics
+                || old.control != plan.control
             {
                 changes.push(
-                    "! listen, data_dir, queue_depth and [limits] take effect only after a restart"
+                    "! listen, data_dir, queue_depth, metrics, control and [limits] take effect only after a restart"
                         .to_string(),
                 );
             }
@@ -270,6 +272,12 @@ impl BinHooks {
             q(&plan.data_dir.display().to_string()),
             plan.queue_depth
         ));
+        if let Some(m) = plan.metrics {
+            out.push_str(&format!("metrics = {}\n", q(&m.to_string())));
+        }
+        if let Some(c) = &plan.control {
+            out.push_str(&format!("control = {}\n", q(&c.display().to_string())));
+        }
         let access_lines = |who: &str, a: &Access, out: &mut String| -> Result<(), String> {
             if !a.acl.is_empty() {
                 out.push_str(&format!(

@@ -2,6 +2,7 @@
 
 mod config;
 mod ctl;
+mod notify;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -50,7 +51,8 @@ struct ServeArgs {
     #[arg(long, value_name = "DIR", default_value = "./ironsan-data")]
     data_dir: PathBuf,
     /// TOML configuration file (targets, portals, LUNs, access control, limits); replaces
-    /// --listen/--target/--lun and the access-control flags.
+    /// --listen/--target/--lun and the access-control flags. Default: $IRONSAN_CONFIG, else
+    /// /etc/ironsan/ironsan.toml if it exists and no such flag is given.
     #[arg(long, value_name = "FILE", conflicts_with_all = [
         "listen", "target", "luns", "chap", "mutual_chap", "chap_secret_file",
         "discovery_chap", "discovery_mutual_chap", "acl", "discovery_acl",
@@ -87,12 +89,14 @@ struct ServeArgs {
     /// SYNCHRONIZE CACHE. Default: WCE=0, every acknowledged write is durable.
     #[arg(long)]
     write_cache: bool,
-    /// Control socket for `ironsan ctl` (mode 0600). Default: /run/ironsan/control.sock as
+    /// Control socket for `ironsan ctl` (mode 0600); overrides `control` in the config file.
+    /// Default: /run/ironsan/control.sock as
     /// root, else $XDG_RUNTIME_DIR/ironsan/control.sock or ./ironsan-data/control.sock; when
     /// the default is taken by another server, serve runs without one. "none" disables it.
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
-    /// Serve Prometheus metrics (GET /metrics, plain HTTP) on ADDR:PORT, e.g. 127.0.0.1:9360.
+    /// Serve Prometheus metrics (GET /metrics, plain HTTP) on ADDR:PORT, e.g. 127.0.0.1:9360
+    /// (overrides `metrics` in the config file).
     /// Off by default; anyone who can reach it sees target names and load. Port 0 picks a free
     /// port (printed at start-up).
     #[arg(long, value_name = "ADDR:PORT")]
@@ -201,8 +205,39 @@ fn human(bytes: u64) -> String {
     }
 }
 
+impl ServeArgs {
+    /// Whether flags that describe targets (and so exclude a configuration file) are given.
+    fn target_flags(&self) -> bool {
+        !self.listen.is_empty()
+            || self.target.is_some()
+            || !self.luns.is_empty()
+            || self.chap.is_some()
+            || self.chap_secret_file.is_some()
+            || self.mutual_chap.is_some()
+            || self.discovery_chap.is_some()
+            || self.discovery_mutual_chap.is_some()
+            || !self.acl.is_empty()
+            || !self.discovery_acl.is_empty()
+    }
+}
+
 async fn serve(args: ServeArgs) -> Result<()> {
-    let plan: Plan = match &args.config {
+    let source = config::config_source(
+        args.config.as_deref(),
+        std::env::var_os("IRONSAN_CONFIG").as_deref(),
+        args.target_flags(),
+        std::path::Path::new(config::DEFAULT_CONFIG_PATH),
+    )
+    .map_err(anyhow::Error::msg)?;
+    match &source {
+        config::Source::Env(p) => println!("configuration {} (from IRONSAN_CONFIG)", p.display()),
+        config::Source::Default(p) => {
+            println!("configuration {} (the default location)", p.display())
+        }
+        config::Source::Flag(_) | config::Source::Flags => {}
+    }
+    let config_path = source.path().map(std::path::Path::to_owned);
+    let plan: Plan = match &config_path {
         Some(path) => config::load_file(path).map_err(anyhow::Error::msg)?,
         None => config::from_flags(
             &args.listen,
@@ -273,6 +308,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     cfg.write_buffer_per_session = l.write_buffer_per_session;
     cfg.max_r2ts_per_connection = l.max_r2ts_per_connection;
     cfg.tx_buffer_per_connection = l.tx_buffer_per_connection;
+    cfg.shutdown_grace = l.shutdown_grace;
     let server = Server::bind(cfg).await?;
     let control = server.control();
     for t in &plan.targets {
@@ -280,13 +316,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
             control.set_lun_origin(&t.name, n as u64, Some(ctl::lun_spec(l)));
         }
     }
-    let hooks = Arc::new(ctl::BinHooks::new(plan.clone(), args.config.clone()));
-    let control_task = start_control(&args, control.clone(), Arc::clone(&hooks))?;
-    let metrics_task = match args.metrics {
+    let hooks = Arc::new(ctl::BinHooks::new(plan.clone(), config_path.clone()));
+    let control_path = args.control.clone().or_else(|| plan.control.clone());
+    let control_task = start_control(control_path, control.clone(), Arc::clone(&hooks))?;
+    let metrics_task = match args.metrics.or(plan.metrics) {
         Some(addr) => {
+            let what = if args.metrics.is_some() {
+                "--metrics"
+            } else {
+                "metrics"
+            };
             let l = tokio::net::TcpListener::bind(addr)
                 .await
-                .map_err(|e| anyhow::anyhow!("--metrics: cannot listen on {addr}: {e}"))?;
+                .map_err(|e| anyhow::anyhow!("{what}: cannot listen on {addr}: {e}"))?;
             println!("  metrics http://{}/metrics", l.local_addr()?);
             Some(tokio::spawn(ironsan_server::metrics::serve_metrics(
                 l,
@@ -309,27 +351,33 @@ async fn serve(args: ServeArgs) -> Result<()> {
         println!("or list with libiscsi:");
         println!("  iscsi-ls -s iscsi://{a}");
     }
+    // The handlers are installed before READY=1: a SIGTERM right after it must not kill
+    // the process with the default action.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    // Every portal, the control socket and the metrics listener are bound: ready.
+    notify::notify_or_warn(&format!(
+        "READY=1\nSTATUS=serving {} target(s) on {} portal(s)",
+        plan.targets.len(),
+        addrs.len()
+    ));
+    let grace = plan.limits.shutdown_grace;
     server
         .run(async {
-            let mut term =
-                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                    Ok(s) => s,
-                    Err(_) => {
-                        let _ = tokio::signal::ctrl_c().await;
-                        return;
-                    }
-                };
-            let mut hup =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
             loop {
                 tokio::select! {
-                    _ = tokio::signal::ctrl_c() => break,
+                    _ = int.recv() => break,
                     _ = term.recv() => break,
-                    Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => None } } => {
-                        reload(&hooks, &control, args.config.as_deref()).await;
+                    _ = hup.recv() => {
+                        reload(&hooks, &control, config_path.as_deref()).await;
                     }
                 }
             }
+            notify::notify_or_warn(&format!(
+                "STOPPING=1\nSTATUS=asking initiators to log out (up to {grace:?})"
+            ));
         })
         .await;
     if let Some(t) = control_task {
@@ -348,7 +396,7 @@ async fn reload(
     config: Option<&std::path::Path>,
 ) {
     let Some(path) = config.map(std::path::Path::to_owned) else {
-        tracing::warn!("SIGHUP ignored: serve was not started with --config");
+        tracing::warn!("SIGHUP ignored: serve was not started with a configuration file");
         return;
     };
     let (hooks, control) = (Arc::clone(hooks), control.clone());
@@ -367,11 +415,11 @@ async fn reload(
 
 /// Bind the control socket (see `--control`) and serve it.
 fn start_control(
-    args: &ServeArgs,
+    path: Option<PathBuf>,
     control: ironsan_server::admin::Control,
     hooks: Arc<ctl::BinHooks>,
 ) -> Result<Option<tokio::task::JoinHandle<()>>> {
-    let (path, explicit) = match &args.control {
+    let (path, explicit) = match &path {
         Some(p) if p.as_os_str() == "none" => return Ok(None),
         Some(p) => (p.clone(), true),
         None => (ironsan_server::admin::default_socket_path(), false),
@@ -382,7 +430,7 @@ fn start_control(
             tracing::warn!("no control socket: {e}");
             return Ok(None);
         }
-        Err(e) => return Err(anyhow::Error::from(e).context("--control")),
+        Err(e) => return Err(anyhow::Error::from(e).context("control socket")),
     };
     println!(
         "  control socket {} (ironsan ctl --control {0} sessions)",

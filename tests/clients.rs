@@ -1200,3 +1200,250 @@ fn identical_chap_secrets_are_a_configuration_error() {
     );
     assert!(!err.contains("same-secret-1234"), "secret echoed: {err}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// 10. Service management: sd_notify, graceful shutdown, the control socket (docs/OPERATIONS.md)
+// ---------------------------------------------------------------------------------------------
+
+/// Kills the child on drop (a failed assertion must not leave a server running).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One datagram from the notify socket (5 s at most).
+fn recv_notify(sock: &std::os::unix::net::UnixDatagram, what: &str) -> String {
+    let mut buf = [0u8; 1024];
+    let n = sock
+        .recv(&mut buf)
+        .unwrap_or_else(|e| panic!("no {what} datagram on NOTIFY_SOCKET: {e}"));
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn sd_notify_ready_once_the_portal_accepts_and_stopping_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let notify_path = dir.path().join("notify.sock");
+    let sock = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let port = free_port();
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let data = dir.path().join("data");
+    let child = std::process::Command::new(bin())
+        .args(["serve", "--listen", &addr.to_string(), "--lun", "ram:1M"])
+        .args(["--control", "none", "--data-dir"])
+        .arg(&data)
+        .env("NOTIFY_SOCKET", &notify_path)
+        .env_remove("IRONSAN_LOG")
+        .env_remove("IRONSAN_CONFIG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("starting ironsan serve");
+    let mut child = KillOnDrop(child);
+    let ready = recv_notify(&sock, "READY=1");
+    // The portal accepts by the time READY=1 arrives: no retry here.
+    let accepted = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1));
+    assert!(
+        ready.lines().next() == Some("READY=1"),
+        "first notification: {ready:?}"
+    );
+    assert!(
+        accepted.is_ok(),
+        "READY=1 was sent before {addr} accepted: {accepted:?}"
+    );
+    drop(accepted);
+    signal(child.0.id(), "TERM");
+    let stopping = recv_notify(&sock, "STOPPING=1");
+    assert!(
+        stopping.lines().next() == Some("STOPPING=1"),
+        "notification after SIGTERM: {stopping:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        if let Some(st) = child.0.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "no exit within 10 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(st.code(), Some(0), "exit status {st}");
+}
+
+/// Receive until an Async Message arrives (NOP-Ins are skipped); returns (event, parameter3).
+async fn next_async_message(c: &mut ironsan_initiator::Client) -> (u8, u16) {
+    loop {
+        let pdu = tokio::time::timeout(Duration::from_secs(5), c.recv())
+            .await
+            .expect("no Async Message within 5 s of SIGTERM")
+            .expect("connection closed before the Async Message");
+        if let ironsan_proto::pdu::Header::AsyncMessage(m) = pdu.header {
+            return (m.async_event, m.parameter3);
+        }
+    }
+}
+
+/// SIGTERM with two idle sessions: both get Async Message event 1 ("please log out within
+/// Parameter3 seconds" = shutdown_grace); one logs out, the other does not and is closed once
+/// the grace time is over; the process exits 0 just after it, not before.
+#[tokio::test]
+async fn sigterm_asks_initiators_to_log_out_and_exits_within_the_grace_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let config = dir.path().join("ironsan.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = [\"{addr}\"]\ndata_dir = \"{}\"\ncontrol = \"none\"\n\n[[target]]\nname = \"{DEFAULT_TARGET}\"\n[[target.lun]]\nspec = \"ram:1M\"\n\n[limits]\nshutdown_grace = \"2s\"\n",
+            dir.path().join("data").display()
+        ),
+    )
+    .unwrap();
+    let mut s = Server::start_config(dir, &config, vec![addr], DEFAULT_TARGET);
+    let opts = ironsan_initiator::LoginOptions::new(Some(DEFAULT_TARGET));
+    let mut polite = ironsan_initiator::Client::login(addr, &opts)
+        .await
+        .expect("login (polite)");
+    let mut idle_opts = opts.clone();
+    idle_opts.initiator_name = "iqn.2026-11.org.ironsan:idle-initiator".into();
+    let mut idle = ironsan_initiator::Client::login(addr, &idle_opts)
+        .await
+        .expect("login (idle)");
+    let r = polite.read16(0, 0, 1, 512).await.expect("READ(16)");
+    assert_eq!(r.status, 0);
+
+    let t0 = Instant::now();
+    signal(s.pid(), "TERM");
+    assert_eq!(
+        next_async_message(&mut polite).await,
+        (1, 2),
+        "Async Message to the polite session: (event, parameter3)"
+    );
+    assert_eq!(
+        next_async_message(&mut idle).await,
+        (1, 2),
+        "Async Message to the idle session: (event, parameter3)"
+    );
+    // The server still serves while draining: a command and the logout are answered.
+    let r = polite
+        .read16(0, 0, 1, 512)
+        .await
+        .expect("READ(16) while draining");
+    assert_eq!(r.status, 0);
+    assert_eq!(
+        polite.logout().await.expect("logout while draining"),
+        ironsan_proto::pdu::LogoutResponseCode::CLOSED
+    );
+    let st = s.wait_exit(Duration::from_secs(8));
+    let took = t0.elapsed();
+    let st = st.unwrap_or_else(|| panic!("no exit within 8 s of SIGTERM\n{}", s.logs()));
+    assert_eq!(st.code(), Some(0), "exit status {st}\n{}", s.logs());
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(5),
+        "SIGTERM → exit took {took:?} with a 2 s grace time and a session that does not log out\n{}",
+        s.logs()
+    );
+    let log = s.stderr();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("logout") && l.contains("initiator=")),
+        "no logout line with the initiator name\n{log}"
+    );
+    assert!(
+        log.lines().any(|l| l.contains("did not log out")
+            && l.contains("iqn.2026-11.org.ironsan:idle-initiator")),
+        "no line naming the session that did not log out\n{log}"
+    );
+    // The idle session was closed by the target.
+    let closed = tokio::time::timeout(Duration::from_secs(2), idle.recv()).await;
+    assert!(
+        matches!(closed, Ok(Err(_))),
+        "idle session not closed: {:?}",
+        closed.map(|r| r.map(|_| ()))
+    );
+}
+
+#[test]
+fn ctl_sessions_shows_negotiated_keys_for_a_libiscsi_session() {
+    if !require_tool("iscsi-perf") {
+        return;
+    }
+    let ctl_dir = tempfile::tempdir().unwrap();
+    let sock = ctl_dir.path().join("control.sock");
+    let sock_s = sock.display().to_string();
+    let s = Server::start(&["--lun", "ram:64M", "--control", &sock_s]);
+    let mut perf = Background::spawn("iscsi-perf", &[&s.url(0)]);
+    perf.wait_for_stdout("iops current", Duration::from_secs(15));
+    let out = run_stdout(bin(), &["ctl", "--control", &sock_s, "--json", "sessions"]);
+    let v: serde_json::Value = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("ctl --json sessions is not JSON ({e}):\n{out}"));
+    let sessions = v
+        .as_array()
+        .unwrap_or_else(|| panic!("not an array:\n{out}"));
+    let sess = sessions
+        .iter()
+        .find(|x| x["type"] == "normal")
+        .unwrap_or_else(|| panic!("no normal session:\n{out}"));
+    assert_eq!(sess["target"], DEFAULT_TARGET, "{out}");
+    assert!(
+        sess["initiator"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("iqn.")),
+        "{out}"
+    );
+    let p = &sess["params"];
+    let num = |k: &str| -> u64 {
+        p[k].as_str()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{k} missing or not a number:\n{out}"))
+    };
+    for k in ["HeaderDigest", "DataDigest"] {
+        assert!(
+            matches!(p[k].as_str(), Some("None" | "CRC32C")),
+            "{k}: {}\n{out}",
+            p[k]
+        );
+    }
+    for k in ["ImmediateData", "InitialR2T"] {
+        assert!(
+            matches!(p[k].as_str(), Some("Yes" | "No")),
+            "{k}: {}\n{out}",
+            p[k]
+        );
+    }
+    for k in [
+        "MaxRecvDataSegmentLength",
+        "MaxBurstLength",
+        "FirstBurstLength",
+    ] {
+        let n = num(k);
+        assert!((512..=(1 << 24) - 1).contains(&n), "{k} = {n}\n{out}");
+    }
+    assert!(num("FirstBurstLength") <= num("MaxBurstLength"), "{out}");
+    let conn = &sess["connections"][0];
+    assert_eq!(conn["portal"], s.addr().to_string(), "{out}");
+    assert!(
+        conn["reads"].as_u64().unwrap_or(0) > 0,
+        "no reads counted:\n{out}"
+    );
+    let tcp = &conn["tcp"];
+    let t = |k: &str| {
+        tcp[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("tcp.{k} missing:\n{out}"))
+    };
+    assert!(t("rtt_us") > 0, "rtt 0:\n{out}");
+    assert!(t("rtt_us") < 5_000_000, "rtt over 5 s on loopback:\n{out}");
+    assert!(t("cwnd") > 0, "cwnd 0:\n{out}");
+    assert!(t("mss") > 0, "mss 0:\n{out}");
+    let _ = t("retransmits");
+    let _ = t("delivery_rate");
+    let _ = perf.child.kill();
+}

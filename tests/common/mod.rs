@@ -571,6 +571,24 @@ impl Server {
         }
     }
 
+    /// Wait up to `timeout` for the server to exit by itself (after a signal the test sent);
+    /// None if it is still running then (it is SIGKILLed).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                return Some(st);
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Stop (SIGTERM, must exit within 10 s) and start again with the same arguments, port
     /// and data directory.
     pub fn restart(&mut self) {

@@ -261,7 +261,16 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, over_
         cid,
     ));
     let reason = conn.full_feature(&mut rd, close_rx).await;
-    tracing::info!(%peer, initiator = %session.initiator_name, "connection closed: {reason}");
+    // A logout or a shutdown is routine; anything else (a protocol or digest error, a reset,
+    // a NOP timeout) is an error worth a warning.
+    if matches!(
+        reason.as_str(),
+        "logout" | "closed by target" | "server shutting down"
+    ) {
+        tracing::info!(%peer, initiator = %session.initiator_name, tsih = session.tsih.0, "connection closed: {reason}");
+    } else {
+        tracing::warn!(%peer, initiator = %session.initiator_name, tsih = session.tsih.0, "connection closed: {reason}");
+    }
     keepalive.abort();
     conn.pending.clear();
     conn.tasks.abort_all();
@@ -638,7 +647,7 @@ async fn keepalive(
         let sent = epoch.elapsed().as_millis() as u64;
         tokio::time::sleep(timeout).await;
         if last_rx.load(Ordering::Relaxed) < sent {
-            tracing::warn!("initiator did not answer NOP-In within {timeout:?}; closing");
+            tracing::warn!(initiator = %session.initiator_name, tsih = session.tsih.0, cid, "initiator did not answer NOP-In within {timeout:?}; closing");
             session.close_conns(Some(cid));
             return;
         }
@@ -695,14 +704,25 @@ impl Connection {
         };
         let max_data = self.params.max_recv_data_segment_length;
         let mut shutdown = self.shared.shutdown.clone();
+        // Shutting down: the initiator was asked to log out; keep serving (commands in
+        // flight finish, the Logout is answered) until it does or the server closes us.
+        let mut draining = *shutdown.borrow();
+        if draining {
+            self.async_logout_request().await;
+        }
         loop {
             while self.tasks.try_join_next().is_some() {}
             let header = tokio::select! {
                 biased;
-                _ = close_rx.changed() => return "closed by target".into(),
-                _ = shutdown.changed() => {
-                    self.async_logout_request().await;
-                    return "server shutting down".into();
+                _ = close_rx.changed() => {
+                    return if draining { "server shutting down".into() } else { "closed by target".into() };
+                }
+                r = shutdown.changed(), if !draining => {
+                    draining = true;
+                    if r.is_ok() {
+                        self.async_logout_request().await;
+                    }
+                    continue;
                 }
                 h = io::read_header(rd, digests, max_data) => h,
             };
@@ -760,6 +780,7 @@ impl Connection {
 
     /// A Reject for a data digest error, counted.
     fn digest_error(&self, reason: RejectReason, bhs: &Bhs) -> OutPdu {
+        tracing::warn!(peer = %self.peer, initiator = %self.session.initiator_name, tsih = self.session.tsih.0, "data digest error; PDU rejected");
         self.stats.digest_errors.fetch_add(1, Ordering::Relaxed);
         self.shared
             .stats
@@ -770,9 +791,18 @@ impl Connection {
 
     /// Ask the initiator to log out (Async Message event 1, RFC 7143 §11.9.1), used on shutdown.
     async fn async_logout_request(&self) {
+        // Parameter3: the seconds within which the initiator should log out (RFC 7143
+        // §11.9.1), the shutdown grace time.
+        let secs = self
+            .shared
+            .cfg
+            .shutdown_grace
+            .as_secs()
+            .clamp(1, u64::from(u16::MAX));
+        tracing::info!(peer = %self.peer, initiator = %self.session.initiator_name, tsih = self.session.tsih.0, "asking the initiator to log out within {secs} s (shutdown)");
         let msg = Header::AsyncMessage(AsyncMessage {
             async_event: 1,
-            parameter3: 0,
+            parameter3: secs as u16,
             ..Default::default()
         });
         self.send(vec![OutPdu::status(msg, Bytes::new())]).await;
@@ -1245,6 +1275,16 @@ impl Connection {
                     return Ok(());
                 }
                 let code = self.task_management(&t);
+                tracing::info!(
+                    peer = %self.peer,
+                    initiator = %self.session.initiator_name,
+                    tsih = self.session.tsih.0,
+                    function = tmf_name(t.function),
+                    lun = t.lun.number().map(|l| l as i64).unwrap_or(-1),
+                    itt = t.itt.0,
+                    response = tmf_response_name(code),
+                    "task management"
+                );
                 let resp = Header::TaskMgmtResponse(TaskMgmtResponse {
                     response: code,
                     itt: t.itt,
@@ -1390,6 +1430,19 @@ impl Connection {
             }
             _ => code = LogoutResponseCode::RECOVERY_NOT_SUPPORTED,
         }
+        tracing::info!(
+            peer = %self.peer,
+            initiator = %self.session.initiator_name,
+            tsih = self.session.tsih.0,
+            cid = l.cid.0,
+            reason = match l.reason {
+                LogoutReason::CLOSE_SESSION => "close session",
+                LogoutReason::CLOSE_CONNECTION => "close connection",
+                _ => "recovery",
+            },
+            response = code.0,
+            "logout"
+        );
         let resp = Header::LogoutResponse(LogoutResponse {
             response: code,
             itt: l.itt,
@@ -1519,6 +1572,35 @@ impl Connection {
 
 /// PREEMPT AND ABORT (SPC-4): the SCSI layer names the I_T nexuses whose tasks on the LUN
 /// must be aborted; find their sessions and abort those tasks (no responses are sent for them).
+/// The name of a task management function, for the log.
+fn tmf_name(f: TmfFunction) -> &'static str {
+    match f {
+        TmfFunction::ABORT_TASK => "ABORT TASK",
+        TmfFunction::ABORT_TASK_SET => "ABORT TASK SET",
+        TmfFunction::CLEAR_ACA => "CLEAR ACA",
+        TmfFunction::CLEAR_TASK_SET => "CLEAR TASK SET",
+        TmfFunction::LOGICAL_UNIT_RESET => "LOGICAL UNIT RESET",
+        TmfFunction::TARGET_WARM_RESET => "TARGET WARM RESET",
+        TmfFunction::TARGET_COLD_RESET => "TARGET COLD RESET",
+        TmfFunction::TASK_REASSIGN => "TASK REASSIGN",
+        _ => "unknown",
+    }
+}
+
+/// The name of a task management response, for the log.
+fn tmf_response_name(c: TmfResponseCode) -> &'static str {
+    match c {
+        TmfResponseCode::COMPLETE => "complete",
+        TmfResponseCode::TASK_DOES_NOT_EXIST => "task does not exist",
+        TmfResponseCode::LUN_DOES_NOT_EXIST => "LUN does not exist",
+        TmfResponseCode::TASK_STILL_ALLEGIANT => "task still allegiant",
+        TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED => "reassignment not supported",
+        TmfResponseCode::NOT_SUPPORTED => "not supported",
+        TmfResponseCode::AUTHORIZATION_FAILED => "authorization failed",
+        _ => "rejected",
+    }
+}
+
 fn abort_preempted(shared: &Shared, target: &LiveTarget, lun: u64) {
     let Some(lu) = target.scsi().lun(lun).cloned() else {
         return;

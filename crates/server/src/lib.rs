@@ -87,6 +87,10 @@ pub struct ServerConfig {
     /// waits (holding its CmdSN slot, so MaxCmdSN stops advancing) until the writer has sent
     /// enough. Bounds what an initiator that never reads can make the target hold.
     pub tx_buffer_per_connection: u64,
+    /// On shutdown: how long to wait, after asking every initiator to log out (Async
+    /// Message), for in-flight commands to finish and sessions to log out before the
+    /// remaining connections are closed.
+    pub shutdown_grace: Duration,
 }
 
 impl ServerConfig {
@@ -108,6 +112,7 @@ impl ServerConfig {
             write_buffer_per_session: 64 << 20,
             max_r2ts_per_connection: 256,
             tx_buffer_per_connection: 64 << 20,
+            shutdown_grace: Duration::from_secs(10),
         }
     }
 }
@@ -314,7 +319,10 @@ impl Server {
             .info()
     }
 
-    /// Serve until `stop` resolves, then close every connection.
+    /// Serve until `stop` resolves, then shut down gracefully: stop accepting, ask every
+    /// initiator to log out (Async Message event 1; connections keep serving, so commands in
+    /// flight finish), wait up to `shutdown_grace` for every connection to end, then close
+    /// the rest.
     pub async fn run(self, stop: impl Future<Output = ()>) {
         let mut tasks = tokio::task::JoinSet::new();
         for l in self.listeners {
@@ -322,16 +330,60 @@ impl Server {
             tasks.spawn(accept_loop(l, shared));
         }
         stop.await;
-        tracing::info!("shutting down");
-        let _ = self.shutdown_tx.send(true);
         tasks.abort_all();
-        // Give connections a moment to notice and close.
-        let _ = tokio::time::timeout(Duration::from_secs(2), async {
-            while self.shared.sessions.lock().map(|s| s.len()).unwrap_or(0) > 0 {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-        .await;
+        // The listeners are closed once the accept loops are gone.
+        while tasks.join_next().await.is_some() {}
+        let grace = self.shared.cfg.shutdown_grace;
+        let (sessions, conns) = (self.shared.session_count(), self.shared.open_connections());
+        tracing::info!(
+            sessions,
+            connections = conns,
+            "shutting down: initiators asked to log out; waiting up to {grace:?}"
+        );
+        let _ = self.shutdown_tx.send(true);
+        let drained = tokio::time::timeout(grace, self.shared.wait_idle())
+            .await
+            .is_ok();
+        if drained {
+            tracing::info!("shutdown: every session has ended");
+            return;
+        }
+        let left = self.shared.all_sessions();
+        tracing::warn!(
+            sessions = left.len(),
+            connections = self.shared.open_connections(),
+            "shutdown: grace time over; closing the remaining connections"
+        );
+        for s in &left {
+            tracing::warn!(initiator = %s.initiator_name, tsih = s.tsih.0, "shutdown: closing a session that did not log out");
+            s.close_conns(None);
+        }
+        // Closing is quick (commands are aborted); do not hang on a stuck login either.
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.shared.wait_idle()).await;
+    }
+}
+
+impl Shared {
+    fn session_count(&self) -> usize {
+        self.sessions.lock().map(|s| s.len()).unwrap_or(0)
+    }
+
+    fn all_sessions(&self) -> Vec<Arc<session::Session>> {
+        self.sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .all()
+    }
+
+    fn open_connections(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Until no session and no connection is left.
+    async fn wait_idle(&self) {
+        while self.session_count() > 0 || self.open_connections() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 
