@@ -3,13 +3,18 @@
 //! the flag, and say what is wrong.
 //!
 //! ```toml
-//! listen = ["127.0.0.1:3260", "[::1]:3260"]
+//! listen = ["127.0.0.1:3260", "[::1]:3260"]   # portal group 1; more: [[portal_group]]
 //! data_dir = "/var/lib/ironsan"
 //! queue_depth = 128
+//!
+//! # [[portal_group]]
+//! # tag = 2
+//! # listen = ["10.0.2.5:3260"]
 //!
 //! [[target]]
 //! name = "iqn.2026-11.org.ironsan:disk1"
 //! alias = "disk1"
+//! # portal_groups = [1, 2]  # default: every portal
 //!
 //! [[target.lun]]
 //! backend = "file"          # null | ram | file
@@ -19,6 +24,8 @@
 //! write_cache = false       # initial WCE
 //! read_only = false
 //! block_size = 512
+//! # serial = "D1SK0001"     # identity (docs/CONFIG.md); `ctl save` writes both
+//! # naa = "0x3000c0ffee000001"
 //!
 //! [[target.lun]]
 //! spec = "ram:1G"           # the same shorthand as --lun
@@ -39,7 +46,7 @@
 //! ```
 
 use ironsan_backend::parse_size;
-use ironsan_server::{Access, AclRule, ChapAccount};
+use ironsan_server::{Access, AclRule, ChapAccount, PortalGroup};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -68,7 +75,11 @@ pub struct LunPlan {
     pub block_size: u32,
     /// Reported physical block size; 0 = the logical block size.
     pub physical_block_size: u32,
+    /// Unit serial number (VPD 80h); `None`: the NAA in hex.
     pub serial: Option<String>,
+    /// The 8-byte NAA designator (VPD 83h, NAA 2h, 3h or 5h); `None`: derived from the
+    /// target name and LUN number (NAA 3h, locally assigned).
+    pub naa: Option<u64>,
     /// Fault injection rules (`fault=RULE`, grammar in `ironsan_backend::fault`), validated;
     /// empty: no fault wrapper.
     pub faults: Vec<String>,
@@ -87,6 +98,7 @@ impl LunPlan {
             block_size: 512,
             physical_block_size: 0,
             serial: None,
+            naa: None,
             faults: Vec::new(),
             fault_seed: 1,
         }
@@ -95,7 +107,7 @@ impl LunPlan {
 
 /// Parse a full `--lun` value: `SPEC[,OPTION]...` where OPTION is `ro`, `direct`, `wce`,
 /// `bs=N` (logical block size), `pbs=N` (reported physical block size), `serial=S`,
-/// `fault=RULE` (once per rule; see docs/INTEGRITY.md) or `fault-seed=N`.
+/// `naa=0xHEX16` (see [`parse_naa`]), `fault=RULE` (once per rule; see docs/INTEGRITY.md) or `fault-seed=N`.
 pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
     let mut parts = value.split(',');
     let spec = parts.next().unwrap_or_default();
@@ -117,7 +129,12 @@ pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
                     .map_err(|_| format!("'{value}': pbs={v} is not a number"))
                     .and_then(check_block_size)?
             }
-            Some(("serial", v)) if !v.is_empty() => plan.serial = Some(v.to_string()),
+            Some(("serial", v)) => {
+                plan.serial = Some(check_serial(v).map_err(|e| format!("'{value}': {e}"))?)
+            }
+            Some(("naa", v)) => {
+                plan.naa = Some(parse_naa(v).map_err(|e| format!("'{value}': {e}"))?)
+            }
             Some(("fault", v)) => {
                 ironsan_backend::FaultRule::parse(v).map_err(|e| format!("'{value}': {e}"))?;
                 plan.faults.push(v.to_string());
@@ -129,7 +146,7 @@ pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
             }
             _ => {
                 return Err(format!(
-                    "'{value}': unknown LUN option '{opt}' (ro, direct, wce, bs=N, pbs=N, serial=S, fault=RULE, fault-seed=N)"
+                    "'{value}': unknown LUN option '{opt}' (ro, direct, wce, bs=N, pbs=N, serial=S, naa=0xHEX, fault=RULE, fault-seed=N)"
                 ))
             }
         }
@@ -140,6 +157,40 @@ pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
     Ok(plan)
 }
 
+/// Parse an 8-byte NAA designator: 16 hex digits, optionally after `0x`, whose first digit
+/// is an 8-byte NAA format: 2 (IEEE extended), 3 (locally assigned) or 5 (IEEE registered).
+/// NAA 6h (IEEE registered extended) needs 16 bytes and is not accepted.
+pub fn parse_naa(v: &str) -> Result<u64, String> {
+    let hex = v
+        .strip_prefix("0x")
+        .or_else(|| v.strip_prefix("0X"))
+        .unwrap_or(v);
+    if hex.len() != 16 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!(
+            "naa '{v}' must be 16 hex digits (an 8-byte NAA designator, e.g. 0x3000c0ffee000001)"
+        ));
+    }
+    let n = u64::from_str_radix(hex, 16).map_err(|e| format!("naa '{v}': {e}"))?;
+    match n >> 60 {
+        0x2 | 0x3 | 0x5 => Ok(n),
+        k => Err(format!(
+            "naa '{v}': NAA type {k:X}h is not an 8-byte format (use 2h, 3h or 5h)"
+        )),
+    }
+}
+
+/// A unit serial number (VPD 80h): 1 to 64 printable ASCII characters without spaces or
+/// commas (a `--lun` spec separates its options with commas).
+pub fn check_serial(v: &str) -> Result<String, String> {
+    if v.is_empty() || v.len() > 64 || !v.bytes().all(|b| b.is_ascii_graphic() && b != b',') {
+        return Err(format!(
+            "serial '{}' must be 1 to 64 printable ASCII characters without spaces or commas",
+            v.escape_debug()
+        ));
+    }
+    Ok(v.to_string())
+}
+
 /// One target, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TargetPlan {
@@ -148,6 +199,8 @@ pub struct TargetPlan {
     pub luns: Vec<LunPlan>,
     /// ACL and CHAP (open when default).
     pub access: Access,
+    /// The tags of the portal groups that serve it; `None`: every portal.
+    pub portal_groups: Option<Vec<u16>>,
 }
 
 /// Resource limits (docs/SECURITY.md). Defaults are safe for a storage node.
@@ -164,6 +217,17 @@ pub struct Limits {
     pub tx_buffer_per_connection: u64,
     /// SIGTERM: how long to wait for sessions to log out and commands to finish.
     pub shutdown_grace: std::time::Duration,
+}
+
+#[cfg(test)]
+impl Plan {
+    /// Every portal address of every group.
+    pub fn listen(&self) -> Vec<SocketAddr> {
+        self.portal_groups
+            .iter()
+            .flat_map(|g| g.listen.iter().copied())
+            .collect()
+    }
 }
 
 impl Default for Limits {
@@ -187,7 +251,8 @@ impl Default for Limits {
 /// Everything `serve` needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
-    pub listen: Vec<SocketAddr>,
+    /// Portal groups; `listen = [...]` (or `--listen`) is the group with tag 1.
+    pub portal_groups: Vec<PortalGroup>,
     pub data_dir: PathBuf,
     pub queue_depth: u32,
     pub targets: Vec<TargetPlan>,
@@ -392,6 +457,8 @@ struct FileConfig {
     data_dir: Option<String>,
     queue_depth: Option<Spanned<u32>>,
     #[serde(default)]
+    portal_group: Vec<FilePortalGroup>,
+    #[serde(default)]
     target: Vec<FileTarget>,
     discovery: Option<FileAccess>,
     limits: Option<FileLimits>,
@@ -401,9 +468,17 @@ struct FileConfig {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct FilePortalGroup {
+    tag: Spanned<i64>,
+    listen: Spanned<Vec<Spanned<String>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct FileTarget {
     name: Spanned<String>,
     alias: Option<String>,
+    portal_groups: Option<Spanned<Vec<Spanned<i64>>>>,
     #[serde(default)]
     lun: Vec<FileLun>,
     acl: Option<Vec<Spanned<String>>>,
@@ -635,7 +710,8 @@ struct FileLun {
     read_only: bool,
     block_size: Option<Spanned<u32>>,
     physical_block_size: Option<Spanned<u32>>,
-    serial: Option<String>,
+    serial: Option<Spanned<String>>,
+    naa: Option<Spanned<String>>,
 }
 
 /// A duration: a number with `ms`, `s`, `m` or `h` (`"10s"`, `"1500ms"`, `"2m"`).
@@ -706,25 +782,69 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
     let data_dir = PathBuf::from(cfg.data_dir.unwrap_or_else(|| "./ironsan-data".into()));
     // secret_file paths are relative to the configuration file's directory.
     let base = path.parent().unwrap_or(Path::new("."));
-    let mut listen = Vec::new();
-    for l in cfg.listen.unwrap_or_default() {
-        let addr = l.get_ref().parse::<SocketAddr>().map_err(|_| {
-            at(
-                l.span(),
-                format!(
-                    "listen address '{}' is not ADDR:PORT (IPv6 as [::1]:3260)",
-                    l.get_ref()
-                ),
-            )
-        })?;
-        listen.push(addr);
+    let addrs = |list: &[Spanned<String>]| -> Result<Vec<SocketAddr>, String> {
+        let mut out = Vec::new();
+        for l in list {
+            out.push(l.get_ref().parse::<SocketAddr>().map_err(|_| {
+                at(
+                    l.span(),
+                    format!(
+                        "listen address '{}' is not ADDR:PORT (IPv6 as [::1]:3260)",
+                        l.get_ref()
+                    ),
+                )
+            })?);
+        }
+        Ok(out)
+    };
+    let mut portal_groups = Vec::new();
+    let listen = addrs(cfg.listen.as_deref().unwrap_or_default())?;
+    if !listen.is_empty() {
+        portal_groups.push(PortalGroup { tag: 1, listen });
     }
-    if listen.is_empty() {
-        listen.push(
-            DEFAULT_LISTEN
+    let mut seen: Vec<SocketAddr> = portal_groups
+        .iter()
+        .flat_map(|g| g.listen.clone())
+        .collect();
+    for g in &cfg.portal_group {
+        let tag = u16::try_from(*g.tag.get_ref())
+            .ok()
+            .filter(|&t| t != 0)
+            .ok_or_else(|| at(g.tag.span(), "portal group tag must be 1 to 65535".into()))?;
+        if portal_groups.iter().any(|x: &PortalGroup| x.tag == tag) {
+            let why = if tag == 1 && cfg.listen.is_some() {
+                " (listen = [...] is portal group 1)"
+            } else {
+                ""
+            };
+            return Err(at(
+                g.tag.span(),
+                format!("portal group {tag} is defined twice{why}"),
+            ));
+        }
+        let listen = addrs(g.listen.get_ref())?;
+        if listen.is_empty() {
+            return Err(at(
+                g.listen.span(),
+                format!("portal group {tag} has no listen address"),
+            ));
+        }
+        for (a, l) in listen.iter().zip(g.listen.get_ref()) {
+            // Port 0 (any free port, for tests) never clashes.
+            if a.port() != 0 && seen.contains(a) {
+                return Err(at(l.span(), format!("portal {a} is in two portal groups")));
+            }
+            seen.push(*a);
+        }
+        portal_groups.push(PortalGroup { tag, listen });
+    }
+    if portal_groups.is_empty() {
+        portal_groups.push(PortalGroup {
+            tag: 1,
+            listen: vec![DEFAULT_LISTEN
                 .parse()
-                .map_err(|_| "bad default listen address".to_string())?,
-        );
+                .map_err(|_| "bad default listen address".to_string())?],
+        });
     }
     let queue_depth = match cfg.queue_depth {
         Some(q) if *q.get_ref() == 0 || *q.get_ref() > 4096 => {
@@ -759,15 +879,57 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
             ));
         }
         let access = access_from_file(&t.acl, &t.chap, &t.mutual_chap, base, &at)?;
+        let groups = match &t.portal_groups {
+            None => None,
+            Some(list) => {
+                if list.get_ref().is_empty() {
+                    return Err(at(
+                        list.span(),
+                        "portal_groups is empty (leave it out to serve on every portal)".into(),
+                    ));
+                }
+                let mut tags = Vec::new();
+                for g in list.get_ref() {
+                    let tag = u16::try_from(*g.get_ref())
+                        .ok()
+                        .filter(|t| portal_groups.iter().any(|p| p.tag == *t))
+                        .ok_or_else(|| {
+                            at(
+                                g.span(),
+                                format!("no [[portal_group]] with tag {}", g.get_ref()),
+                            )
+                        })?;
+                    if !tags.contains(&tag) {
+                        tags.push(tag);
+                    }
+                }
+                Some(tags)
+            }
+        };
         targets.push(TargetPlan {
             name: t.name.into_inner(),
             alias: t.alias,
             luns,
             access,
+            portal_groups: groups,
         });
     }
     if targets.is_empty() {
         return Err(format!("{file}: no [[target]] defined"));
+    }
+    // Two LUs with one identity would look like two paths to one disk to a multipath host.
+    let mut ids = std::collections::HashMap::new();
+    for t in &targets {
+        for (n, l) in t.luns.iter().enumerate() {
+            if let Some(naa) = l.naa {
+                if let Some((t0, n0)) = ids.insert(naa, (&t.name, n)) {
+                    return Err(format!(
+                        "{file}: {} LUN {n} and {t0} LUN {n0} have the same naa 0x{naa:016x}",
+                        t.name
+                    ));
+                }
+            }
+        }
     }
     let discovery = match &cfg.discovery {
         Some(d) => access_from_file(&d.acl, &d.chap, &d.mutual_chap, base, &at)?,
@@ -797,7 +959,7 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
         None => None,
     };
     Ok(Plan {
-        listen,
+        portal_groups,
         data_dir,
         queue_depth,
         targets,
@@ -869,6 +1031,14 @@ fn lun_from_file(l: FileLun, data_dir: &Path, at: At) -> Result<LunPlan, String>
         }
     };
     let base = from_spec.unwrap_or_else(|| LunPlan::new(backing.clone()));
+    let serial = match &l.serial {
+        Some(s) => Some(check_serial(s.get_ref()).map_err(|e| at(s.span(), e))?),
+        None => base.serial,
+    };
+    let naa = match &l.naa {
+        Some(v) => Some(parse_naa(v.get_ref()).map_err(|e| at(v.span(), e))?),
+        None => base.naa,
+    };
     let block_size = match &l.block_size {
         Some(b) => check_block_size(*b.get_ref()).map_err(|e| at(b.span(), e))?,
         None => base.block_size,
@@ -884,7 +1054,8 @@ fn lun_from_file(l: FileLun, data_dir: &Path, at: At) -> Result<LunPlan, String>
         read_only: l.read_only || base.read_only,
         block_size,
         physical_block_size,
-        serial: l.serial.or(base.serial),
+        serial,
+        naa,
         faults: base.faults,
         fault_seed: base.fault_seed,
     })
@@ -991,7 +1162,10 @@ pub fn from_flags(
         plans.push(plan);
     }
     Ok(Plan {
-        listen: addrs,
+        portal_groups: vec![PortalGroup {
+            tag: 1,
+            listen: addrs,
+        }],
         data_dir: data_dir.to_owned(),
         queue_depth: 128,
         targets: vec![TargetPlan {
@@ -999,6 +1173,7 @@ pub fn from_flags(
             alias: None,
             luns: plans,
             access,
+            portal_groups: None,
         }],
         discovery,
         limits: Limits::default(),
@@ -1063,6 +1238,175 @@ mod tests {
         assert!(parse_lun("ram:1G,bs=4096,pbs=512", d)
             .unwrap_err()
             .contains("pbs"));
+    }
+
+    #[test]
+    fn lun_identity_naa_and_serial() {
+        let d = Path::new("/data");
+        let p = parse_lun("ram:1G,serial=DISK-01,naa=0x3000c0ffee000001", d).unwrap();
+        assert_eq!(p.serial.as_deref(), Some("DISK-01"));
+        assert_eq!(p.naa, Some(0x3000_c0ff_ee00_0001));
+        assert_eq!(parse_naa("5000C0FFEE000001"), Ok(0x5000_c0ff_ee00_0001));
+        assert_eq!(parse_naa("0x2000000000000001"), Ok(0x2000_0000_0000_0001));
+        for (v, what) in [
+            ("0x3000c0ffee0001", "16 hex digits"),
+            ("0x3000c0ffee00000g", "16 hex digits"),
+            ("0x6000c0ffee000001", "not an 8-byte format"),
+            ("0x1000c0ffee000001", "not an 8-byte format"),
+            ("", "16 hex digits"),
+        ] {
+            let e = parse_naa(v).unwrap_err();
+            assert!(e.contains(what), "{v}: {e}");
+        }
+        for bad in ["", "a b", "a,b", &"x".repeat(65)] {
+            assert!(check_serial(bad).is_err(), "{bad:?}");
+        }
+        assert!(parse_lun("ram:1G,serial=", d).is_err());
+        let text = r#"
+[[target]]
+name = "iqn.2026-11.org.x:a"
+[[target.lun]]
+spec = "ram:1M"
+serial = "S1"
+naa = "0x3000000000000001"
+[[target.lun]]
+spec = "ram:1M,naa=0x5000000000000002"
+[[target]]
+name = "iqn.2026-11.org.x:b"
+[[target.lun]]
+spec = "ram:1M"
+"#;
+        let plan = parse_file(text, Path::new("t.toml")).unwrap();
+        let l = &plan.targets[0].luns;
+        assert_eq!(
+            (l[0].serial.as_deref(), l[0].naa),
+            (Some("S1"), Some(0x3000_0000_0000_0001))
+        );
+        assert_eq!(
+            (l[1].serial.as_deref(), l[1].naa),
+            (None, Some(0x5000_0000_0000_0002))
+        );
+        assert_eq!(plan.targets[1].luns[0].naa, None);
+        let base =
+            "[[target]]\nname = \"iqn.2026-11.org.x:a\"\n[[target.lun]]\nspec = \"ram:1M\"\n";
+        for (text, want) in [
+            (format!("{base}naa = \"0x6000000000000001\"\n"), "t.toml:5: "),
+            (format!("{base}naa = \"0x30\"\n"), "t.toml:5: "),
+            (format!("{base}serial = \"a b\"\n"), "t.toml:5: "),
+            (
+                format!("{base}naa = \"0x3000000000000001\"\n[[target.lun]]\nspec = \"ram:1M\"\nnaa = \"3000000000000001\"\n"),
+                "same naa",
+            ),
+        ] {
+            let e = parse_file(&text, Path::new("t.toml")).unwrap_err();
+            assert!(e.contains(want), "{e}\n{text}");
+        }
+    }
+
+    #[test]
+    fn portal_groups_and_target_membership() {
+        let text = r#"
+[[portal_group]]
+tag = 1
+listen = ["127.0.0.1:3260", "[::1]:3260"]
+[[portal_group]]
+tag = 7
+listen = ["127.0.0.1:3261"]
+[[target]]
+name = "iqn.2026-11.org.x:a"
+portal_groups = [7]
+[[target.lun]]
+spec = "ram:1M"
+[[target]]
+name = "iqn.2026-11.org.x:b"
+[[target.lun]]
+spec = "ram:1M"
+"#;
+        let plan = parse_file(text, Path::new("t.toml")).unwrap();
+        assert_eq!(
+            plan.portal_groups,
+            vec![
+                PortalGroup {
+                    tag: 1,
+                    listen: vec![
+                        "127.0.0.1:3260".parse().unwrap(),
+                        "[::1]:3260".parse().unwrap()
+                    ]
+                },
+                PortalGroup {
+                    tag: 7,
+                    listen: vec!["127.0.0.1:3261".parse().unwrap()]
+                },
+            ]
+        );
+        assert_eq!(plan.targets[0].portal_groups, Some(vec![7]));
+        assert_eq!(plan.targets[1].portal_groups, None);
+        // listen = [...] alone is group 1; with [[portal_group]]s it is group 1 beside them.
+        let lun = "[[target]]\nname = \"iqn.2026-11.org.x:a\"\n[[target.lun]]\nspec = \"ram:1M\"\n";
+        let plan = parse_file(
+            &format!("listen = [\"127.0.0.1:3260\"]\n{lun}"),
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert_eq!(plan.portal_groups.len(), 1);
+        assert_eq!(plan.portal_groups[0].tag, 1);
+        let plan = parse_file(
+            &format!("listen = [\"127.0.0.1:3260\"]\n[[portal_group]]\ntag = 2\nlisten = [\"127.0.0.1:3261\"]\n{lun}"),
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert_eq!(
+            plan.portal_groups.iter().map(|g| g.tag).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        let g = |tag: &str, listen: &str| {
+            format!("[[portal_group]]\ntag = {tag}\nlisten = [{listen}]\n")
+        };
+        for (text, line, what) in [
+            (g("0", "\"127.0.0.1:1\""), 2, "1 to 65535"),
+            (g("65536", "\"127.0.0.1:1\""), 2, "1 to 65535"),
+            (g("2", ""), 3, "no listen address"),
+            (g("2", "\"nowhere\""), 3, "not ADDR:PORT"),
+            (
+                format!("{}{}", g("2", "\"127.0.0.1:1\""), g("2", "\"127.0.0.1:2\"")),
+                5,
+                "defined twice",
+            ),
+            (
+                format!("listen = [\"127.0.0.1:1\"]\n{}", g("1", "\"127.0.0.1:2\"")),
+                3,
+                "listen = [...] is portal group 1",
+            ),
+            (
+                format!("{}{}", g("2", "\"127.0.0.1:1\""), g("3", "\"127.0.0.1:1\"")),
+                6,
+                "two portal groups",
+            ),
+        ] {
+            let text = format!("{text}{lun}");
+            let e = parse_file(&text, Path::new("t.toml")).unwrap_err();
+            assert!(
+                e.starts_with(&format!("t.toml:{line}: ")) && e.contains(what),
+                "{e}\n{text}"
+            );
+        }
+        let t = |groups: &str| {
+            format!("{}[[target]]\nname = \"iqn.2026-11.org.x:a\"\nportal_groups = {groups}\n[[target.lun]]\nspec = \"ram:1M\"\n", g("2", "\"127.0.0.1:1\""))
+        };
+        let e = parse_file(&t("[3]"), Path::new("t.toml")).unwrap_err();
+        assert!(
+            e.starts_with("t.toml:6: ") && e.contains("no [[portal_group]] with tag 3"),
+            "{e}"
+        );
+        let e = parse_file(&t("[]"), Path::new("t.toml")).unwrap_err();
+        assert!(e.starts_with("t.toml:6: ") && e.contains("empty"), "{e}");
+        assert_eq!(
+            parse_file(&t("[2, 2]"), Path::new("t.toml"))
+                .unwrap()
+                .targets[0]
+                .portal_groups,
+            Some(vec![2])
+        );
     }
 
     #[test]
@@ -1230,7 +1574,8 @@ size = "1G"
 block_size = 4096
 "#;
         let plan = parse_file(text, Path::new("c.toml")).unwrap();
-        assert_eq!(plan.listen.len(), 2);
+        assert_eq!(plan.listen().len(), 2);
+        assert_eq!(plan.portal_groups[0].tag, 1);
         assert_eq!(plan.queue_depth, 64);
         assert_eq!(plan.targets.len(), 2);
         assert_eq!(
@@ -1260,7 +1605,7 @@ block_size = 4096
             &AuthFlags::default(),
         )
         .unwrap();
-        assert_eq!(p.listen, vec!["127.0.0.1:3260".parse().unwrap()]);
+        assert_eq!(p.listen(), vec!["127.0.0.1:3260".parse().unwrap()]);
         assert_eq!(p.targets[0].name, DEFAULT_TARGET);
         assert_eq!(
             p.targets[0].luns[0].backing,

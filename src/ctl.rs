@@ -77,8 +77,14 @@ pub fn lun_spec(l: &LunPlan) -> String {
     if let Some(serial) = &l.serial {
         s.push_str(&format!(",serial={serial}"));
     }
+    if let Some(naa) = l.naa {
+        s.push_str(&format!(",naa=0x{naa:016x}"));
+    }
     for f in &l.faults {
         s.push_str(&format!(",fault={f}"));
+    }
+    if !l.faults.is_empty() && l.fault_seed != 1 {
+        s.push_str(&format!(",fault-seed={}", l.fault_seed));
     }
     s
 }
@@ -121,7 +127,7 @@ impl BinHooks {
         let data_dir = plan.data_dir.clone();
         {
             let old = self.plan.lock().unwrap_or_else(|p| p.into_inner());
-            if old.listen != plan.listen
+            if old.portal_groups != plan.portal_groups
                 || old.limits != plan.limits
                 || old.queue_depth != plan.queue_depth
                 || old.data_dir != plan.data_dir
@@ -129,7 +135,7 @@ impl BinHooks {
                 || old.control != plan.control
             {
                 changes.push(
-                    "! listen, data_dir, queue_depth, metrics, control and [limits] take effect only after a restart"
+                    "! listen, [[portal_group]], data_dir, queue_depth, metrics, control and [limits] take effect only after a restart"
                         .to_string(),
                 );
             }
@@ -176,6 +182,9 @@ impl BinHooks {
                         for (n, s) in specs.into_iter().enumerate() {
                             control.set_lun_origin(&t.name, n as u64, Some(s));
                         }
+                        if t.portal_groups.is_some() {
+                            control.set_portal_groups(&t.name, t.portal_groups.clone())?;
+                        }
                         Ok(())
                     },
                 );
@@ -187,6 +196,16 @@ impl BinHooks {
                     &mut || control.set_access(Some(&t.name), t.access.clone()),
                 );
             }
+            if control.portal_groups(&t.name).ok().as_ref() != Some(&t.portal_groups) {
+                let what = match &t.portal_groups {
+                    Some(g) => format!("{g:?}"),
+                    None => "all".into(),
+                };
+                step(
+                    format!("~ target {}: portal groups {what}", t.name),
+                    &mut || control.set_portal_groups(&t.name, t.portal_groups.clone()),
+                );
+            }
             let have = control.lun_list(&t.name).unwrap_or_default();
             for (n, _, _) in have.iter().filter(|(n, _, _)| *n as usize >= t.luns.len()) {
                 step(format!("- target {} LUN {n}", t.name), &mut || {
@@ -194,12 +213,28 @@ impl BinHooks {
                 });
             }
             for (n, l) in t.luns.iter().enumerate() {
-                let want = lun_spec(l);
                 let cur = have.iter().find(|(m, _, _)| *m == n as u64);
-                match cur {
-                    Some((_, _, Some(spec))) if *spec == want => {}
-                    Some((_, lu, Some(spec))) if same_but_size(spec, l, &data_dir) => {
-                        let size = plan_size(l).unwrap_or(0);
+                // The file's LUN, keeping the running identity (NAA, serial) where the file
+                // gives none; and the running LUN, identity included.
+                let (want, now) = match cur {
+                    Some((_, lu, spec)) => (
+                        keep_identity(l, lu),
+                        spec.as_deref()
+                            .and_then(|s| config::parse_lun(s, &data_dir).ok())
+                            .map(|mut c| {
+                                let (naa, serial) = identity(lu);
+                                c.naa = Some(naa);
+                                c.serial = Some(serial);
+                                c
+                            }),
+                    ),
+                    None => (l.clone(), None),
+                };
+                let want_spec = lun_spec(&want);
+                match (cur, &now) {
+                    (Some(_), Some(now)) if *now == want => {}
+                    (Some((_, lu, _)), Some(now)) if same_but_size(now, &want) => {
+                        let size = plan_size(&want).unwrap_or(0);
                         let now = lu.capacity_blocks() * u64::from(lu.block_size());
                         if size == now {
                             continue;
@@ -208,7 +243,7 @@ impl BinHooks {
                             format!("~ target {} LUN {n}: resize {now} -> {size} bytes", t.name),
                             &mut || {
                                 control.resize_lun(&t.name, n as u64, size)?;
-                                control.set_lun_origin(&t.name, n as u64, Some(want.clone()));
+                                control.set_lun_origin(&t.name, n as u64, Some(want_spec.clone()));
                                 Ok(())
                             },
                         );
@@ -216,9 +251,9 @@ impl BinHooks {
                     _ => {
                         let verb = if cur.is_some() { "~" } else { "+" };
                         step(
-                            format!("{verb} target {} LUN {n}: {want}", t.name),
+                            format!("{verb} target {} LUN {n}: {want_spec}", t.name),
                             &mut || {
-                                let (_, lu) = crate::build_lu(&t.name, n, l, &data_dir)
+                                let (_, lu) = crate::build_lu(&t.name, n, &want, &data_dir)
                                     .map_err(|e| format!("{e:#}"))?;
                                 if cur.is_some() {
                                     control.remove_lun(&t.name, n as u64)?;
@@ -228,7 +263,7 @@ impl BinHooks {
                                         &t.name,
                                         Some(n as u64),
                                         Arc::new(lu),
-                                        Some(want.clone()),
+                                        Some(want_spec.clone()),
                                     )
                                     .map(|_| ())
                             },
@@ -262,13 +297,22 @@ impl BinHooks {
         let plan = self.plan.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let mut out = String::from("# Written by `ironsan ctl save`.\n");
         let q = |s: &str| toml::Value::String(s.to_string()).to_string();
-        out.push_str(&format!(
-            "listen = [{}]\ndata_dir = {}\nqueue_depth = {}\n",
-            plan.listen
-                .iter()
+        let addrs = |l: &[std::net::SocketAddr]| {
+            l.iter()
                 .map(|a| q(&a.to_string()))
                 .collect::<Vec<_>>()
-                .join(", "),
+                .join(", ")
+        };
+        // One group with tag 1 is `listen`; otherwise every group is a [[portal_group]].
+        let implicit = match plan.portal_groups.as_slice() {
+            [g] if g.tag == 1 => Some(g),
+            _ => None,
+        };
+        if let Some(g) = implicit {
+            out.push_str(&format!("listen = [{}]\n", addrs(&g.listen)));
+        }
+        out.push_str(&format!(
+            "data_dir = {}\nqueue_depth = {}\n",
             q(&plan.data_dir.display().to_string()),
             plan.queue_depth
         ));
@@ -277,6 +321,15 @@ impl BinHooks {
         }
         if let Some(c) = &plan.control {
             out.push_str(&format!("control = {}\n", q(&c.display().to_string())));
+        }
+        if implicit.is_none() {
+            for g in &plan.portal_groups {
+                out.push_str(&format!(
+                    "\n[[portal_group]]\ntag = {}\nlisten = [{}]\n",
+                    g.tag,
+                    addrs(&g.listen)
+                ));
+            }
         }
         let access_lines = |who: &str, a: &Access, out: &mut String| -> Result<(), String> {
             if !a.acl.is_empty() {
@@ -306,6 +359,10 @@ impl BinHooks {
             if let Some(a) = control.alias(&t)? {
                 out.push_str(&format!("alias = {}\n", q(&a)));
             }
+            if let Some(g) = control.portal_groups(&t)? {
+                let g: Vec<String> = g.iter().map(u16::to_string).collect();
+                out.push_str(&format!("portal_groups = [{}]\n", g.join(", ")));
+            }
             access_lines(&t, &control.access(Some(&t))?, &mut out)?;
             let luns = control.lun_list(&t)?;
             for (i, (n, lu, spec)) in luns.iter().enumerate() {
@@ -323,7 +380,15 @@ impl BinHooks {
                     Backing::Null { size } | Backing::Ram { size } => *size = now,
                     Backing::File { size, .. } => *size = Some(now),
                 }
-                out.push_str(&format!("\n[[target.lun]]\nspec = {}\n", q(&lun_spec(&l))));
+                // The identity is written out, so it survives a restart and a renamed target.
+                let (naa, serial) = identity(lu);
+                l.naa = None;
+                l.serial = None;
+                out.push_str(&format!(
+                    "\n[[target.lun]]\nspec = {}\nserial = {}\nnaa = \"0x{naa:016x}\"\n",
+                    q(&lun_spec(&l)),
+                    q(&serial)
+                ));
             }
         }
         // The file must read back.
@@ -339,11 +404,36 @@ fn plan_size(l: &LunPlan) -> Option<u64> {
     }
 }
 
-/// Whether the running `spec` and `want` differ at most in size.
-fn same_but_size(spec: &str, want: &LunPlan, data_dir: &Path) -> bool {
-    let Ok(mut cur) = config::parse_lun(spec, data_dir) else {
-        return false;
+/// The identity of a running LU: its NAA designator (as VPD 83h reports it) and serial.
+fn identity(lu: &LogicalUnit) -> (u64, String) {
+    let c = lu.config();
+    let naa = match c.naa >> 60 {
+        0x2 | 0x3 | 0x5 => c.naa,
+        _ => (c.naa & 0x0FFF_FFFF_FFFF_FFFF) | 0x3000_0000_0000_0000,
     };
+    let serial = config::check_serial(&c.serial).unwrap_or_else(|_| format!("{naa:016x}"));
+    (naa, serial)
+}
+
+/// `want` with the identity of the running `lu` where `want` gives none (a LUN that `apply`
+/// changes keeps its NAA and serial unless the file names others).
+fn keep_identity(want: &LunPlan, lu: &LogicalUnit) -> LunPlan {
+    let (naa, serial) = identity(lu);
+    let mut w = want.clone();
+    let new_naa = *w.naa.get_or_insert(naa);
+    if w.serial.is_none() {
+        w.serial = Some(if new_naa == naa {
+            serial
+        } else {
+            format!("{new_naa:016x}")
+        });
+    }
+    w
+}
+
+/// Whether the running LUN `cur` and `want` differ at most in size.
+fn same_but_size(cur: &LunPlan, want: &LunPlan) -> bool {
+    let mut cur = cur.clone();
     let mut want = want.clone();
     for b in [&mut cur.backing, &mut want.backing] {
         match b {
@@ -400,5 +490,136 @@ impl Hooks for BinHooks {
             }
             _ => return None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ironsan_server::{Server, ServerConfig};
+
+    /// What `serve` does with a plan, less the printing.
+    async fn start(plan: &Plan) -> Server {
+        let mut targets = Vec::new();
+        for t in &plan.targets {
+            let mut scsi = ironsan_scsi::Target::new();
+            for (n, l) in t.luns.iter().enumerate() {
+                let (_, lu) = crate::build_lu(&t.name, n, l, &plan.data_dir).unwrap();
+                scsi.add_lun(n as u64, Arc::new(lu));
+            }
+            targets.push(TargetDef {
+                name: t.name.clone(),
+                alias: None,
+                tpgt: 1,
+                scsi: Arc::new(scsi),
+            });
+        }
+        let mut cfg = ServerConfig::new(Vec::new(), targets);
+        cfg.portal_groups = plan.portal_groups.clone();
+        cfg.target_portal_groups = plan
+            .targets
+            .iter()
+            .filter_map(|t| Some((t.name.clone(), t.portal_groups.clone()?)))
+            .collect();
+        let server = Server::bind(cfg).await.unwrap();
+        let control = server.control();
+        for t in &plan.targets {
+            for (n, l) in t.luns.iter().enumerate() {
+                control.set_lun_origin(&t.name, n as u64, Some(lun_spec(l)));
+            }
+        }
+        server
+    }
+
+    fn ids(control: &Control, t: &str) -> Vec<(u64, String)> {
+        control
+            .lun_list(t)
+            .unwrap()
+            .iter()
+            .map(|(_, lu, _)| (lu.config().naa, lu.config().serial.clone()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn save_writes_lun_identity_and_apply_keeps_it_across_a_rename() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.toml");
+        let text = format!(
+            r#"data_dir = "{}"
+[[portal_group]]
+tag = 1
+listen = ["127.0.0.1:0"]
+[[portal_group]]
+tag = 2
+listen = ["127.0.0.1:0"]
+[[target]]
+name = "iqn.2026-11.org.x:old"
+portal_groups = [2]
+[[target.lun]]
+spec = "ram:1M"
+[[target.lun]]
+spec = "ram:1M"
+serial = "S1"
+naa = "0x5000000000000042"
+"#,
+            dir.path().display()
+        );
+        std::fs::write(&file, &text).unwrap();
+        let plan = config::load_file(&file).unwrap();
+        let server = start(&plan).await;
+        let control = server.control();
+        let hooks = BinHooks::new(plan, Some(file.clone()));
+        let old = ids(&control, "iqn.2026-11.org.x:old");
+        let derived = ironsan_scsi::local_naa("iqn.2026-11.org.x:old/0");
+        assert_eq!(
+            old,
+            vec![
+                (derived, format!("{derived:016x}")),
+                (0x5000_0000_0000_0042, "S1".to_string())
+            ]
+        );
+        let saved = hooks.save_text(&control).unwrap();
+        for want in [
+            format!("serial = \"{derived:016x}\"\nnaa = \"0x{derived:016x}\""),
+            "serial = \"S1\"\nnaa = \"0x5000000000000042\"".to_string(),
+            "portal_groups = [2]".to_string(),
+            "[[portal_group]]\ntag = 2".to_string(),
+        ] {
+            assert!(saved.contains(&want), "{want}\n---\n{saved}");
+        }
+        // Applying what was saved changes nothing.
+        std::fs::write(&file, &saved).unwrap();
+        assert_eq!(
+            hooks.apply(&control, &file, false).unwrap(),
+            Vec::<String>::new()
+        );
+        // Renamed target: the LUNs keep the saved identities.
+        std::fs::write(&file, saved.replace(":old", ":new")).unwrap();
+        hooks.apply(&control, &file, false).unwrap();
+        assert_eq!(control.target_names(), vec!["iqn.2026-11.org.x:new"]);
+        assert_eq!(ids(&control, "iqn.2026-11.org.x:new"), old);
+        assert_eq!(
+            control.portal_groups("iqn.2026-11.org.x:new").unwrap(),
+            Some(vec![2])
+        );
+        // A LUN changed by a file that names no identity keeps the running one.
+        let edited = text
+            .replace(":old", ":new")
+            .replacen("spec = \"ram:1M\"", "spec = \"ram:1M,ro\"", 1)
+            .replace("portal_groups = [2]\n", "");
+        std::fs::write(&file, &edited).unwrap();
+        let changes = hooks.apply(&control, &file, false).unwrap();
+        assert_eq!(changes.len(), 2, "{changes:?}");
+        assert_eq!(ids(&control, "iqn.2026-11.org.x:new"), old);
+        assert_eq!(
+            control.portal_groups("iqn.2026-11.org.x:new").unwrap(),
+            None
+        );
+        assert!(
+            control.lun_list("iqn.2026-11.org.x:new").unwrap()[0]
+                .1
+                .config()
+                .read_only
+        );
     }
 }

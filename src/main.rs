@@ -155,8 +155,10 @@ fn build_lu(
     if backend.size() < l.block_size as u64 {
         anyhow::bail!("LUN {n}: size {} is smaller than one block", backend.size());
     }
-    let seed = format!("{target}/{n}");
-    let naa = ironsan_scsi::local_naa(&seed);
+    // Configured (so it survives a renamed target), else derived from the name and number.
+    let naa = l
+        .naa
+        .unwrap_or_else(|| ironsan_scsi::local_naa(&format!("{target}/{n}")));
     let cfg = LuConfig {
         block_size: l.block_size,
         physical_block_size: l.physical_block_size,
@@ -294,7 +296,13 @@ async fn serve(args: ServeArgs) -> Result<()> {
         });
     }
     summary.push(format!("  discovery: {}", describe_access(&plan.discovery)));
-    let mut cfg = ServerConfig::new(plan.listen.clone(), targets);
+    let mut cfg = ServerConfig::new(Vec::new(), targets);
+    cfg.portal_groups = plan.portal_groups.clone();
+    cfg.target_portal_groups = plan
+        .targets
+        .iter()
+        .filter_map(|t| Some((t.name.clone(), t.portal_groups.clone()?)))
+        .collect();
     cfg.queue_depth = plan.queue_depth;
     cfg.access = access;
     cfg.discovery = plan.discovery.clone();
@@ -338,14 +346,21 @@ async fn serve(args: ServeArgs) -> Result<()> {
         None => None,
     };
     let addrs = server.local_addrs();
+    let portals = server.portals();
     println!("ironsan {} serving:", env!("CARGO_PKG_VERSION"));
     for s in &summary {
         println!("{s}");
     }
-    for a in &addrs {
-        println!("  portal {a}");
+    for p in &portals {
+        println!("  portal {} (group {})", p.addr, p.tag);
     }
-    if let (Some(a), Some(t)) = (addrs.first(), plan.targets.first()) {
+    let first = plan.targets.first().and_then(|t| {
+        let p = portals
+            .iter()
+            .find(|p| t.portal_groups.as_ref().is_none_or(|g| g.contains(&p.tag)))?;
+        Some((p.addr, t))
+    });
+    if let Some((a, t)) = first {
         println!("Connect with open-iscsi:");
         println!("  iscsiadm -m discovery -t sendtargets -p {a} && iscsiadm -m node -T {} -p {a} --login", t.name);
         println!("or list with libiscsi:");

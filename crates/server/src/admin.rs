@@ -176,7 +176,7 @@ impl Control {
                     json!({
                         "name": t.name,
                         "alias": t.alias,
-                        "tpgt": t.tpgt,
+                        "portal_groups": rt.portal_groups.get(n.as_str()),
                         "luns": t.scsi().luns().count(),
                         "sessions": sessions.iter().filter(|s| s.target.as_ref().is_some_and(|x| x.name == t.name)).count(),
                         "acl": a.acl.iter().map(|r| r.to_string()).collect::<Vec<_>>(),
@@ -224,10 +224,36 @@ impl Control {
         Ok(Value::Array(out))
     }
 
-    /// The portals (addresses actually bound).
+    /// The portals (addresses actually bound) with their portal group tags.
     pub fn portals(&self) -> Value {
         let p = lock(&self.shared.portals).clone();
-        Value::Array(p.iter().map(|a| json!(a.to_string())).collect())
+        Value::Array(
+            p.iter()
+                .map(|p| json!({ "addr": p.addr.to_string(), "tag": p.tag }))
+                .collect(),
+        )
+    }
+
+    /// The portal group tags serving `target` (`None`: every portal).
+    pub fn portal_groups(&self, target: &str) -> Result<Option<Vec<u16>>, String> {
+        self.target(target)?;
+        Ok(self.shared.runtime().portal_groups.get(target).cloned())
+    }
+
+    /// Serve `target` on the portals of these groups only (`None`: on every portal). New
+    /// logins and SendTargets see it at once; sessions already logged in are kept.
+    pub fn set_portal_groups(&self, target: &str, tags: Option<Vec<u16>>) -> Result<(), String> {
+        self.target(target)?;
+        if let Some(t) = tags.as_ref().and_then(|t| t.iter().find(|&&t| t == 0)) {
+            return Err(format!("portal group tag {t} is reserved"));
+        }
+        self.shared.update_runtime(|rt| {
+            match tags {
+                Some(t) => rt.portal_groups.insert(target.to_string(), t),
+                None => rt.portal_groups.remove(target),
+            };
+            Ok(())
+        })
     }
 
     /// One target: its settings, LUNs and sessions.
@@ -375,6 +401,7 @@ impl Control {
                 .remove(name)
                 .ok_or_else(|| format!("no target '{name}'"))?;
             rt.access.remove(name);
+            rt.portal_groups.remove(name);
             Ok(())
         })?;
         lock(&self.origins).remove(name);
@@ -928,6 +955,10 @@ fn render_targets(v: &Value) -> String {
                 s(&t["alias"]),
                 s(&t["luns"]),
                 s(&t["sessions"]),
+                t["portal_groups"]
+                    .as_array()
+                    .map(|g| g.iter().map(s).collect::<Vec<_>>().join(","))
+                    .unwrap_or_else(|| "all".into()),
                 if acl == 0 {
                     "everyone".into()
                 } else {
@@ -938,7 +969,9 @@ fn render_targets(v: &Value) -> String {
         })
         .collect();
     table(
-        &["TARGET", "ALIAS", "LUNS", "SESSIONS", "ACL", "AUTH"],
+        &[
+            "TARGET", "ALIAS", "LUNS", "SESSIONS", "GROUPS", "ACL", "AUTH",
+        ],
         rows,
     )
 }
@@ -985,7 +1018,11 @@ pub fn render(argv: &[String], data: &Value) -> String {
         ["stats", ..] => crate::metrics::render_stats(data),
         ["portals"] => data
             .as_array()
-            .map(|p| p.iter().map(|x| format!("{}\n", s(x))).collect())
+            .map(|p| {
+                p.iter()
+                    .map(|x| format!("{}  tag {}\n", s(&x["addr"]), s(&x["tag"])))
+                    .collect()
+            })
             .unwrap_or_default(),
         ["show", "target", _] => {
             let t = &data["target"];

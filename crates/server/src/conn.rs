@@ -11,7 +11,7 @@ use crate::io::{self, Digests, ReadError};
 use crate::metrics::{Class, LunMetrics, Timing};
 use crate::session::{ConnInfo, Running, Session};
 use crate::writer::{self, Out, OutPdu, TxStats};
-use crate::{LiveTarget, Runtime, Shared};
+use crate::{LiveTarget, Portal, Runtime, Shared};
 use bytes::{Bytes, BytesMut};
 use ironsan_proto::chap::ChapCredentials;
 use ironsan_proto::login::{
@@ -55,6 +55,8 @@ const LOGIN_MAX_DATA: u32 = 8192;
 struct Policy {
     rt: Arc<Runtime>,
     peer: IpAddr,
+    /// The tag of the portal group the connection came in on.
+    tag: u16,
 }
 
 impl Policy {
@@ -69,13 +71,16 @@ impl Policy {
 impl LoginPolicy for Policy {
     fn lookup_target(&self, target_name: &str, initiator_name: &str) -> TargetLookup {
         match self.rt.targets.get(target_name) {
+            // A target not served by this portal group does not exist at this address
+            // (RFC 7143 §11.13.5, 0203).
+            Some(_) if !self.rt.served_on(target_name, self.tag) => TargetLookup::NotFound,
             Some(t)
                 if self
                     .access(Some(target_name))
                     .allows(initiator_name, self.peer) =>
             {
                 TargetLookup::Allowed {
-                    tpgt: t.tpgt,
+                    tpgt: self.tag,
                     alias: t.alias.clone(),
                 }
             }
@@ -189,11 +194,18 @@ fn reject(reason: RejectReason, bhs: &Bhs) -> OutPdu {
 }
 
 /// Serve one accepted TCP connection until it closes.
-pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, over_limit: bool) {
+pub async fn run(
+    stream: TcpStream,
+    peer: SocketAddr,
+    tag: u16,
+    shared: Arc<Shared>,
+    over_limit: bool,
+) {
     let local = match stream.local_addr() {
         Ok(a) => a,
         Err(_) => return,
     };
+    let portal = Portal { addr: local, tag };
     let (rd, wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(64 * 1024, rd);
     let (tx, rx) = mpsc::channel::<Out>(WRITER_QUEUE);
@@ -207,7 +219,7 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, over_
     // Login phase, bounded in time so half-sent logins cannot pin resources.
     let login = tokio::time::timeout(
         shared.cfg.login_timeout,
-        login_phase(&mut rd, &tx, &shared, peer, local, over_limit, &mut writer),
+        login_phase(&mut rd, &tx, &shared, peer, portal, over_limit, &mut writer),
     )
     .await;
     let outcome = match login {
@@ -344,7 +356,7 @@ async fn login_phase(
     tx: &mpsc::Sender<Out>,
     shared: &Arc<Shared>,
     peer: SocketAddr,
-    local: SocketAddr,
+    portal: Portal,
     over_limit: bool,
     writer: &mut LazyWriter,
 ) -> Result<Option<LoginOutcome>, ReadError> {
@@ -359,9 +371,11 @@ async fn login_phase(
     } else {
         tracing::error!("the OS random number generator failed; CHAP logins will fail");
     }
+    let local = portal.addr;
     let policy = Policy {
         rt: shared.runtime(),
         peer: peer.ip(),
+        tag: portal.tag,
     };
     let mut assembler = text::Assembler::default();
     let mut first_stat_sn = None;
@@ -468,9 +482,11 @@ async fn login_phase(
                         (None, true)
                     } else {
                         match reg.get(ready.tsih) {
+                            // Every connection of a session is in one portal group.
                             Some(s)
                                 if s.isid == ready.isid
-                                    && s.initiator_name == ready.initiator_name =>
+                                    && s.initiator_name == ready.initiator_name
+                                    && s.nexus.relative_port == portal.tag =>
                             {
                                 (Some(s), false)
                             }
@@ -523,7 +539,7 @@ async fn login_phase(
                     None => {
                         let nexus_id = shared.next_nexus_id.fetch_add(1, Ordering::Relaxed);
                         let tname = target.as_ref().map(|t| t.name.clone()).unwrap_or_default();
-                        let tpgt = target.as_ref().map(|t| t.tpgt).unwrap_or(1);
+                        let tpgt = portal.tag;
                         let nexus = ironsan_scsi::Nexus {
                             id: nexus_id,
                             initiator_port: format!("{},i,0x{}", ready.initiator_name, ready.isid)
@@ -1555,15 +1571,16 @@ impl Connection {
         let mut out = Vec::new();
         for t in names {
             out.push(("TargetName".to_string(), t.name.clone()));
-            for p in &portals {
+            // The portals of the target's groups, each with its group's tag.
+            for p in portals.iter().filter(|p| rt.served_on(&t.name, p.tag)) {
                 // A wildcard listener is reached at the address this connection came in on.
-                let ip = if p.ip().is_unspecified() {
+                let ip = if p.addr.ip().is_unspecified() {
                     self.local.ip()
                 } else {
-                    p.ip()
+                    p.addr.ip()
                 };
-                let addr = SocketAddr::new(ip, p.port());
-                out.push(("TargetAddress".to_string(), format!("{addr},{}", t.tpgt)));
+                let addr = SocketAddr::new(ip, p.addr.port());
+                out.push(("TargetAddress".to_string(), format!("{addr},{}", p.tag)));
             }
         }
         out

@@ -43,15 +43,41 @@ pub struct TargetDef {
     /// iSCSI qualified name.
     pub name: String,
     pub alias: Option<String>,
-    /// Target portal group tag announced at login and in SendTargets.
+    /// Kept for source compatibility and ignored: the TargetPortalGroupTag a login and
+    /// SendTargets announce is the tag of the portal (see [`ServerConfig::portal_groups`]);
+    /// which groups serve a target is [`ServerConfig::target_portal_groups`].
     pub tpgt: u16,
     pub scsi: Arc<ironsan_scsi::Target>,
+}
+
+/// A target portal group (RFC 7143 §4.4.1): portals that share a tag. A session's
+/// connections all use portals of one group; the tag is the TargetPortalGroupTag of logins
+/// on those portals.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortalGroup {
+    /// 1 to 65535.
+    pub tag: u16,
+    pub listen: Vec<SocketAddr>,
+}
+
+/// A bound portal: its address and its group's tag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Portal {
+    pub addr: SocketAddr,
+    pub tag: u16,
 }
 
 /// Everything the server needs to run.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
+    /// Portals of the implicit group with tag 1 (bound before `portal_groups`).
     pub listen: Vec<SocketAddr>,
+    /// Further portal groups, each with its own tag.
+    pub portal_groups: Vec<PortalGroup>,
+    /// The portal groups (tags) that serve a target; a target without an entry is served on
+    /// every portal. A login on another portal fails with 0203 (not found at this address)
+    /// and SendTargets lists only the target's portals.
+    pub target_portal_groups: HashMap<String, Vec<u16>>,
     pub targets: Vec<TargetDef>,
     /// What we offer in operational negotiation.
     pub negotiation: TargetDefaults,
@@ -97,6 +123,8 @@ impl ServerConfig {
     pub fn new(listen: Vec<SocketAddr>, targets: Vec<TargetDef>) -> Self {
         ServerConfig {
             listen,
+            portal_groups: Vec::new(),
+            target_portal_groups: HashMap::new(),
             targets,
             negotiation: TargetDefaults::default(),
             queue_depth: 128,
@@ -124,7 +152,6 @@ impl ServerConfig {
 pub(crate) struct LiveTarget {
     pub name: String,
     pub alias: Option<String>,
-    pub tpgt: u16,
     scsi: RwLock<Arc<ironsan_scsi::Target>>,
     /// Latency and throughput counters per LUN, made when a LUN first serves a command (or
     /// is first shown); kept after the LUN is removed, until the target is. Connections cache
@@ -137,7 +164,6 @@ impl LiveTarget {
         LiveTarget {
             name: def.name.clone(),
             alias: def.alias.clone(),
-            tpgt: def.tpgt,
             scsi: RwLock::new(Arc::clone(&def.scsi)),
             metrics: Mutex::default(),
         }
@@ -189,6 +215,8 @@ pub(crate) struct Runtime {
     pub access: HashMap<String, Access>,
     /// Access control for discovery sessions.
     pub discovery: Access,
+    /// The portal group tags serving each target; a target without an entry: every portal.
+    pub portal_groups: HashMap<String, Vec<u16>>,
 }
 
 impl Runtime {
@@ -198,6 +226,13 @@ impl Runtime {
         self.access
             .get(target)
             .unwrap_or_else(|| OPEN.get_or_init(Access::default))
+    }
+
+    /// Whether the portal group `tag` serves `target`.
+    pub fn served_on(&self, target: &str, tag: u16) -> bool {
+        self.portal_groups
+            .get(target)
+            .is_none_or(|tags| tags.contains(&tag))
     }
 }
 
@@ -209,7 +244,7 @@ pub(crate) struct Shared {
     /// The spec each LUN was made from (for `ironsan ctl save`), kept by `admin::Control`.
     pub origins:
         Arc<Mutex<std::collections::BTreeMap<String, std::collections::BTreeMap<u64, String>>>>,
-    pub portals: Mutex<Vec<SocketAddr>>,
+    pub portals: Mutex<Vec<Portal>>,
     pub sessions: Mutex<session::Registry>,
     pub next_tsih: AtomicU16,
     pub next_nexus_id: AtomicU64,
@@ -250,7 +285,7 @@ impl Shared {
 /// A bound, not yet running, server.
 pub struct Server {
     shared: Arc<Shared>,
-    listeners: Vec<TcpListener>,
+    listeners: Vec<(TcpListener, u16)>,
     shutdown_tx: watch::Sender<bool>,
 }
 
@@ -258,15 +293,25 @@ impl Server {
     /// Bind every portal. Fails if any address cannot be bound.
     pub async fn bind(cfg: ServerConfig) -> std::io::Result<Server> {
         let mut listeners = Vec::new();
-        for addr in &cfg.listen {
-            let l = TcpListener::bind(addr).await.map_err(|e| {
-                std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}"))
-            })?;
-            listeners.push(l);
+        let groups = std::iter::once((1u16, &cfg.listen))
+            .chain(cfg.portal_groups.iter().map(|g| (g.tag, &g.listen)));
+        for (tag, addrs) in groups {
+            if tag == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "portal group tag 0 is reserved",
+                ));
+            }
+            for addr in addrs {
+                let l = TcpListener::bind(addr).await.map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}"))
+                })?;
+                listeners.push((l, tag));
+            }
         }
         let portals = listeners
             .iter()
-            .filter_map(|l| l.local_addr().ok())
+            .filter_map(|(l, tag)| l.local_addr().ok().map(|addr| Portal { addr, tag: *tag }))
             .collect();
         let runtime = Runtime {
             targets: cfg
@@ -276,6 +321,7 @@ impl Server {
                 .collect(),
             access: cfg.access.clone(),
             discovery: cfg.discovery.clone(),
+            portal_groups: cfg.target_portal_groups.clone(),
         };
         let (shutdown_tx, shutdown) = watch::channel(false);
         let shared = Arc::new(Shared {
@@ -301,7 +347,15 @@ impl Server {
     pub fn local_addrs(&self) -> Vec<SocketAddr> {
         self.listeners
             .iter()
-            .filter_map(|l| l.local_addr().ok())
+            .filter_map(|(l, _)| l.local_addr().ok())
+            .collect()
+    }
+
+    /// The portals actually bound, with their group tags.
+    pub fn portals(&self) -> Vec<Portal> {
+        self.listeners
+            .iter()
+            .filter_map(|(l, tag)| l.local_addr().ok().map(|addr| Portal { addr, tag: *tag }))
             .collect()
     }
 
@@ -325,9 +379,9 @@ impl Server {
     /// the rest.
     pub async fn run(self, stop: impl Future<Output = ()>) {
         let mut tasks = tokio::task::JoinSet::new();
-        for l in self.listeners {
+        for (l, tag) in self.listeners {
             let shared = Arc::clone(&self.shared);
-            tasks.spawn(accept_loop(l, shared));
+            tasks.spawn(accept_loop(l, tag, shared));
         }
         stop.await;
         tasks.abort_all();
@@ -399,7 +453,7 @@ impl Drop for ConnGuard {
     }
 }
 
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+async fn accept_loop(listener: TcpListener, tag: u16, shared: Arc<Shared>) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
@@ -421,7 +475,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 let _ = stream.set_nodelay(true);
                 let over = open >= shared.cfg.max_connections;
                 tokio::spawn(async move {
-                    conn::run(stream, peer, Arc::clone(&guard.0), over).await;
+                    conn::run(stream, peer, tag, Arc::clone(&guard.0), over).await;
                     drop(guard);
                 });
             }
