@@ -1,110 +1,143 @@
 #!/usr/bin/env bash
-# Throughput and CPU-cost benchmark: ironsan against tgt, same client, same box.
+# Throughput, latency, CPU-cost and memory benchmark: ironsan against tgt and
+# istgt, same clients, same box, one command.
 #
-#   bench/run.sh [--duration SECS] [--only ironsan|tgt] [--ironsan-lun SPEC] [--no-save]
+#   bench/run.sh [--quick] [--duration SECS] [--only LIST] [--no-save]
 #
-# Builds nothing: it uses target/release/ironsan (or $IRONSAN_BIN), so run
-# `cargo build --release` first.
+#   --quick        3 s per workload (default 10 s)
+#   --duration N   N s per workload
+#   --only LIST    comma-separated sections and/or targets:
+#                    sections: ram file qd1 scale idle memory
+#                    targets:  ironsan tgt istgt
+#                  e.g. --only ram,qd1  or  --only file,istgt,ironsan
+#   --no-save      print only, do not append to bench/results/
 #
-# Method
-#   * Each target runs alone (one after the other), pinned to CPU 0 with
-#     taskset; the client, libiscsi's iscsi-perf, is pinned to CPU 1. With the
-#     target confined to one core, "CPU per I/O" is a fair efficiency figure
-#     even where IOPS are client-bound.
-#   * ironsan serves a RAM LUN (ram:1G by default); tgt serves LUN 1 with
-#     bstype null (tgt's LUN 0 is its controller pseudo-LUN). tgt's null
-#     backend does no data copy at all, so the comparison is, if anything,
-#     tilted towards tgt. Use --ironsan-lun null:1T for like-for-like.
-#   * Workloads (iscsi-perf only issues READ16):
-#       randread-4k-qd32    iscsi-perf -m 32 -b 8 -r      (4 KiB random, 32 in flight)
-#       seqread-512k-qd8    iscsi-perf -m 8 -b 1024       (512 KiB sequential, 8 in flight)
-#     each for --duration seconds (default 10) via iscsi-perf's own -t; the
-#     figure used is its final "iops average".
-#   * Target CPU time is utime+stime of the whole process (all threads) from
-#     /proc/PID/stat, sampled right before and after each iscsi-perf run.
-#     CPU % = CPU seconds / wall seconds; CPU us/IO = CPU seconds / I/Os done.
+# Builds nothing: it uses target/release/ironsan (or $IRONSAN_BIN).
+# Needs root (tgtd), tgt, istgt, libiscsi-bin (iscsi-perf), qemu-utils +
+# qemu-block-extra (qemu-img with the iscsi driver), python3, taskset.
 #
-# The table is printed and appended, with uname -a, nproc and the CPU model,
-# to bench/results/<date>-<hostname>.txt (unless --no-save).
+# Method (see docs/PERFORMANCE.md for the discussion)
+#   * One target process at a time, pinned to CPU 0; every client pinned to
+#     CPU 1. Loopback TCP, no digests, no CHAP, 512-byte blocks.
+#   * Target CPU = utime+stime of the whole process (all threads) from
+#     /proc/PID/stat before and after each run. CPU % = CPU s / wall s,
+#     CPU us/IO = CPU s / I/Os done. With the target confined to one core,
+#     CPU per I/O is a fair efficiency figure even when IOPS are client-bound.
+#   * Sections:
+#     ram     ironsan ram:1G LUN vs tgt bstype null (no data copy at all; tgt
+#             discards writes): 4K QD32 random read, 512K QD8 sequential read
+#             (iscsi-perf, READ16 only), 4K QD32 and 512K QD8 sequential
+#             write (qemu-img bench -w, WRITE16).
+#     qd1     QD1 4K random read: latency = 1 / IOPS of iscsi-perf -m 1 -b 8 -r.
+#     scale   16 iscsi-perf processes (16 sessions) x -m 8 -b 8 -r, summed,
+#             vs one session -m 32 (the ram/file randread figure is reused
+#             when present, else measured here).
+#     idle    target CPU over 10 s with one logged-in idle session.
+#     memory  VmRSS delta of the target with 100 idle logged-in sessions
+#             (bench/idle-sessions.py, one Python process holding them and
+#             answering NOP-In), and with 100 bare TCP connections that
+#             have not logged in; measured on a fresh process.
+#     file    the same four data workloads on one 256 MiB file on tmpfs
+#             (/dev/shm), preallocated: ironsan file LUN (--write-cache, so
+#             WCE=1 like tgt rdwr and istgt), tgt bstype rdwr, istgt.
+#   * Tools: iscsi-perf (libiscsi) keeps -m commands in flight for -t s and
+#     prints its running average; the figure used is the last "iops average".
+#     qemu-img bench runs a fixed count of requests at -d depth through
+#     QEMU's libiscsi block driver, sequential (offset += size, wrapping);
+#     IOPS = count / "Run completed in" seconds (login and setup excluded). The
+#     count is calibrated by a short first run so a run lasts about --duration.
+#
+# The report (machine description + tables) is printed and appended to
+# bench/results/<date>-<hostname>.txt unless --no-save.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
 die() { printf 'bench: ERROR: %s\n' "$*" >&2; exit 1; }
+note() { printf 'bench: %s\n' "$*" >&2; }
 
 DURATION=10
+IDLE_SECS=10
+SESSIONS=100
 ONLY=""
-IRONSAN_LUN=ram:1G
 SAVE=1
 while [[ $# -gt 0 ]]; do
     case $1 in
+        --quick) DURATION=3; shift ;;
         --duration) DURATION=${2:?}; shift 2 ;;
         --only) ONLY=${2:?}; shift 2 ;;
-        --ironsan-lun) IRONSAN_LUN=${2:?}; shift 2 ;;
         --no-save) SAVE=0; shift ;;
         -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
 done
 [[ $DURATION =~ ^[1-9][0-9]*$ ]] || die "--duration must be a positive integer"
-case $ONLY in ""|ironsan|tgt) ;; *) die "--only takes ironsan or tgt" ;; esac
 
-TARGETS=(ironsan tgt)
-[[ -z $ONLY ]] || TARGETS=("$ONLY")
-
-WORKLOADS=(
-    "randread-4k-qd32|-m 32 -b 8 -r"
-    "seqread-512k-qd8|-m 8 -b 1024"
-)
-
-for tool in iscsi-perf taskset ss python3; do
-    command -v "$tool" >/dev/null || die "$tool not found; run scripts/install-deps.sh"
+ALL_SECTIONS="ram qd1 scale idle memory file"
+ALL_TARGETS="ironsan tgt istgt"
+SECTIONS="" TARGETS=""
+for tok in ${ONLY//,/ }; do
+    if [[ " $ALL_SECTIONS " == *" $tok "* ]]; then SECTIONS+=" $tok"
+    elif [[ " $ALL_TARGETS " == *" $tok "* ]]; then TARGETS+=" $tok"
+    else die "--only: unknown section or target '$tok'"; fi
 done
-TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
-BIN=${IRONSAN_BIN:-$TARGET_DIR/release/ironsan}
-if [[ " ${TARGETS[*]} " == *" ironsan "* ]]; then
-    [[ -x $BIN ]] || die "$BIN not found: bench/run.sh builds nothing, run 'cargo build --release' first (or --only tgt)"
+SECTIONS=${SECTIONS:-$ALL_SECTIONS}
+TARGETS=${TARGETS:-$ALL_TARGETS}
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+want_target() { [[ " $TARGETS " == *" $1 "* ]]; }
+
+for tool in iscsi-perf qemu-img taskset ss python3 tgtd tgtadm istgt fallocate; do
+    command -v "$tool" >/dev/null || die "$tool not found"
+done
+BIN=${IRONSAN_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release/ironsan}
+[[ -x $BIN ]] || die "$BIN not found: bench/run.sh builds nothing, run 'cargo build --release -p ironsan'"
+HEAD_TIME=$(git -C "$ROOT" log -1 --format=%ct 2>/dev/null || echo 0)
+if [[ $(stat -c %Y "$BIN") -lt $HEAD_TIME ]]; then
+    note "WARNING: $BIN is older than the last commit; rebuild for current figures"
 fi
 
 NCPU=$(nproc)
-# Other work on the box (a cargo build, say) skews every figure; record it.
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 if awk -v l="${LOAD_BEFORE%% *}" 'BEGIN { exit !(l > 0.5) }'; then
-    echo "bench: WARNING: load average is $LOAD_BEFORE before starting; figures will be noisy" >&2
+    note "WARNING: load average is $LOAD_BEFORE before starting; figures will be noisy"
 fi
-if [[ $NCPU -ge 2 ]]; then
-    TARGET_CPU=0 CLIENT_CPU=1
-else
-    echo "bench: WARNING: only one CPU; target and client share it" >&2
-    TARGET_CPU=0 CLIENT_CPU=0
-fi
+if [[ $NCPU -ge 2 ]]; then TARGET_CPU=0 CLIENT_CPU=1
+else note "WARNING: only one CPU; target and client share it"; TARGET_CPU=0 CLIENT_CPU=0; fi
 CLK_TCK=$(getconf CLK_TCK)
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ironsan-bench.XXXXXX")
-IRONSAN_PID=""
-TGT_UP=0
+SHM=""
+TARGET_PID="" TARGET_NAME="" TARGET_KIND=""
+HOLD_PID=""
 
-stop_ironsan() {
-    local pid=$IRONSAN_PID
-    [[ -n $pid ]] || return 0
-    IRONSAN_PID=""
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
+stop_target() {
+    local pid=$TARGET_PID kind=$TARGET_KIND
+    TARGET_PID="" TARGET_KIND=""
+    case $kind in
+        ironsan)
+            kill -TERM "$pid" 2>/dev/null || true
+            for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+            kill -KILL "$pid" 2>/dev/null || true
+            wait "$pid" 2>/dev/null || true ;;
+        tgt) bash "$ROOT/bench/peer-tgt.sh" stop --dir "$WORK/tgt" || true ;;
+        istgt) bash "$ROOT/bench/peer-istgt.sh" stop --dir "$WORK/istgt" || true ;;
+    esac
 }
 
-stop_tgt() {
-    [[ $TGT_UP -eq 1 ]] || return 0
-    TGT_UP=0
-    bash "$ROOT/bench/peer-tgt.sh" stop --dir "$WORK/tgt" || true
+release_sessions() {
+    [[ -n $HOLD_PID ]] || return 0
+    exec 7>&- || true
+    kill -TERM "$HOLD_PID" 2>/dev/null || true
+    wait "$HOLD_PID" 2>/dev/null || true
+    HOLD_PID=""
 }
 
 cleanup() {
-    stop_ironsan
-    stop_tgt
+    release_sessions
+    stop_target
     rm -rf "$WORK"
+    [[ -z $SHM ]] || rm -rf "$SHM"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
@@ -115,123 +148,315 @@ free_port() {
 }
 listening() { ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
 
-# utime + stime (clock ticks) of the whole thread group. Field positions are
-# counted after the ")" that ends the command name, which may contain spaces.
+# utime + stime (clock ticks) of the whole thread group; fields counted after
+# the ")" that ends the command name.
 cpu_ticks() {
     local stat
     stat=$(<"/proc/$1/stat") || die "process $1 is gone"
     stat=${stat##*) }
-    # shellcheck disable=SC2086  # deliberate word splitting into fields
+    # shellcheck disable=SC2086
     set -- $stat
-    # $1 is field 3 (state); utime is field 14, stime field 15.
     echo $((${12} + ${13}))
 }
-
-start_ironsan() {
-    local port
-    port=$(free_port)
-    local iqn=iqn.2026-11.org.ironsan:bench
-    NO_COLOR=1 taskset -c "$TARGET_CPU" "$BIN" serve --listen "127.0.0.1:$port" --target "$iqn" \
-        --lun "$IRONSAN_LUN" --data-dir "$WORK/ironsan-data" </dev/null >"$WORK/ironsan.log" 2>&1 &
-    IRONSAN_PID=$!
-    for _ in $(seq 300); do
-        kill -0 "$IRONSAN_PID" 2>/dev/null || { cat "$WORK/ironsan.log" >&2; die "ironsan exited during startup"; }
-        listening "$port" && break
-        sleep 0.1
-    done
-    listening "$port" || die "ironsan is not listening on 127.0.0.1:$port"
-    TARGET_PID=$IRONSAN_PID
-    TARGET_URL=iscsi://127.0.0.1:$port/$iqn/0
+# Nanoseconds on CPU and context switches (wakeups), summed over all threads:
+# finer than the 10 ms ticks of /proc/PID/stat, for the idle measurement.
+sched_ns_switches() {
+    cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ ns += $1 } END { printf "%d ", ns }'
+    cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^(voluntary|nonvoluntary)_ctxt_switches/ { n += $2 } END { print n + 0 }'
 }
+rss_kb() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status"; }
 
-start_tgt() {
-    local port
+# start_target NAME SETUP: sets TARGET_PID, TARGET_URL, TARGET_HOST/PORT/IQN.
+start_target() {
+    local name=$1 setup=$2 port
     port=$(free_port)
-    TARGET_URL=$(bash "$ROOT/bench/peer-tgt.sh" start --port "$port" --dir "$WORK/tgt" \
-        --cpu "$TARGET_CPU" --lun null)
-    TGT_UP=1
-    TARGET_PID=$(<"$WORK/tgt/tgtd.pid")
+    TARGET_NAME=$name TARGET_KIND=$name TARGET_PORT=$port
+    case $name in
+        ironsan)
+            local iqn=iqn.2026-11.org.ironsan:bench lun=ram:1G extra=()
+            if [[ $setup == file ]]; then lun=file:$SHM/lun.img; extra=(--write-cache); fi
+            NO_COLOR=1 taskset -c "$TARGET_CPU" "$BIN" serve --listen "127.0.0.1:$port" --target "$iqn" \
+                --lun "$lun" "${extra[@]}" --data-dir "$WORK/ironsan-data" </dev/null >"$WORK/ironsan.log" 2>&1 &
+            TARGET_PID=$!
+            for _ in $(seq 300); do
+                kill -0 "$TARGET_PID" 2>/dev/null || { cat "$WORK/ironsan.log" >&2; die "ironsan exited during startup"; }
+                listening "$port" && break
+                sleep 0.1
+            done
+            listening "$port" || die "ironsan is not listening on 127.0.0.1:$port"
+            TARGET_URL=iscsi://127.0.0.1:$port/$iqn/0 TARGET_IQN=$iqn ;;
+        tgt)
+            local lun=null
+            [[ $setup == file ]] && lun=file:$SHM/lun.img
+            TARGET_URL=$(bash "$ROOT/bench/peer-tgt.sh" start --port "$port" --dir "$WORK/tgt" \
+                --cpu "$TARGET_CPU" --lun "$lun")
+            TARGET_PID=$(<"$WORK/tgt/tgtd.pid")
+            TARGET_IQN=iqn.2026-11.org.ironsan:peer-tgt ;;
+        istgt)
+            TARGET_URL=$(bash "$ROOT/bench/peer-istgt.sh" start --port "$port" --dir "$WORK/istgt" \
+                --cpu "$TARGET_CPU" --file "$SHM/lun.img")
+            TARGET_PID=$(<"$WORK/istgt/istgt.pid")
+            TARGET_IQN=iqn.2026-11.org.ironsan:peer-istgt ;;
+    esac
+    note "$name ($setup) at $TARGET_URL (pid $TARGET_PID, CPU $TARGET_CPU; clients CPU $CLIENT_CPU)"
 }
 
 ROWS=$WORK/rows.tsv
 : >"$ROWS"
+# row SETUP WORKLOAD TARGET IOPS IO_BYTES TICKS WALL_NS TOOL
+row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" "$CLK_TCK" >>"$ROWS"; }
 
-# measure TARGET WORKLOAD ARGS...
-measure() {
-    local target=$1 workload=$2; shift 2
-    local log=$WORK/$target-$workload.log
-    local c0 c1 t0 t1 rc=0
-    c0=$(cpu_ticks "$TARGET_PID")
-    t0=$(date +%s%N)
+# iscsi-perf once; echoes the final "iops average".
+perf_once() {
+    local log=$1; shift
+    local rc=0
     taskset -c "$CLIENT_CPU" timeout -s INT -k 10 $((DURATION + 30)) \
         iscsi-perf -t "$DURATION" "$@" "$TARGET_URL" >"$log" 2>&1 || rc=$?
-    t1=$(date +%s%N)
-    c1=$(cpu_ticks "$TARGET_PID")
-    # iscsi-perf redraws its status line with \r; the final figure is the
-    # last "iops average N" on the output.
-    local iops cap_blocks cap_bytes
+    local iops
     iops=$(tr '\r' '\n' <"$log" | sed -n 's/.*iops average \([0-9][0-9]*\).*/\1/p' | tail -n 1)
-    read -r cap_blocks cap_bytes < <(sed -n 's/^capacity is \([0-9]*\) blocks or \([0-9]*\) byte.*/\1 \2/p' "$log") || true
-    if [[ $rc -ne 0 || -z $iops || -z ${cap_blocks:-} ]] || grep -qiE 'failed|ABORTED' "$log"; then
+    if [[ $rc -ne 0 || -z $iops ]] || grep -qiE 'failed|ABORTED' "$log"; then
         tr '\r' '\n' <"$log" | tail -n 5 >&2
-        die "iscsi-perf against $target ($workload) failed (exit $rc)"
+        note "iscsi-perf against $TARGET_NAME failed (exit $rc): $*"
+        echo 0; return 0
     fi
-    [[ $iops -gt 0 ]] || die "iscsi-perf against $target ($workload) reported 0 IOPS"
-    local bs=$((cap_bytes / cap_blocks))
-    local blocks
-    blocks=$(sed -n 's/.*transfer size of \([0-9]*\) blocks.*/\1/p' "$log")
-    [[ -n $blocks ]] || die "cannot find the transfer size in iscsi-perf's output"
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$workload" "$target" "$iops" "$((blocks * bs))" \
-        "$((c1 - c0))" "$CLK_TCK" "$((t1 - t0))" >>"$ROWS"
-    printf 'bench: %-8s %-18s %8s IOPS\n' "$target" "$workload" "$iops" >&2
+    echo "$iops"
 }
 
-for target in "${TARGETS[@]}"; do
-    "start_$target"
-    echo "bench: $target at $TARGET_URL (pid $TARGET_PID, CPU $TARGET_CPU; client CPU $CLIENT_CPU)" >&2
-    for w in "${WORKLOADS[@]}"; do
-        name=${w%%|*}
-        read -r -a args <<<"${w#*|}"
-        measure "$target" "$name" "${args[@]}"
-    done
-    "stop_$target"
-done
+# perf SETUP WORKLOAD BYTES iscsi-perf-args...
+perf() {
+    local setup=$1 workload=$2 bytes=$3; shift 3
+    local c0 t0 c1 t1 iops
+    c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
+    iops=$(perf_once "$WORK/$TARGET_NAME-$setup-$workload.log" "$@")
+    t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
+    row "$setup" "$workload" "$TARGET_NAME" "$iops" "$bytes" $((c1 - c0)) $((t1 - t0)) iscsi-perf
+    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$iops")"
+}
 
-TABLE=$(python3 - "$ROWS" <<'EOF'
+# qemu-img bench write; echoes "IOPS" of one run of COUNT requests (0 on failure).
+qbench_once() {
+    local count=$1 depth=$2 size=$3 log=$4 rc=0
+    taskset -c "$CLIENT_CPU" timeout -k 10 $((DURATION * 6 + 30)) \
+        qemu-img bench -f raw -w -t none -c "$count" -d "$depth" -s "$size" "$TARGET_URL" >"$log" 2>&1 || rc=$?
+    local secs
+    secs=$(sed -n 's/^Run completed in \([0-9.]*\) seconds.*/\1/p' "$log")
+    if [[ $rc -ne 0 || -z $secs ]]; then
+        tail -n 3 "$log" >&2
+        note "qemu-img bench against $TARGET_NAME failed (exit $rc)"
+        echo 0; return 0
+    fi
+    python3 -c "print(round($count / max($secs, 1e-6)))"
+}
+
+# qwrite SETUP WORKLOAD DEPTH SIZE
+qwrite() {
+    local setup=$1 workload=$2 depth=$3 size=$4
+    # Calibrate: a short run (also warms the target), then size the real one.
+    local cal=$(( size >= 65536 ? 200 : 3000 ))
+    local est count c0 t0 c1 t1 iops
+    est=$(qbench_once "$cal" "$depth" "$size" "$WORK/qcal.log")
+    count=$(( est * DURATION )); [[ $count -ge $cal ]] || count=$cal
+    c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
+    iops=$(qbench_once "$count" "$depth" "$size" "$WORK/$TARGET_NAME-$setup-$workload.log")
+    t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
+    # CPU is charged over the whole qemu-img process lifetime (login, probing
+    # and logout included); the run itself dominates at >= 3 s.
+    row "$setup" "$workload" "$TARGET_NAME" "$iops" "$size" $((c1 - c0)) $((t1 - t0)) qemu-img
+    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$iops")"
+}
+
+data_workloads() {
+    local setup=$1
+    perf "$setup" randread-4k-qd32 4096 -m 32 -b 8 -r
+    perf "$setup" seqread-512k-qd8 524288 -m 8 -b 1024
+    qwrite "$setup" write-4k-qd32 32 4096
+    qwrite "$setup" write-512k-qd8 8 524288
+}
+
+scale() {
+    local setup=$1 i c0 t0 c1 t1 total=0 pids=()
+    if ! awk -F'\t' -v s="$setup" -v t="$TARGET_NAME" '$1 == s && $2 == "randread-4k-qd32" && $3 == t { f = 1 } END { exit !f }' "$ROWS"; then
+        perf "$setup" randread-4k-qd32 4096 -m 32 -b 8 -r
+    fi
+    c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
+    for i in $(seq 16); do
+        perf_once "$WORK/scale-$i.log" -m 8 -b 8 -r >"$WORK/scale-$i.iops" &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
+    for i in $(seq 16); do total=$((total + $(<"$WORK/scale-$i.iops"))); done
+    row "$setup" 16x-randread-4k-qd8 "$TARGET_NAME" "$total" 4096 $((c1 - c0)) $((t1 - t0)) iscsi-perf
+    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" 16x-randread-4k-qd8 "$total")"
+}
+
+# hold_sessions N [idle-sessions.py options]: returns once they are logged in.
+hold_sessions() {
+    local n=$1; shift
+    rm -f "$WORK/hold" "$WORK/hold.out"
+    mkfifo "$WORK/hold"
+    taskset -c "$CLIENT_CPU" python3 "$ROOT/bench/idle-sessions.py" 127.0.0.1 "$TARGET_PORT" "$TARGET_IQN" \
+        --sessions "$n" "$@" <"$WORK/hold" >"$WORK/hold.out" 2>"$WORK/hold.err" &
+    HOLD_PID=$!
+    exec 7>"$WORK/hold"
+    for _ in $(seq 2000); do  # istgt logs sessions in about one per second
+        grep -q '^ready' "$WORK/hold.out" 2>/dev/null && return 0
+        kill -0 "$HOLD_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    cat "$WORK/hold.err" >&2
+    release_sessions
+    return 1
+}
+
+idle() {
+    local setup=$1 c0 t0 c1 t1
+    hold_sessions 1 || { note "idle: could not log in to $TARGET_NAME"; return 0; }
+    sleep 1
+    local n0 s0 n1 s1
+    read -r n0 s0 < <(sched_ns_switches "$TARGET_PID")
+    c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
+    sleep "$IDLE_SECS"
+    t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
+    read -r n1 s1 < <(sched_ns_switches "$TARGET_PID")
+    release_sessions
+    # Idle rows: IOPS = CPU ns (schedstat), IO_BYTES = context switches.
+    row "$setup" idle-1-session "$TARGET_NAME" $((n1 - n0)) $((s1 - s0)) $((c1 - c0)) $((t1 - t0)) -
+    note "$TARGET_NAME idle: $(( (n1 - n0) / 1000 )) us CPU, $((s1 - s0)) context switches in ${IDLE_SECS}s"
+}
+
+# memory: RSS deltas; rows carry IOPS=rss before (kB), IO_BYTES=rss after, TICKS=count.
+memory() {
+    local setup=$1 r0 r1
+    sleep 0.5
+    r0=$(rss_kb "$TARGET_PID")
+    if hold_sessions "$SESSIONS"; then
+        sleep 1
+        r1=$(rss_kb "$TARGET_PID")
+        release_sessions
+        row "$setup" mem-idle-session "$TARGET_NAME" "$r0" "$r1" "$SESSIONS" 0 -
+        note "$TARGET_NAME RSS ${r0} kB -> ${r1} kB with $SESSIONS idle sessions"
+    else
+        note "memory: $SESSIONS sessions against $TARGET_NAME failed"
+    fi
+    sleep 1
+    r0=$(rss_kb "$TARGET_PID")
+    if hold_sessions "$SESSIONS" --connect-only; then
+        sleep 1
+        r1=$(rss_kb "$TARGET_PID")
+        release_sessions
+        row "$setup" mem-bare-connection "$TARGET_NAME" "$r0" "$r1" "$SESSIONS" 0 -
+        note "$TARGET_NAME RSS ${r0} kB -> ${r1} kB with $SESSIONS bare connections"
+    fi
+    sleep 1
+}
+
+qd1() { perf "$1" qd1-randread-4k 4096 -m 1 -b 8 -r; }
+
+T_START=$(date +%s)
+if want ram || want qd1 || want scale || want idle || want memory; then
+    for t in ironsan tgt; do
+        want_target "$t" || continue
+        start_target "$t" ram
+        if want memory; then memory ram; fi
+        if want idle; then idle ram; fi
+        if want ram; then data_workloads ram; fi
+        if want qd1; then qd1 ram; fi
+        if want scale; then scale ram; fi
+        stop_target
+    done
+fi
+if want file || { want memory && want_target istgt; }; then
+    SHM=$(mktemp -d /dev/shm/ironsan-bench.XXXXXX)
+    fallocate -l 256M "$SHM/lun.img"
+    for t in ironsan tgt istgt; do
+        want_target "$t" || continue
+        start_target "$t" file
+        if [[ $t == istgt ]] && want memory; then memory file; fi
+        if want file; then data_workloads file; fi
+        stop_target
+    done
+fi
+T_END=$(date +%s)
+
+TABLE=$(python3 - "$ROWS" "$IDLE_SECS" <<'EOF'
 import sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
-res = {}
-order = []
-for workload, target, iops, io_bytes, ticks, hz, wall_ns in rows:
-    iops, io_bytes, ticks, hz, wall_ns = int(iops), int(io_bytes), int(ticks), int(hz), int(wall_ns)
-    cpu_s = ticks / hz
-    wall_s = wall_ns / 1e9
+perf, idle, mem = {}, {}, {}
+order = {}
+for setup, w, t, a, b, ticks, wall_ns, tool, hz in rows:
+    if w.startswith("mem-"):
+        mem[(w, t)] = (int(a), int(b), int(ticks))
+        continue
+    cpu_s = int(ticks) / int(hz)
+    wall_s = int(wall_ns) / 1e9
     cpu_pct = 100.0 * cpu_s / wall_s
-    us_per_io = cpu_pct / 100.0 * 1e6 / iops
-    res[(workload, target)] = (iops, iops * io_bytes / 1048576, cpu_pct, us_per_io)
-    if workload not in order:
-        order.append(workload)
-hdr = f"{'workload':<18} {'target':<12} {'IOPS':>10} {'MiB/s':>9} {'CPU %':>9} {'CPU us/IO':>10}"
-print(hdr)
-print("-" * len(hdr))
-for w in order:
-    for t in ("ironsan", "tgt"):
-        if (w, t) in res:
-            i, m, c, u = res[(w, t)]
-            print(f"{w:<18} {t:<12} {i:>10d} {m:>9.1f} {c:>9.1f} {u:>10.2f}")
-    if (w, "ironsan") in res and (w, "tgt") in res:
-        a, b = res[(w, "ironsan")], res[(w, "tgt")]
-        r = [x / y if y else float("nan") for x, y in zip(a, b)]
-        print(f"{w:<18} {'ironsan/tgt':<12} {r[0]:>10.2f} {r[1]:>9.2f} {r[2]:>9.2f} {r[3]:>10.2f}")
+    if w.startswith("idle"):
+        idle[t] = (int(a), int(b), wall_s)
+        continue
+    iops = int(a)
+    us = cpu_pct / 100.0 * 1e6 / iops if iops else float("nan")
+    perf[(setup, w, t)] = (iops, iops * int(b) / 1048576, cpu_pct, us, tool)
+    order.setdefault(setup, [])
+    if w not in order[setup]:
+        order[setup].append(w)
+
+def table(setup, title, targets, base):
+    if setup not in order:
+        return
+    print(f"\n{title}")
+    hdr = f"{'workload':<22} {'target':<14} {'IOPS':>9} {'MiB/s':>9} {'CPU %':>7} {'CPU us/IO':>10}  tool"
+    print(hdr); print("-" * len(hdr))
+    for w in order[setup]:
+        for t in targets:
+            if (setup, w, t) in perf:
+                i, m, c, u, tool = perf[(setup, w, t)]
+                print(f"{w:<22} {t:<14} {i:>9d} {m:>9.1f} {c:>7.1f} {u:>10.2f}  {tool}")
+        a = perf.get((setup, w, base))
+        for t in targets:
+            b = perf.get((setup, w, t))
+            if t != base and a and b:
+                r = [x / y if y else float("nan") for x, y in zip(a[:4], b[:4])]
+                print(f"{w:<22} {base + '/' + t:<14} {r[0]:>9.2f} {r[1]:>9.2f} {r[2]:>7.2f} {r[3]:>10.2f}")
+
+table("ram", "RAM/null LUN: ironsan ram:1G vs tgt bstype null (target CPU 0, client CPU 1)", ["ironsan", "tgt"], "ironsan")
+table("file", "File LUN: one preallocated 256 MiB file on tmpfs (ironsan --write-cache, tgt rdwr, istgt)", ["ironsan", "tgt", "istgt"], "ironsan")
+
+lat = {t: perf[("ram", "qd1-randread-4k", t)][0] for t in ("ironsan", "tgt") if ("ram", "qd1-randread-4k", t) in perf}
+if lat:
+    print("\nQD1 4K random read latency (1 / IOPS, iscsi-perf -m 1 -b 8 -r; includes the client's own time)")
+    for t, i in lat.items():
+        print(f"  {t:<8} {1e6 / i:8.1f} us" if i else f"  {t:<8} failed")
+    if len(lat) == 2 and all(lat.values()):
+        print(f"  ironsan/tgt latency ratio {lat['tgt'] / lat['ironsan']:.2f}")
+
+sc = [(t, perf.get(("ram", "16x-randread-4k-qd8", t)), perf.get(("ram", "randread-4k-qd32", t))) for t in ("ironsan", "tgt")]
+if any(m for _, m, _ in sc):
+    print("\nScaling: 16 sessions x QD8 (16 iscsi-perf processes, summed) vs 1 session x QD32, 4K random read")
+    for t, m, o in sc:
+        if m and o:
+            print(f"  {t:<8} 16x8: {m[0]:>8d} IOPS {m[3]:7.2f} us/IO   1x32: {o[0]:>8d} IOPS {o[3]:7.2f} us/IO   16x8/1x32 = {m[0] / o[0] if o[0] else float('nan'):.2f}")
+
+if idle:
+    print(f"\nIdle: target CPU with one logged-in idle session over {sys.argv[2]} s")
+    for t, (ns, switches, wall_s) in idle.items():
+        print(f"  {t:<8} {100 * ns / 1e9 / wall_s:7.4f} % CPU ({ns / 1e3:.0f} us in {wall_s:.1f} s, /proc/PID/task/*/schedstat), {switches / wall_s:.1f} wakeups/s")
+
+if mem:
+    print("\nMemory: VmRSS delta of the target process, per session / per connection")
+    for (w, t), (r0, r1, n) in sorted(mem.items(), key=lambda x: (x[0][1], x[0][0])):
+        what = "idle logged-in session" if w == "mem-idle-session" else "bare TCP connection (no login)"
+        print(f"  {t:<8} {what:<32} {r0:>7d} kB -> {r1:>7d} kB with {n}: {(r1 - r0) / n:7.1f} KiB each")
 EOF
 )
 
 REPORT=$(
-    echo "=== $(date -Is)  ironsan $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" diff --quiet 2>/dev/null || echo '+dirty') ==="
+    echo "=== $(date -Is)  ironsan $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" diff --quiet -- crates src 2>/dev/null || echo '+dirty') ==="
     echo "uname: $(uname -a)"
-    echo "nproc: $NCPU   cpu: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)"
-    echo "targets pinned to CPU $TARGET_CPU, iscsi-perf to CPU $CLIENT_CPU; ${DURATION}s per workload; loadavg before: $LOAD_BEFORE"
-    echo "ironsan LUN: $IRONSAN_LUN; tgt $(tgtd -V 2>/dev/null | head -n 1 || echo '?') LUN 1: bstype null; client: $(dpkg-query -W -f='libiscsi-bin ${Version}' libiscsi-bin 2>/dev/null || echo 'iscsi-perf')"
+    echo "nproc: $NCPU   cpu: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)   mem: $(awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo) MiB"
+    echo "targets pinned to CPU $TARGET_CPU, clients to CPU $CLIENT_CPU; ${DURATION}s per workload; took $((T_END - T_START))s; loadavg before: $LOAD_BEFORE, after: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "ironsan binary: $(date -d "@$(stat -c %Y "$BIN")" -Is); tgt $(tgtd -V 2>/dev/null | head -n 1 || echo '?'); $(dpkg-query -W -f='istgt ${Version}, libiscsi-bin ${Version}' istgt 2>/dev/null | sed 's/libiscsi-bin [^,]*$//')$(dpkg-query -W -f='libiscsi-bin ${Version}' libiscsi-bin 2>/dev/null); $(qemu-img --version | head -n 1)"
+    echo "sections: $SECTIONS; targets: $TARGETS"
     echo "$TABLE"
 )
 echo "$REPORT"
@@ -239,5 +464,5 @@ if [[ $SAVE -eq 1 ]]; then
     mkdir -p "$ROOT/bench/results"
     out=$ROOT/bench/results/$(date +%F)-$(uname -n).txt
     { echo "$REPORT"; echo; } >>"$out"
-    echo "bench: appended to ${out#"$ROOT"/}" >&2
+    note "appended to ${out#"$ROOT"/}"
 fi
