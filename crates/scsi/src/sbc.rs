@@ -103,6 +103,21 @@ pub(crate) async fn read(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseR
     read_blocks(lu, r.lba, r.blocks).await
 }
 
+/// Write whole blocks at `lba`, handing the range-lock keep to the backend so the range stays
+/// locked until the I/O is really done (docs/INTEGRITY.md, promise 11).
+async fn write_blocks(
+    lu: &LogicalUnit,
+    lba: u64,
+    data: Bytes,
+    mode: ironsan_backend::WriteMode,
+    keep: ironsan_backend::Keep,
+) -> Result<(), SenseReason> {
+    lu.backend()
+        .write_keeping(bytes_of(lu, lba), data, mode, keep)
+        .await
+        .map_err(backend_err(lu))
+}
+
 /// The checks every block write makes, in SBC-3 order: protection field, write protect,
 /// transfer length, LBA range.
 fn writable_range(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<BlockRange, SenseReason> {
@@ -137,15 +152,14 @@ pub(crate) async fn write(
     let len = bytes_of(lu, u64::from(blocks)) as usize;
     let fua = cdb.op() != WRITE_6 && cdb.bit(1, 3);
     let g = lu.writes.lock(r.lba, r.lba + u64::from(blocks)).await;
-    lu.backend()
-        .write_keeping(
-            bytes_of(lu, r.lba),
-            data_out.slice(..len),
-            write_mode(lu, fua),
-            g.keep(),
-        )
-        .await
-        .map_err(backend_err(lu))?;
+    write_blocks(
+        lu,
+        r.lba,
+        data_out.slice(..len),
+        write_mode(lu, fua),
+        g.keep(),
+    )
+    .await?;
     Ok(Bytes::new())
 }
 
@@ -167,15 +181,14 @@ pub(crate) async fn write_and_verify(
     let len = bytes_of(lu, u64::from(blocks)) as usize;
     // Held over the read-back too (no other writer between write and verify).
     let g = Arc::new(lu.writes.lock(r.lba, r.lba + u64::from(blocks)).await);
-    lu.backend()
-        .write_keeping(
-            bytes_of(lu, r.lba),
-            data_out.slice(..len),
-            ironsan_backend::WriteMode::Durable,
-            g.keep_shared(),
-        )
-        .await
-        .map_err(backend_err(lu))?;
+    write_blocks(
+        lu,
+        r.lba,
+        data_out.slice(..len),
+        ironsan_backend::WriteMode::Durable,
+        g.keep_shared(),
+    )
+    .await?;
     if cdb.bit(1, 1) {
         let back = read_blocks(lu, r.lba, blocks).await?;
         if let Some(offset) = first_difference(&back, &data_out[..len]) {
@@ -656,15 +669,14 @@ pub(crate) async fn compare_and_write(
             offset: offset as u64,
         });
     }
-    lu.backend()
-        .write_keeping(
-            bytes_of(lu, r.lba),
-            data_out.slice(len..2 * len),
-            write_mode(lu, fua),
-            g.keep(),
-        )
-        .await
-        .map_err(backend_err(lu))?;
+    write_blocks(
+        lu,
+        r.lba,
+        data_out.slice(len..2 * len),
+        write_mode(lu, fua),
+        g.keep(),
+    )
+    .await?;
     Ok(Bytes::new())
 }
 
@@ -690,15 +702,7 @@ pub(crate) async fn orwrite(
     for (m, o) in merged.iter_mut().zip(&data_out[..len]) {
         *m |= *o;
     }
-    lu.backend()
-        .write_keeping(
-            bytes_of(lu, r.lba),
-            merged.freeze(),
-            write_mode(lu, fua),
-            g.keep(),
-        )
-        .await
-        .map_err(backend_err(lu))?;
+    write_blocks(lu, r.lba, merged.freeze(), write_mode(lu, fua), g.keep()).await?;
     Ok(Bytes::new())
 }
 

@@ -13,6 +13,7 @@
 //!
 //! LUN 0 is a [`FaultBackend`] over RAM; the test reads the RAM under it directly.
 
+mod support;
 use bytes::Bytes;
 use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBackend};
 use ironsan_initiator::{Client, CommandResult, LoginOptions};
@@ -55,10 +56,7 @@ async fn start(rules: &[&str]) -> Rig {
     let cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
     let server = Server::bind(cfg).await.unwrap();
     let addr = server.local_addrs()[0];
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
+    let tx = support::run_in_background(server);
     Rig {
         addr,
         ctl,

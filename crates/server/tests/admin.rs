@@ -1,6 +1,7 @@
 //! The control socket in process: views (sessions with negotiated keys and TCP_INFO) and
 //! run-time changes (LUN add/remove/resize, ACLs, targets) while other sessions do I/O.
 
+mod support;
 use bytes::Bytes;
 use ironsan_backend::RamBackend;
 use ironsan_initiator::{Client, LoginOptions};
@@ -68,10 +69,7 @@ async fn start(name: &str) -> (SocketAddr, PathBuf, tokio::sync::oneshot::Sender
         server.control(),
         Arc::new(RamHooks),
     ));
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
+    let tx = support::run_in_background(server);
     (addr, path, tx)
 }
 

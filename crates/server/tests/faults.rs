@@ -4,6 +4,7 @@
 //! failing LBA in INFORMATION, SPACE ALLOCATION FAILED, ...), the other LUN unaffected, and
 //! ABORT TASK / LUN RESET complete while the backend I/O is stuck, without a double completion.
 
+mod support;
 use bytes::Bytes;
 use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBackend};
 use ironsan_initiator::{Client, CommandResult, LoginOptions};
@@ -51,10 +52,7 @@ async fn start_on(inner: Arc<dyn BlockDevice>, rules: &[&str], seed: u64) -> Rig
     let cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
     let server = Server::bind(cfg).await.unwrap();
     let addr = server.local_addrs()[0];
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
+    let tx = support::run_in_background(server);
     Rig {
         addr,
         ctl,

@@ -2,6 +2,7 @@
 //! scrape over TCP parsed line by line (HELP/TYPE, samples), counters moved by exactly the I/O
 //! done, histogram buckets cumulative and ending with +Inf = count; and `ctl stats`.
 
+mod support;
 use bytes::Bytes;
 use ironsan_backend::RamBackend;
 use ironsan_initiator::{Client, LoginOptions};
@@ -50,10 +51,7 @@ async fn start() -> Running {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics = l.local_addr().unwrap();
     tokio::spawn(ironsan_server::metrics::serve_metrics(l, control.clone()));
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
+    let tx = support::run_in_background(server);
     Running {
         iscsi,
         metrics,

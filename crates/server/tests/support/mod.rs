@@ -31,15 +31,20 @@ pub fn ram_target(name: &str) -> TargetDef {
     }
 }
 
-/// Run a server with `cfg` in the background; it stops when the sender is dropped.
-pub async fn serve(cfg: ServerConfig) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-    let server = Server::bind(cfg).await.unwrap();
-    let addr = server.local_addrs()[0];
+/// Run a bound server in the background; it stops when the sender is dropped.
+pub fn run_in_background(server: Server) -> tokio::sync::oneshot::Sender<()> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(server.run(async {
         let _ = rx.await;
     }));
-    (addr, tx)
+    tx
+}
+
+/// Bind a server with `cfg` and run it in the background; it stops when the sender is dropped.
+pub async fn serve(cfg: ServerConfig) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let server = Server::bind(cfg).await.unwrap();
+    let addr = server.local_addrs()[0];
+    (addr, run_in_background(server))
 }
 
 /// A server with one RAM target ([`TARGET`]) on 127.0.0.1:0, after `f` adjusted the config.
