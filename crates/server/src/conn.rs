@@ -408,35 +408,20 @@ async fn login_phase(
             Ok(p) => p,
             Err(status) => {
                 let (resp, data) = login.fail(&req, status);
-                let _ = tx
-                    .send(Out::Pdus(vec![OutPdu::status(
-                        Header::LoginResponse(resp),
-                        data,
-                    )]))
-                    .await;
+                send_login(tx, resp, data).await;
                 return Ok(None);
             }
         };
         match login.step(&req, pairs, &policy) {
             LoginStep::Respond(resp, data) => {
-                let _ = tx
-                    .send(Out::Pdus(vec![OutPdu::status(
-                        Header::LoginResponse(resp),
-                        data,
-                    )]))
-                    .await;
+                send_login(tx, resp, data).await;
             }
             LoginStep::Fail(resp, data) => {
                 // Never the secrets or the CHAP values: only who, and the status.
                 let reason = login_failure_reason(resp.status_class, resp.status_detail);
                 shared.stats.login_failed(reason);
                 tracing::info!(%peer, status = format_args!("{:02x}{:02x}", resp.status_class, resp.status_detail), reason, "login failed");
-                let _ = tx
-                    .send(Out::Pdus(vec![OutPdu::status(
-                        Header::LoginResponse(resp),
-                        data,
-                    )]))
-                    .await;
+                send_login(tx, resp, data).await;
                 return Ok(None);
             }
             LoginStep::ReadyToComplete(ready) => {
@@ -503,24 +488,14 @@ async fn login_phase(
                 if session.is_none() && !new {
                     let (resp, data) = login.reject(LoginStatus::SESSION_DOES_NOT_EXIST);
                     shared.stats.login_failed("session_does_not_exist");
-                    let _ = tx
-                        .send(Out::Pdus(vec![OutPdu::status(
-                            Header::LoginResponse(resp),
-                            data,
-                        )]))
-                        .await;
+                    send_login(tx, resp, data).await;
                     return Ok(None);
                 }
                 if let Some(s) = &session {
                     if s.conn_count() >= s.params.max_connections as usize {
                         let (resp, data) = login.reject(LoginStatus::TOO_MANY_CONNECTIONS);
                         shared.stats.login_failed("too_many_connections");
-                        let _ = tx
-                            .send(Out::Pdus(vec![OutPdu::status(
-                                Header::LoginResponse(resp),
-                                data,
-                            )]))
-                            .await;
+                        send_login(tx, resp, data).await;
                         return Ok(None);
                     }
                 }
@@ -580,12 +555,7 @@ async fn login_phase(
                     since: std::time::SystemTime::now(),
                     close: close_tx,
                 });
-                let _ = tx
-                    .send(Out::Pdus(vec![OutPdu::status(
-                        Header::LoginResponse(resp),
-                        data,
-                    )]))
-                    .await;
+                send_login(tx, resp, data).await;
                 let _ = tx.send(Out::Attach(Arc::clone(&session))).await;
                 let _ = tx
                     .send(Out::Digests(Digests {
