@@ -595,58 +595,20 @@ impl Client {
         self.send(Header::ScsiCommand(cmd), out.slice(..imm_len as usize))
             .await?;
         // Unsolicited Data-Out.
-        let mut off = imm_len;
-        let mut sn = 0;
-        while off < unsolicited_end {
-            let len = (unsolicited_end - off).min(self.target_mrdsl);
-            let d = DataOut {
-                final_bit: off + len == unsolicited_end,
-                lun: Lun::from_number(lun),
-                itt,
-                ttt: Ttt::RESERVED,
-                exp_stat_sn: self.exp_stat_sn,
-                data_sn: DataSn(sn),
-                buffer_offset: off,
-            };
-            self.send(
-                Header::DataOut(d),
-                out.slice(off as usize..(off + len) as usize),
-            )
+        self.send_data_out(lun, itt, Ttt::RESERVED, &out, imm_len, unsolicited_end)
             .await?;
-            off += len;
-            sn += 1;
-        }
         let mut data = BytesMut::new();
         loop {
             let pdu = self.recv().await?;
             match pdu.header {
                 Header::R2t(r) if r.itt == itt => {
                     self.note_sn(&r.sn, false);
-                    let mut off = r.buffer_offset;
                     let end = r
                         .buffer_offset
                         .saturating_add(r.desired_data_transfer_length)
                         .min(out.len() as u32);
-                    let mut sn = 0;
-                    while off < end {
-                        let len = (end - off).min(self.target_mrdsl);
-                        let d = DataOut {
-                            final_bit: off + len == end,
-                            lun: Lun::from_number(lun),
-                            itt,
-                            ttt: r.ttt,
-                            exp_stat_sn: self.exp_stat_sn,
-                            data_sn: DataSn(sn),
-                            buffer_offset: off,
-                        };
-                        self.send(
-                            Header::DataOut(d),
-                            out.slice(off as usize..(off + len) as usize),
-                        )
+                    self.send_data_out(lun, itt, r.ttt, &out, r.buffer_offset, end)
                         .await?;
-                        off += len;
-                        sn += 1;
-                    }
                 }
                 Header::DataIn(d) if d.itt == itt => {
                     if d.buffer_offset as usize != data.len() {
@@ -699,6 +661,41 @@ impl Client {
                 }
             }
         }
+    }
+
+    /// Send `out[start..end]` as one Data-Out sequence (DataSN from 0, F on the last PDU),
+    /// in PDUs of at most the target's MaxRecvDataSegmentLength.
+    async fn send_data_out(
+        &mut self,
+        lun: u64,
+        itt: Itt,
+        ttt: Ttt,
+        out: &Bytes,
+        start: u32,
+        end: u32,
+    ) -> Result<()> {
+        let mut off = start;
+        let mut sn = 0;
+        while off < end {
+            let len = (end - off).min(self.target_mrdsl);
+            let d = DataOut {
+                final_bit: off + len == end,
+                lun: Lun::from_number(lun),
+                itt,
+                ttt,
+                exp_stat_sn: self.exp_stat_sn,
+                data_sn: DataSn(sn),
+                buffer_offset: off,
+            };
+            self.send(
+                Header::DataOut(d),
+                out.slice(off as usize..(off + len) as usize),
+            )
+            .await?;
+            off += len;
+            sn += 1;
+        }
+        Ok(())
     }
 
     /// READ(16) of `blocks` blocks of `block_size` at `lba`.
