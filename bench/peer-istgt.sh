@@ -38,12 +38,8 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n $dir ]] || die "--dir is required"
 
-pid_alive() {
-    [[ -n ${1:-} ]] && kill -0 "$1" 2>/dev/null || return 1
-    local state
-    state=$(awk '{sub(/^.*\) /, ""); print $1}' "/proc/$1/stat" 2>/dev/null || true)
-    [[ -n $state && $state != Z ]]
-}
+# shellcheck source=bench/common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 stop() {
     [[ -f $dir/istgt.pid ]] || return 0

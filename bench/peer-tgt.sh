@@ -45,14 +45,8 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n $dir ]] || die "--dir is required"
 
-# kill -0 also succeeds on a zombie; tgtd started by an earlier invocation
-# of this script is reparented and may never be reaped, so treat Z as dead.
-pid_alive() {
-    [[ -n ${1:-} ]] && kill -0 "$1" 2>/dev/null || return 1
-    local state
-    state=$(awk '{sub(/^.*\) /, ""); print $1}' "/proc/$1/stat" 2>/dev/null || true)
-    [[ -n $state && $state != Z ]]
-}
+# shellcheck source=bench/common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 stop() {
     local pid cport
