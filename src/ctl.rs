@@ -1,12 +1,13 @@
 //! `ironsan ctl` (the client of the control socket) and the binary's side of the control
 //! socket: building LUNs from specs (`lun add`), `apply` and `save`.
 
-use crate::config::{self, Backing, LunPlan, Plan};
+use crate::config::{self, Backing, Limits, LunPlan, Plan};
 use anyhow::Result;
 use ironsan_scsi::LogicalUnit;
 use ironsan_server::admin::{self, Control, Hooks};
-use ironsan_server::{Access, TargetDef};
+use ironsan_server::{Access, PortalGroup, PortalInfo, TargetDef};
 use serde_json::{json, Value};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -21,9 +22,12 @@ use std::sync::{Arc, Mutex};
   lun resize TARGET LUN SIZE        grow (or shrink) a LUN; raises CAPACITY DATA HAS CHANGED
   target add IQN [--alias A]        a new target (no LUNs, open to every initiator)
   target remove IQN [--force]       --force closes its sessions
+  portal add ADDR:PORT [--tag N]    listen on a new portal of group N (default 1) now
+  portal remove ADDR:PORT           stop listening there (sessions that came in through it stay)
   acl add|remove TARGET RULE        RULE as for --acl; TARGET 'discovery' for discovery sessions
   apply FILE [--dry-run]            reconcile the running state to a configuration file
-  save [FILE]                       write the running state as TOML (default: the --config file)")]
+  save [FILE]                       write the running state as TOML (default: the --config file):
+                                    portals as bound, [limits], targets, ACLs, LUNs with identity")]
 pub struct CtlArgs {
     /// The control socket of `ironsan serve` (default: as serve's default).
     #[arg(long, value_name = "PATH", env = "IRONSAN_CONTROL")]
@@ -127,19 +131,19 @@ impl BinHooks {
         let data_dir = plan.data_dir.clone();
         {
             let old = self.plan.lock().unwrap_or_else(|p| p.into_inner());
-            if old.portal_groups != plan.portal_groups
-                || old.limits != plan.limits
+            if old.limits != plan.limits
                 || old.queue_depth != plan.queue_depth
                 || old.data_dir != plan.data_dir
                 || old.metrics != plan.metrics
                 || old.control != plan.control
             {
                 changes.push(
-                    "! listen, [[portal_group]], data_dir, queue_depth, metrics, control and [limits] take effect only after a restart"
+                    "! data_dir, queue_depth, metrics, control and [limits] take effect only after a restart"
                         .to_string(),
                 );
             }
         }
+        let portals = portal_diff(&control.portal_list(), &plan);
         let mut step = |desc: String, f: &mut dyn FnMut() -> Result<(), String>| {
             if !dry_run {
                 if let Err(e) = f() {
@@ -149,6 +153,37 @@ impl BinHooks {
             }
             changes.push(desc);
         };
+        // Portals first (a new target may be served only on a new group), removals last
+        // (a target may be moved off a group that goes away).
+        for (addr, old, tag) in &portals.moved {
+            step(
+                format!("~ portal {addr}: group {old} -> {tag}"),
+                &mut || control.set_portal_tag(*addr, *tag),
+            );
+        }
+        // A new portal that clashes with one that goes away (same port, same or wildcard
+        // address: 127.0.0.1:3260 replaced by 0.0.0.0:3260) replaces it, after the other
+        // closings; one that clashes with several replaces the last of them.
+        let mut removed: Vec<PortalInfo> = portals.removed.clone();
+        let mut now = Vec::new();
+        let mut replace = Vec::new();
+        for &(a, tag) in &portals.added {
+            match removed.iter().rposition(|p| clashes(&a, &p.addr)) {
+                Some(i) => replace.push((removed.remove(i), a, tag)),
+                None => now.push((a, tag)),
+            }
+        }
+        let bind_failed = std::cell::Cell::new(false);
+        for (addr, tag) in &now {
+            step(format!("+ portal {addr} (group {tag})"), &mut || {
+                control
+                    .add_portal(*addr, *tag)
+                    .map(|_| ())
+                    .inspect_err(|_| {
+                        bind_failed.set(true);
+                    })
+            });
+        }
         for name in running
             .iter()
             .filter(|n| !plan.targets.iter().any(|t| &t.name == *n))
@@ -277,6 +312,32 @@ impl BinHooks {
                 control.set_access(None, plan.discovery.clone())
             });
         }
+        // If a new portal could not be bound, the old ones stay: the file may be replacing them.
+        for p in &removed {
+            step(
+                format!("- portal {} (group {})", p.addr, p.tag),
+                &mut || {
+                    if bind_failed.get() {
+                        return Err("not closed, as a new portal could not be bound".into());
+                    }
+                    control.remove_portal(p.addr).map(|_| ())
+                },
+            );
+        }
+        for (old, addr, tag) in &replace {
+            step(
+                format!(
+                    "~ portal {} (group {}) replaced by {addr} (group {tag})",
+                    old.addr, old.tag
+                ),
+                &mut || {
+                    if bind_failed.get() {
+                        return Err("not replaced, as a new portal could not be bound".into());
+                    }
+                    control.replace_portal(old.addr, *addr, *tag).map(|_| ())
+                },
+            );
+        }
         if !errors.is_empty() {
             return Err(format!(
                 "applied:\n  {}\nfailed:\n  {}",
@@ -288,6 +349,7 @@ impl BinHooks {
             let mut p = self.plan.lock().unwrap_or_else(|p| p.into_inner());
             p.targets = plan.targets;
             p.discovery = plan.discovery;
+            p.portal_groups = plan.portal_groups;
         }
         Ok(changes)
     }
@@ -303,8 +365,20 @@ impl BinHooks {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        // One group with tag 1 is `listen`; otherwise every group is a [[portal_group]].
-        let implicit = match plan.portal_groups.as_slice() {
+        // The running portals (as bound: port 0 is written as the port it got), grouped by
+        // tag in the order the groups first appear. One group with tag 1 is `listen`;
+        // otherwise every group is a [[portal_group]].
+        let mut groups: Vec<PortalGroup> = Vec::new();
+        for p in control.portal_list() {
+            match groups.iter_mut().find(|g| g.tag == p.tag) {
+                Some(g) => g.listen.push(p.addr),
+                None => groups.push(PortalGroup {
+                    tag: p.tag,
+                    listen: vec![p.addr],
+                }),
+            }
+        }
+        let implicit = match groups.as_slice() {
             [g] if g.tag == 1 => Some(g),
             _ => None,
         };
@@ -322,8 +396,9 @@ impl BinHooks {
         if let Some(c) = &plan.control {
             out.push_str(&format!("control = {}\n", q(&c.display().to_string())));
         }
+        out.push_str(&limits_text(&plan.limits));
         if implicit.is_none() {
-            for g in &plan.portal_groups {
+            for g in &groups {
                 out.push_str(&format!(
                     "\n[[portal_group]]\ntag = {}\nlisten = [{}]\n",
                     g.tag,
@@ -395,6 +470,96 @@ impl BinHooks {
         config::parse_file(&out, Path::new("(saved)"))?;
         Ok(out)
     }
+}
+
+/// What `apply` changes about the portals: (address, old tag, new tag) moved to another
+/// group, (address, tag) to bind, running portals to close.
+#[derive(Debug, Default)]
+struct PortalDiff {
+    moved: Vec<(SocketAddr, u16, u16)>,
+    added: Vec<(SocketAddr, u16)>,
+    removed: Vec<PortalInfo>,
+}
+
+/// Match the file's portals to the running ones. A file address matches a running portal
+/// bound to it or asked for as it (so `127.0.0.1:0` in the file matches a portal that was
+/// started from it, on whatever port it got); same group first, then another group (moved).
+fn portal_diff(running: &[PortalInfo], plan: &Plan) -> PortalDiff {
+    let want: Vec<(u16, SocketAddr)> = plan
+        .portal_groups
+        .iter()
+        .flat_map(|g| g.listen.iter().map(move |a| (g.tag, *a)))
+        .collect();
+    let is = |p: &PortalInfo, a: &SocketAddr| p.addr == *a || p.requested == *a;
+    let mut used = vec![false; running.len()];
+    let mut left = Vec::new();
+    for (tag, a) in &want {
+        match (0..running.len()).find(|&i| !used[i] && running[i].tag == *tag && is(&running[i], a))
+        {
+            Some(i) => used[i] = true,
+            None => left.push((*tag, *a)),
+        }
+    }
+    let mut d = PortalDiff::default();
+    for (tag, a) in left {
+        match (0..running.len()).find(|&i| !used[i] && is(&running[i], &a)) {
+            Some(i) => {
+                used[i] = true;
+                d.moved.push((running[i].addr, running[i].tag, tag));
+            }
+            None => d.added.push((a, tag)),
+        }
+    }
+    d.removed = running
+        .iter()
+        .zip(&used)
+        .filter(|(_, u)| !**u)
+        .map(|(p, _)| *p)
+        .collect();
+    d
+}
+
+/// Whether listening on `a` needs `b` closed first: the same port on the same address, or
+/// with either a wildcard (on Linux `[::]` takes IPv4 too, so any family).
+fn clashes(a: &SocketAddr, b: &SocketAddr) -> bool {
+    a.port() == b.port() && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+/// A byte count as the configuration file writes sizes (`64M`, or plain bytes).
+fn size_text(n: u64) -> String {
+    for (unit, shift) in [("T", 40), ("G", 30), ("M", 20), ("K", 10)] {
+        if n > 0 && n.is_multiple_of(1u64 << shift) {
+            return format!("{}{unit}", n >> shift);
+        }
+    }
+    n.to_string()
+}
+
+/// A duration as the configuration file writes it (`10s`, `2500ms`).
+fn duration_text(d: std::time::Duration) -> String {
+    let ms = d.as_millis();
+    if ms.is_multiple_of(1000) {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+/// The `[limits]` section with every limit (the running values, defaults included).
+fn limits_text(l: &Limits) -> String {
+    format!(
+        "\n[limits]\nlogin_timeout = {}\nnop_interval = {}\nnop_timeout = {}\nmax_connections = {}\nmax_sessions = {}\nmax_sessions_per_initiator = {}\nwrite_buffer_per_session = \"{}\"\nmax_r2ts_per_connection = {}\ntx_buffer_per_connection = \"{}\"\nshutdown_grace = \"{}\"\n",
+        l.login_timeout_secs,
+        l.nop_interval_secs,
+        l.nop_timeout_secs,
+        l.max_connections,
+        l.max_sessions,
+        l.max_sessions_per_initiator,
+        size_text(l.write_buffer_per_session),
+        l.max_r2ts_per_connection,
+        size_text(l.tx_buffer_per_connection),
+        duration_text(l.shutdown_grace),
+    )
 }
 
 fn plan_size(l: &LunPlan) -> Option<u64> {
@@ -561,6 +726,10 @@ spec = "ram:1M"
 spec = "ram:1M"
 serial = "S1"
 naa = "0x5000000000000042"
+[limits]
+max_connections = 64
+write_buffer_per_session = "96M"
+shutdown_grace = "2500ms"
 "#,
             dir.path().display()
         );
@@ -578,15 +747,36 @@ naa = "0x5000000000000042"
                 (0x5000_0000_0000_0042, "S1".to_string())
             ]
         );
+        // A portal added live is saved, as bound.
+        let p3 = control
+            .add_portal("127.0.0.1:0".parse().unwrap(), 3)
+            .unwrap()
+            .addr;
+        let bound: Vec<_> = control.portal_list().iter().map(|p| p.addr).collect();
         let saved = hooks.save_text(&control).unwrap();
         for want in [
             format!("serial = \"{derived:016x}\"\nnaa = \"0x{derived:016x}\""),
             "serial = \"S1\"\nnaa = \"0x5000000000000042\"".to_string(),
             "portal_groups = [2]".to_string(),
-            "[[portal_group]]\ntag = 2".to_string(),
+            format!("[[portal_group]]\ntag = 2\nlisten = [\"{}\"]", bound[1]),
+            format!("[[portal_group]]\ntag = 3\nlisten = [\"{p3}\"]"),
+            "[limits]\n".to_string(),
+            "write_buffer_per_session = \"96M\"".to_string(),
+            "shutdown_grace = \"2500ms\"".to_string(),
         ] {
             assert!(saved.contains(&want), "{want}\n---\n{saved}");
         }
+        // The saved file reads back as the running state: portals (as bound) and every limit.
+        let back = config::parse_file(&saved, Path::new("saved.toml")).unwrap();
+        assert_eq!(back.limits, plan_limits(&file_limits(&text)));
+        assert_eq!(back.limits.max_connections, 64);
+        assert_eq!(
+            back.portal_groups
+                .iter()
+                .flat_map(|g| g.listen.iter().map(|a| (g.tag, *a)))
+                .collect::<Vec<_>>(),
+            vec![(1, bound[0]), (2, bound[1]), (3, p3)]
+        );
         // Applying what was saved changes nothing.
         std::fs::write(&file, &saved).unwrap();
         assert_eq!(
@@ -609,7 +799,9 @@ naa = "0x5000000000000042"
             .replace("portal_groups = [2]\n", "");
         std::fs::write(&file, &edited).unwrap();
         let changes = hooks.apply(&control, &file, false).unwrap();
-        assert_eq!(changes.len(), 2, "{changes:?}");
+        // The LUN, the target's groups, and the live portal that the file does not have.
+        assert_eq!(changes.len(), 3, "{changes:?}");
+        assert_eq!(changes[2], format!("- portal {p3} (group 3)"));
         assert_eq!(ids(&control, "iqn.2026-11.org.x:new"), old);
         assert_eq!(
             control.portal_groups("iqn.2026-11.org.x:new").unwrap(),
@@ -621,5 +813,136 @@ naa = "0x5000000000000042"
                 .config()
                 .read_only
         );
+        assert_eq!(
+            control
+                .portal_list()
+                .iter()
+                .map(|p| p.addr)
+                .collect::<Vec<_>>(),
+            bound[..2]
+        );
+        // A portal moved to another group and a new group, with the target moved onto it:
+        // portals change before the target, a portal that goes away after it.
+        let moved = edited
+            .replace(
+                "tag = 2\nlisten = [\"127.0.0.1:0\"]",
+                &format!("tag = 5\nlisten = [\"{}\"]\n[[portal_group]]\ntag = 6\nlisten = [\"127.0.0.1:0\"]", bound[1]),
+            )
+            .replace(
+                "name = \"iqn.2026-11.org.x:new\"\n",
+                "name = \"iqn.2026-11.org.x:new\"\nportal_groups = [6]\n",
+            )
+            .replace("max_connections = 64", "max_connections = 65");
+        std::fs::write(&file, &moved).unwrap();
+        let dry = hooks.apply(&control, &file, true).unwrap();
+        let changes = hooks.apply(&control, &file, false).unwrap();
+        assert_eq!(dry, changes);
+        assert_eq!(
+            changes[..4],
+            [
+                "! data_dir, queue_depth, metrics, control and [limits] take effect only after a restart".to_string(),
+                format!("~ portal {}: group 2 -> 5", bound[1]),
+                "+ portal 127.0.0.1:0 (group 6)".to_string(),
+                "~ target iqn.2026-11.org.x:new: portal groups [6]".to_string(),
+            ],
+            "{changes:?}"
+        );
+        assert_eq!(changes.len(), 4, "{changes:?}");
+        let now = control.portal_list();
+        assert_eq!(
+            now.iter().map(|p| p.tag).collect::<Vec<_>>(),
+            vec![1, 5, 6],
+            "{now:?}"
+        );
+        assert_eq!(now[1].addr, bound[1]);
+        // The last portal of group 6 cannot go while the target is served only there.
+        let e = control.remove_portal(now[2].addr).unwrap_err();
+        assert!(e.contains("iqn.2026-11.org.x:new"), "{e}");
+        // Applying the same file again changes nothing (the restart notice aside: [limits]
+        // still differ from the running ones).
+        assert_eq!(hooks.apply(&control, &file, false).unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn apply_swaps_a_portal_for_a_wildcard_and_keeps_portals_when_a_bind_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("p.toml");
+        let with = |listen: &str| {
+            format!(
+                "listen = [{listen}]\ndata_dir = \"{}\"\n[[target]]\nname = \"iqn.2026-11.org.x:p\"\n[[target.lun]]\nspec = \"ram:1M\"\n",
+                dir.path().display()
+            )
+        };
+        std::fs::write(&file, with("\"127.0.0.1:0\"")).unwrap();
+        let plan = config::load_file(&file).unwrap();
+        let server = start(&plan).await;
+        let control = server.control();
+        let hooks = BinHooks::new(plan, Some(file.clone()));
+        let p = control.portal_list()[0].addr;
+        // 127.0.0.1:P → 0.0.0.0:P: the old socket is closed before the wildcard is bound.
+        let any = SocketAddr::from(([0, 0, 0, 0], p.port()));
+        std::fs::write(&file, with(&format!("\"{any}\""))).unwrap();
+        assert_eq!(
+            hooks.apply(&control, &file, false).unwrap(),
+            vec![format!(
+                "~ portal {p} (group 1) replaced by {any} (group 1)"
+            )]
+        );
+        assert_eq!(control.portal_list()[0].addr, any);
+        // Replacing by an address that cannot be bound keeps the old portal.
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let t = taken.local_addr().unwrap();
+        let e = control.replace_portal(any, t, 1).unwrap_err();
+        assert!(e.contains(&format!("cannot listen on {t}")), "{e}");
+        assert_eq!(control.portal_list()[0].addr, any);
+        assert!(std::net::TcpStream::connect(("127.0.0.1", p.port())).is_ok());
+        // A file whose new portal cannot be bound: the running one stays, and both are said.
+        std::fs::write(&file, with(&format!("\"{t}\""))).unwrap();
+        let e = hooks.apply(&control, &file, false).unwrap_err();
+        assert!(e.contains(&format!("cannot listen on {t}")), "{e}");
+        assert!(
+            e.contains(&format!("- portal {any} (group 1): not closed")),
+            "{e}"
+        );
+        assert_eq!(control.portal_list().len(), 1);
+        assert_eq!(control.portal_list()[0].addr, any);
+        assert!(clashes(&any, &"[::1]:1".parse().unwrap()) == (p.port() == 1));
+    }
+
+    /// The `[limits]` of a configuration text, parsed alone.
+    fn file_limits(text: &str) -> String {
+        text[text.find("[limits]").unwrap()..].to_string()
+    }
+
+    fn plan_limits(limits: &str) -> Limits {
+        let t = format!("[[target]]\nname = \"iqn.2026-11.org.x:l\"\n[[target.lun]]\nspec = \"ram:1M\"\n{limits}");
+        config::parse_file(&t, Path::new("l.toml")).unwrap().limits
+    }
+
+    #[test]
+    fn limits_are_written_as_the_file_reads_them() {
+        let d = Limits::default();
+        assert_eq!(plan_limits(&limits_text(&d)), d);
+        let l = Limits {
+            login_timeout_secs: 3,
+            nop_interval_secs: 0,
+            nop_timeout_secs: 7,
+            max_connections: 9,
+            max_sessions: 10,
+            max_sessions_per_initiator: 2,
+            write_buffer_per_session: (32 << 20) + 512,
+            max_r2ts_per_connection: 5,
+            tx_buffer_per_connection: 1 << 30,
+            shutdown_grace: std::time::Duration::from_millis(1500),
+        };
+        let text = limits_text(&l);
+        assert!(text.contains("tx_buffer_per_connection = \"1G\""), "{text}");
+        assert!(
+            text.contains("write_buffer_per_session = \"33554944\""),
+            "{text}"
+        );
+        assert!(text.contains("shutdown_grace = \"1500ms\""), "{text}");
+        assert_eq!(plan_limits(&text), l);
+        assert_eq!(duration_text(std::time::Duration::ZERO), "0s");
     }
 }

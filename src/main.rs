@@ -378,6 +378,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
         plan.targets.len(),
         addrs.len()
     ));
+    // systemd's watchdog (WatchdogSec=): a task that only pings, at half the interval.
+    let watchdog_task = notify::watchdog_interval().map(|(addr, every)| {
+        tracing::info!("systemd watchdog: WATCHDOG=1 every {:?}", every / 2);
+        tokio::spawn(notify::watchdog(addr, every / 2))
+    });
     let grace = plan.limits.shutdown_grace;
     server
         .run(async {
@@ -399,6 +404,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         t.abort();
     }
     if let Some(t) = metrics_task {
+        t.abort();
+    }
+    if let Some(t) = watchdog_task {
         t.abort();
     }
     Ok(())

@@ -1276,6 +1276,189 @@ fn sd_notify_ready_once_the_portal_accepts_and_stopping_on_sigterm() {
     assert_eq!(st.code(), Some(0), "exit status {st}");
 }
 
+/// With `$WATCHDOG_USEC` (and no `$WATCHDOG_PID` naming another process) serve pings the
+/// notify socket with `WATCHDOG=1` every half interval after `READY=1`. Only that messages
+/// arrive is checked, not their timing.
+#[test]
+fn sd_notify_watchdog_pings_when_watchdog_usec_is_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let notify_path = dir.path().join("notify.sock");
+    let sock = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
+    let child = std::process::Command::new(bin())
+        .args(["serve", "--listen", &addr.to_string(), "--lun", "ram:1M"])
+        .args(["--control", "none", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .env("NOTIFY_SOCKET", &notify_path)
+        .env("WATCHDOG_USEC", "200000")
+        .env_remove("WATCHDOG_PID")
+        .env_remove("IRONSAN_LOG")
+        .env_remove("IRONSAN_CONFIG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("starting ironsan serve");
+    let _child = KillOnDrop(child);
+    let ready = recv_notify(&sock, "READY=1");
+    assert_eq!(ready.lines().next(), Some("READY=1"), "{ready:?}");
+    // 100 ms apart: at least two within a second (a slow CI machine gets 3 s).
+    let mut pings = 0;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut other = Vec::new();
+    while pings < 2 && Instant::now() < deadline {
+        sock.set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1)),
+        ))
+        .unwrap();
+        let mut buf = [0u8; 1024];
+        match sock.recv(&mut buf) {
+            Ok(n) if &buf[..n] == b"WATCHDOG=1" => pings += 1,
+            Ok(n) => other.push(String::from_utf8_lossy(&buf[..n]).into_owned()),
+            Err(_) => break,
+        }
+    }
+    assert!(
+        pings >= 2,
+        "{pings} WATCHDOG=1 datagram(s) after READY=1; others: {other:?}"
+    );
+}
+
+/// `ironsan ctl portal add/remove` on a running serve: the new portal serves logins and
+/// discovery, `ctl save` writes it (and `[limits]`) to the --config file, removing it refuses
+/// new connections while the session that came in through it goes on, and SIGHUP re-applies
+/// the saved file, which brings it back.
+#[tokio::test]
+async fn ctl_portal_add_remove_save_and_reload() {
+    use ironsan_initiator::{Client, LoginOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
+    let config = dir.path().join("ironsan.toml");
+    let sock = dir.path().join("control.sock");
+    let sock_s = sock.display().to_string();
+    std::fs::write(
+        &config,
+        format!(
+            "listen = [\"{addr}\"]\ndata_dir = \"{}\"\ncontrol = \"{sock_s}\"\n\n[[target]]\nname = \"{DEFAULT_TARGET}\"\n[[target.lun]]\nspec = \"ram:1M\"\n\n[limits]\nshutdown_grace = \"1s\"\nmax_sessions = 77\n",
+            dir.path().join("data").display()
+        ),
+    )
+    .unwrap();
+    let s = Server::start_config(dir, &config, vec![addr], DEFAULT_TARGET);
+    let ctl = |args: &[&str]| {
+        let mut full = vec!["ctl", "--control", &sock_s];
+        full.extend_from_slice(args);
+        run_unchecked(bin(), &full, Duration::from_secs(30))
+    };
+    let text = |o: &std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    let addr2 = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
+    let a2 = addr2.to_string();
+    let out = ctl(&["portal", "add", &a2, "--tag", "2"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("portal {a2} (group 2) added")),
+        "{}",
+        text(&out)
+    );
+    let out = ctl(&["portal", "add", &a2]);
+    assert!(!out.status.success(), "a duplicate was accepted");
+    assert!(
+        text(&out).contains(&format!("portal {a2} already exists")),
+        "{}",
+        text(&out)
+    );
+    let out = ctl(&["portals"]);
+    let listed = text(&out);
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.split_whitespace().eq([addr.to_string().as_str(), "1"]))
+            && listed
+                .lines()
+                .any(|l| l.split_whitespace().eq([a2.as_str(), "2"])),
+        "{listed}"
+    );
+
+    // Discovery and a login through the new portal.
+    let opts = LoginOptions::new(Some(DEFAULT_TARGET));
+    let mut c = Client::login(addr2, &opts)
+        .await
+        .expect("login on the new portal");
+    let tag = c
+        .negotiated
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "TargetPortalGroupTag")
+        .map(|(_, v)| v.clone());
+    assert_eq!(tag.as_deref(), Some("2"));
+    let mut d = Client::login(addr, &LoginOptions::new(None)).await.unwrap();
+    let pairs = d.send_targets("All").await.unwrap();
+    assert!(
+        pairs.contains(&("TargetAddress".to_string(), format!("{a2},2"))),
+        "{pairs:?}"
+    );
+
+    // save writes the running portals and [limits] back to the --config file.
+    let out = ctl(&["save"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let saved = std::fs::read_to_string(&config).unwrap();
+    for want in [
+        format!("[[portal_group]]\ntag = 1\nlisten = [\"{addr}\"]"),
+        format!("[[portal_group]]\ntag = 2\nlisten = [\"{a2}\"]"),
+        "[limits]\n".to_string(),
+        "max_sessions = 77\n".to_string(),
+        "shutdown_grace = \"1s\"\n".to_string(),
+    ] {
+        assert!(saved.contains(&want), "{want}\n---\n{saved}");
+    }
+
+    // Removed: refused at once, the session on it goes on.
+    let out = ctl(&["portal", "remove", &a2]);
+    assert!(out.status.success(), "{}", text(&out));
+    let refused = std::net::TcpStream::connect_timeout(&addr2, Duration::from_secs(2));
+    assert!(
+        refused.is_err(),
+        "{addr2} still accepts after portal remove"
+    );
+    let r = c
+        .read16(0, 0, 1, 512)
+        .await
+        .expect("READ(16) after the portal went");
+    assert_eq!(r.status, 0);
+    let out = ctl(&["portals"]);
+    assert!(!text(&out).contains(&a2), "{}", text(&out));
+
+    // SIGHUP applies the saved file: the portal is back.
+    signal(s.pid(), "HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect_timeout(&addr2, Duration::from_secs(1)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "SIGHUP did not bring {addr2} back\n{}",
+            s.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = s.stderr();
+    assert!(
+        log.contains(&format!("SIGHUP: + portal {a2} (group 2)")),
+        "{log}"
+    );
+    let _c2 = Client::login(addr2, &opts)
+        .await
+        .expect("login after SIGHUP");
+}
+
 /// Receive until an Async Message arrives (NOP-Ins are skipped); returns (event, parameter3).
 async fn next_async_message(c: &mut ironsan_initiator::Client) -> (u8, u16) {
     loop {

@@ -22,6 +22,7 @@ use crate::{LiveTarget, Shared, TargetDef};
 use ironsan_scsi::LogicalUnit;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -232,6 +233,45 @@ impl Control {
                 .map(|p| json!({ "addr": p.addr.to_string(), "tag": p.tag }))
                 .collect(),
         )
+    }
+
+    /// The portals with the addresses they were asked for (port 0: any free port).
+    pub fn portal_list(&self) -> Vec<crate::PortalInfo> {
+        self.shared.portal_list()
+    }
+
+    /// Listen on `addr` as a portal of group `tag` (1 to 65535) and accept logins there at
+    /// once; SendTargets lists it from now on. Port 0 binds a free port. Refused for an
+    /// address that is already a portal; an address that cannot be bound is named in the
+    /// error. Returns the portal as bound.
+    pub fn add_portal(&self, addr: SocketAddr, tag: u16) -> Result<crate::Portal, String> {
+        self.shared.add_portal(addr, tag)
+    }
+
+    /// Stop listening on the portal bound to `addr`: new connections are refused and
+    /// SendTargets no longer lists it; sessions (and connections still logging in) that came
+    /// in through it keep running. Refused for the last portal and for the last portal of a
+    /// group that a target is restricted to.
+    pub fn remove_portal(&self, addr: SocketAddr) -> Result<crate::Portal, String> {
+        self.shared.remove_portal(addr)
+    }
+
+    /// Close the portal bound to `old` and listen on `new` (group `tag`) instead, for an
+    /// address that clashes with `old` (same port, one a wildcard). If `new` cannot be
+    /// bound, `old` is bound again and the error returned.
+    pub fn replace_portal(
+        &self,
+        old: SocketAddr,
+        new: SocketAddr,
+        tag: u16,
+    ) -> Result<crate::Portal, String> {
+        self.shared.replace_portal(old, new, tag)
+    }
+
+    /// Move the portal bound to `addr` to group `tag` (for `apply`): logins accepted from
+    /// now on announce the new tag; sessions already there keep theirs.
+    pub fn set_portal_tag(&self, addr: SocketAddr, tag: u16) -> Result<(), String> {
+        self.shared.set_portal_tag(addr, tag)
     }
 
     /// The portal group tags serving `target` (`None`: every portal).
@@ -593,6 +633,17 @@ impl Control {
                 let n = self.remove_target(name, true)?;
                 ok(format!("target {name} removed, {n} session(s) closed"))
             }
+            ["portal", "add", addr] => self.portal_add_cmd(addr, "1"),
+            ["portal", "add", addr, "--tag", tag] | ["portal", "add", "--tag", tag, addr] => {
+                self.portal_add_cmd(addr, tag)
+            }
+            ["portal", "remove", addr] => {
+                let p = self.remove_portal(portal_addr(addr)?)?;
+                ok(format!(
+                    "portal {} (group {}) removed; sessions that came in through it keep running",
+                    p.addr, p.tag
+                ))
+            }
             ["acl", "add", t, rule] => {
                 self.acl_add(t, rule)?;
                 ok(format!("{t}: ACL rule {rule} added"))
@@ -607,6 +658,28 @@ impl Control {
             )),
         }
     }
+}
+
+impl Control {
+    /// `portal add ADDR [--tag N]`.
+    fn portal_add_cmd(&self, addr: &str, tag: &str) -> Result<Value, String> {
+        let tag = tag
+            .parse::<u16>()
+            .map_err(|_| format!("portal group tag '{tag}' is not a number from 1 to 65535"))?;
+        let want = portal_addr(addr)?;
+        let p = self.add_portal(want, tag)?;
+        let what = if p.addr == want {
+            format!("portal {} (group {}) added", p.addr, p.tag)
+        } else {
+            format!("portal {want} (group {}) added as {}", p.tag, p.addr)
+        };
+        Ok(json!({ "message": what, "addr": p.addr.to_string(), "tag": p.tag }))
+    }
+}
+
+fn portal_addr(s: &str) -> Result<SocketAddr, String> {
+    s.parse()
+        .map_err(|_| format!("'{s}' is not ADDR:PORT (IPv6 as [::1]:3260)"))
 }
 
 fn check_name(name: &str) -> Result<(), String> {
@@ -1016,14 +1089,16 @@ pub fn render(argv: &[String], data: &Value) -> String {
         ["targets"] => render_targets(data),
         ["luns", ..] => render_luns(data),
         ["stats", ..] => crate::metrics::render_stats(data),
-        ["portals"] => data
-            .as_array()
-            .map(|p| {
-                p.iter()
-                    .map(|x| format!("{}  tag {}\n", s(&x["addr"]), s(&x["tag"])))
-                    .collect()
-            })
-            .unwrap_or_default(),
+        ["portals"] => {
+            let empty = Vec::new();
+            let rows = data
+                .as_array()
+                .unwrap_or(&empty)
+                .iter()
+                .map(|x| vec![s(&x["addr"]), s(&x["tag"])])
+                .collect();
+            table(&["PORTAL", "GROUP"], rows)
+        }
         ["show", "target", _] => {
             let t = &data["target"];
             let mut out = format!(

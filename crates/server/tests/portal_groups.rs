@@ -1,11 +1,18 @@
 //! Target portal groups: two groups on two 127.0.0.1 ports; SendTargets lists each target's
 //! portals with their group tags, a login announces the tag of the portal it came in on, and
-//! a login on a portal outside the target's groups fails with 0203 (not found).
+//! a login on a portal outside the target's groups fails with 0203 (not found). Portals are
+//! added and removed live through the control socket while another session does I/O.
 
 mod support;
 use ironsan_initiator::{Client, Error, LoginOptions};
+use ironsan_server::admin;
 use ironsan_server::{Portal, PortalGroup, Server, ServerConfig};
+use serde_json::Value;
 use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use support::*;
 
 const EVERYWHERE: &str = "iqn.2026-11.org.ironsan:everywhere";
@@ -141,4 +148,233 @@ async fn listen_alone_is_portal_group_one() {
         .await
         .unwrap();
     assert_eq!(tpgt(&c).as_deref(), Some("1"));
+}
+
+async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
+    let path = path.to_owned();
+    let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
+    tokio::task::spawn_blocking(move || admin::call(&path, &argv))
+        .await
+        .unwrap()
+}
+
+fn opts(target: &str, initiator: &str, isid: u8) -> LoginOptions {
+    let mut o = LoginOptions::new(Some(target));
+    o.initiator_name = initiator.into();
+    o.isid.0[5] = isid;
+    o
+}
+
+/// Write 8 KiB at `lba` and read it back.
+async fn write_read(c: &mut Client, lba: u64, seed: u8) -> Result<(), String> {
+    let data = pattern(8192, seed);
+    let w = c
+        .write16(0, lba, data.clone(), 512, false)
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    if w.status != 0 {
+        return Err(format!("write: status {} {:?}", w.status, w.sense_key()));
+    }
+    let r = c
+        .read16(0, lba, 16, 512)
+        .await
+        .map_err(|e| format!("read: {e}"))?;
+    if r.status != 0 || r.data != data {
+        return Err(format!("read: status {} {:?}", r.status, r.sense_key()));
+    }
+    Ok(())
+}
+
+fn addresses(pairs: &[(String, String)]) -> Vec<String> {
+    pairs
+        .iter()
+        .filter(|(k, _)| k == "TargetAddress")
+        .map(|(_, v)| v.clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn portals_are_added_and_removed_live() {
+    // Group 1 only; ONLY_TWO is meant for group 2, which does not exist yet.
+    let mut cfg = ServerConfig::new(
+        vec!["127.0.0.1:0".parse().unwrap()],
+        vec![ram_target(EVERYWHERE), ram_target(ONLY_TWO)],
+    );
+    cfg.target_portal_groups = HashMap::from([(ONLY_TWO.to_string(), vec![2])]);
+    let server = Server::bind(cfg).await.unwrap();
+    let p1 = server.local_addrs()[0];
+    let path: PathBuf = std::env::temp_dir()
+        .join(format!("ironsan-portals-{}", std::process::id()))
+        .join("control.sock");
+    let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    let listener = admin::bind_control(&path).unwrap();
+    tokio::spawn(admin::serve_control(
+        listener,
+        server.control(),
+        Arc::new(admin::NoHooks),
+    ));
+    let _stop = run_in_background(server);
+
+    // Session A does I/O through portal 1 the whole time.
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut a = Client::login(p1, &opts(EVERYWHERE, "iqn.2026-11.org.test:a", 1))
+        .await
+        .unwrap();
+    let io = tokio::spawn({
+        let (stop, done) = (Arc::clone(&stop), Arc::clone(&done));
+        async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) || i < 20 {
+                write_read(&mut a, (i % 64) * 16, i as u8).await?;
+                i += 1;
+                done.store(i, Ordering::Relaxed);
+            }
+            Ok::<_, String>(a)
+        }
+    });
+
+    // Add group 2 (port 0: any free port; the answer names the port).
+    let r = ctl(&path, &["portal", "add", "127.0.0.1:0", "--tag", "2"])
+        .await
+        .unwrap();
+    let p2: SocketAddr = r["addr"].as_str().unwrap().parse().unwrap();
+    assert_eq!(r["tag"], 2);
+    assert!(
+        r["message"].as_str().unwrap().contains(&p2.to_string()),
+        "{r}"
+    );
+    // Refused: tag 0, a portal that exists, an address taken by someone else (named), junk.
+    let e = ctl(&path, &["portal", "add", "127.0.0.1:0", "--tag", "0"])
+        .await
+        .unwrap_err();
+    assert!(e.contains("reserved"), "{e}");
+    let e = ctl(&path, &["portal", "add", &p2.to_string(), "--tag", "3"])
+        .await
+        .unwrap_err();
+    assert!(e.contains("already exists (group 2)"), "{e}");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_addr = taken.local_addr().unwrap().to_string();
+    let e = ctl(&path, &["portal", "add", &taken_addr])
+        .await
+        .unwrap_err();
+    assert!(e.contains(&format!("cannot listen on {taken_addr}")), "{e}");
+    for bad in [
+        vec!["portal", "add", "localhost"],
+        vec!["portal", "add", "127.0.0.1:0", "--tag", "65536"],
+    ] {
+        assert!(ctl(&path, &bad).await.is_err(), "{bad:?}");
+    }
+    let list = ctl(&path, &["portals"]).await.unwrap();
+    assert_eq!(
+        list,
+        serde_json::json!([
+            {"addr": p1.to_string(), "tag": 1},
+            {"addr": p2.to_string(), "tag": 2},
+        ])
+    );
+    let text = admin::render(&["portals".to_string()], &list);
+    assert!(
+        text.starts_with("PORTAL") && text.contains(&p2.to_string()),
+        "{text}"
+    );
+
+    // SendTargets reflects it, with each portal's tag, from a discovery session on either
+    // portal. A discovery login announces no TargetPortalGroupTag (RFC 7143 §13.9: only when
+    // the initiator names a target).
+    for p in [p1, p2] {
+        let mut d = Client::login(p, &LoginOptions::new(None)).await.unwrap();
+        assert_eq!(tpgt(&d), None);
+        let pairs = d.send_targets("All").await.unwrap();
+        let s = |k: &str, v: String| (k.to_string(), v);
+        assert_eq!(
+            pairs,
+            vec![
+                s("TargetName", EVERYWHERE.into()),
+                s("TargetAddress", format!("{p1},1")),
+                s("TargetAddress", format!("{p2},2")),
+                s("TargetName", ONLY_TWO.into()),
+                s("TargetAddress", format!("{p2},2")),
+            ]
+        );
+    }
+    // Session B through the new portal: announces tag 2 and does I/O.
+    let mut b = Client::login(p2, &opts(ONLY_TWO, "iqn.2026-11.org.test:b", 2))
+        .await
+        .unwrap();
+    assert_eq!(tpgt(&b).as_deref(), Some("2"));
+    write_read(&mut b, 0, 0x22).await.unwrap();
+    assert!(matches!(
+        Client::login(p1, &opts(ONLY_TWO, "iqn.2026-11.org.test:b", 3)).await,
+        Err(Error::Login(2, 3))
+    ));
+
+    // p2 is the only portal of group 2, which ONLY_TWO is restricted to: not removable.
+    let e = ctl(&path, &["portal", "remove", &p2.to_string()])
+        .await
+        .unwrap_err();
+    assert!(
+        e.contains("last portal of group 2") && e.contains(ONLY_TWO),
+        "{e}"
+    );
+    // With a second portal in group 2 it is.
+    let r = ctl(&path, &["portal", "add", "127.0.0.1:0", "--tag", "2"])
+        .await
+        .unwrap();
+    let p3: SocketAddr = r["addr"].as_str().unwrap().parse().unwrap();
+    let before = done.load(Ordering::Relaxed);
+    ctl(&path, &["portal", "remove", &p2.to_string()])
+        .await
+        .unwrap();
+    // New connections are refused at once; the session that came in through it goes on.
+    let refused = tokio::net::TcpStream::connect(p2).await;
+    assert_eq!(
+        refused.as_ref().map_err(|e| e.kind()).err(),
+        Some(std::io::ErrorKind::ConnectionRefused),
+        "{refused:?}"
+    );
+    write_read(&mut b, 64, 0x23).await.unwrap();
+    let mut d = Client::login(p1, &LoginOptions::new(None)).await.unwrap();
+    assert_eq!(
+        addresses(&d.send_targets("All").await.unwrap()),
+        vec![format!("{p1},1"), format!("{p3},2"), format!("{p3},2")]
+    );
+    let mut b2 = Client::login(p3, &opts(ONLY_TWO, "iqn.2026-11.org.test:b", 4))
+        .await
+        .unwrap();
+    write_read(&mut b2, 128, 0x24).await.unwrap();
+    let e = ctl(&path, &["portal", "remove", &p2.to_string()])
+        .await
+        .unwrap_err();
+    assert!(e.contains("no portal"), "{e}");
+
+    // Portal 1 goes too, under session A's feet: A keeps working.
+    ctl(&path, &["portal", "remove", &p1.to_string()])
+        .await
+        .unwrap();
+    assert!(tokio::net::TcpStream::connect(p1).await.is_err());
+    let e = ctl(&path, &["portal", "remove", &p3.to_string()])
+        .await
+        .unwrap_err();
+    assert!(e.contains("last portal"), "{e}");
+    while done.load(Ordering::Relaxed) < before + 10 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut a = io.await.unwrap().unwrap();
+    write_read(&mut a, 0, 1).await.unwrap();
+    let sessions = ctl(&path, &["sessions"]).await.unwrap();
+    let portal_of = |initiator: &str| {
+        sessions
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["initiator"] == initiator && s["type"] == "normal")
+            .map(|s| s["connections"][0]["portal"].clone())
+    };
+    assert_eq!(
+        portal_of("iqn.2026-11.org.test:a"),
+        Some(p1.to_string().into())
+    );
+    let _ = std::fs::remove_dir_all(path.parent().unwrap());
 }
