@@ -324,6 +324,17 @@ impl LogicalUnit {
             .is_some_and(|end| end <= self.capacity_blocks())
     }
 
+    /// The transport aborted a task that may be executing a command on this LU (ABORT TASK,
+    /// a task set cleared, a LUN or target reset, session reinstatement, a connection lost,
+    /// PREEMPT AND ABORT). `gone` must report when the task's future has been dropped (a
+    /// tokio `AbortHandle::is_finished`). Call it before the task management response: until
+    /// every such task is gone, reads wait for them, so a read issued after the response
+    /// sees any write the aborted task left in the device (it waits for that write to finish;
+    /// docs/INTEGRITY.md, "Reads and orphaned writes").
+    pub fn task_aborted(&self, gone: impl Fn() -> bool + Send + Sync + 'static) {
+        self.writes.aborting(Box::new(gone));
+    }
+
     pub(crate) fn max_transfer_blocks(&self) -> u32 {
         crate::cdb::max_transfer_blocks(self.block_size)
     }
@@ -337,16 +348,69 @@ impl LogicalUnit {
 /// [`Keep`](ironsan_backend::Keep) value, so the range stays locked until the backend I/O has
 /// really finished, even when the task was aborted and its future dropped first. A later
 /// writer of the same blocks therefore always lands after an aborted one.
+///
+/// **Orphans and reads** (docs/INTEGRITY.md, "Reads and orphaned writes"). Reads take no lock.
+/// A range whose command was dropped (aborted) while the device still held its I/O is
+/// *orphaned* ([`Kept::run`] marks it); [`RangeLock::settled`] waits until no orphaned range
+/// overlaps a read. Because the transport answers a TMF before the aborted task's future is
+/// really dropped, it first reports each aborted task with [`RangeLock::aborting`]; until those
+/// futures are gone `settled` yields (they are dropped within one scheduling round). With no
+/// orphan and no such task, `settled` is one atomic load.
 #[derive(Default)]
 pub(crate) struct RangeLock {
-    inner: Arc<Mutex<RangeLockInner>>,
+    shared: Arc<Shared>,
 }
 
 #[derive(Default)]
+struct Shared {
+    state: Mutex<RangeLockInner>,
+    /// Orphaned ranges plus aborted tasks not yet known to be gone: 0 means reads need not
+    /// look (the fast path of [`RangeLock::settled`]).
+    attention: AtomicUsize,
+}
+
+/// Reports whether an aborted task's future has been dropped (e.g. a tokio `AbortHandle`'s
+/// `is_finished`).
+pub(crate) type TaskGone = Box<dyn Fn() -> bool + Send + Sync>;
+
+#[derive(Default)]
 struct RangeLockInner {
-    held: Vec<(u64, u64, u64)>,
+    held: Vec<Held>,
     next_token: u64,
+    /// Writers waiting for a range and readers waiting for an orphan; all woken on release.
     waiters: Vec<Waker>,
+    /// How many of `held` are orphaned.
+    orphaned: usize,
+    /// Aborted tasks whose futures may still be alive (and may still hand I/O to the device).
+    aborting: Vec<TaskGone>,
+}
+
+struct Held {
+    start: u64,
+    end: u64,
+    token: u64,
+    orphaned: bool,
+}
+
+impl RangeLockInner {
+    fn publish(&self, shared: &Shared) {
+        shared
+            .attention
+            .store(self.orphaned + self.aborting.len(), Ordering::SeqCst);
+    }
+    /// Forget aborted tasks that are gone.
+    fn prune(&mut self) {
+        self.aborting.retain(|gone| !gone());
+    }
+    fn wake_all(&mut self) -> Vec<Waker> {
+        std::mem::take(&mut self.waiters)
+    }
+}
+
+fn add_waker(waiters: &mut Vec<Waker>, w: &Waker) {
+    if !waiters.iter().any(|x| x.will_wake(w)) {
+        waiters.push(w.clone());
+    }
 }
 
 impl RangeLock {
@@ -359,10 +423,38 @@ impl RangeLock {
         }
     }
 
+    /// Resolves when no orphaned range overlaps blocks `start .. end` and no aborted task can
+    /// still create one (see the type's docs). Reads await this before reading the medium.
+    pub fn settled(&self, start: u64, end: u64) -> Settled<'_> {
+        Settled {
+            lock: self,
+            start,
+            end,
+        }
+    }
+
+    /// The transport aborted a task that may be executing a command on this LU; `gone`
+    /// reports when its future has been dropped. Until then [`settled`](Self::settled) waits,
+    /// so a read issued after the TMF response sees any range the task orphans.
+    pub fn aborting(&self, gone: TaskGone) {
+        let mut g = lock(&self.shared.state);
+        g.prune();
+        if !gone() {
+            g.aborting.push(gone);
+        }
+        g.publish(&self.shared);
+    }
+
     /// Ranges held right now (tests).
     #[cfg(test)]
     pub fn held(&self) -> usize {
-        lock(&self.inner).held.len()
+        lock(&self.shared.state).held.len()
+    }
+
+    /// Orphaned ranges right now (tests).
+    #[cfg(test)]
+    pub fn orphaned(&self) -> usize {
+        lock(&self.shared.state).orphaned
     }
 }
 
@@ -375,52 +467,174 @@ pub(crate) struct RangeLockFuture<'a> {
 impl Future for RangeLockFuture<'_> {
     type Output = RangeGuard;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RangeGuard> {
-        let mut g = lock(&self.lock.inner);
+        let mut g = lock(&self.lock.shared.state);
         let (s, e) = (self.start, self.end);
-        if g.held.iter().any(|&(hs, he, _)| hs < e && s < he) {
-            if !g.waiters.iter().any(|w| w.will_wake(cx.waker())) {
-                g.waiters.push(cx.waker().clone());
-            }
+        if g.held.iter().any(|h| h.start < e && s < h.end) {
+            add_waker(&mut g.waiters, cx.waker());
             return Poll::Pending;
         }
         let token = g.next_token;
         g.next_token = g.next_token.wrapping_add(1);
-        g.held.push((s, e, token));
+        g.held.push(Held {
+            start: s,
+            end: e,
+            token,
+            orphaned: false,
+        });
         Poll::Ready(RangeGuard {
-            lock: Arc::clone(&self.lock.inner),
+            shared: Arc::clone(&self.lock.shared),
             token,
         })
     }
 }
 
+/// See [`RangeLock::settled`].
+pub(crate) struct Settled<'a> {
+    lock: &'a RangeLock,
+    start: u64,
+    end: u64,
+}
+
+impl Future for Settled<'_> {
+    type Output = ();
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let shared = &self.lock.shared;
+        if shared.attention.load(Ordering::SeqCst) == 0 {
+            return Poll::Ready(());
+        }
+        let mut g = lock(&shared.state);
+        g.prune();
+        g.publish(shared);
+        if !g.aborting.is_empty() {
+            // An aborted task's future is about to be dropped; nothing wakes us when it is, so
+            // yield and look again.
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let (s, e) = (self.start, self.end);
+        if g.held
+            .iter()
+            .any(|h| h.orphaned && h.start < e && s < h.end)
+        {
+            add_waker(&mut g.waiters, cx.waker());
+            return Poll::Pending;
+        }
+        Poll::Ready(())
+    }
+}
+
 /// A held range; dropping it (on any thread, e.g. a backend I/O thread) releases the range.
 pub(crate) struct RangeGuard {
-    lock: Arc<Mutex<RangeLockInner>>,
+    shared: Arc<Shared>,
     token: u64,
 }
 
 impl RangeGuard {
-    /// This guard as a backend [`Keep`](ironsan_backend::Keep) value.
-    pub fn keep(self) -> ironsan_backend::Keep {
-        Box::new(self)
+    /// This guard as a backend [`Keep`](ironsan_backend::Keep) value, for one backend
+    /// operation started with [`Kept::run`].
+    pub fn keep(self) -> Kept {
+        let mark = OrphanMark {
+            shared: Some(Arc::clone(&self.shared)),
+            token: self.token,
+        };
+        Kept {
+            keep: Box::new(self),
+            mark,
+        }
     }
     /// A shared guard as a [`Keep`](ironsan_backend::Keep) value, for commands that issue
     /// several backend operations under one lock: the range is released when the command
     /// and every operation it issued are done.
-    pub fn keep_shared(self: &Arc<Self>) -> ironsan_backend::Keep {
-        Box::new(Arc::clone(self))
+    pub fn keep_shared(self: &Arc<Self>) -> Kept {
+        Kept {
+            keep: Box::new(Arc::clone(self)),
+            mark: OrphanMark {
+                shared: Some(Arc::clone(&self.shared)),
+                token: self.token,
+            },
+        }
     }
 }
 
 impl Drop for RangeGuard {
     fn drop(&mut self) {
         let waiters = {
-            let mut g = lock(&self.lock);
-            g.held.retain(|&(_, _, t)| t != self.token);
-            std::mem::take(&mut g.waiters)
+            let mut g = lock(&self.shared.state);
+            if let Some(i) = g.held.iter().position(|h| h.token == self.token) {
+                let h = g.held.swap_remove(i);
+                if h.orphaned {
+                    g.orphaned -= 1;
+                    g.publish(&self.shared);
+                }
+            }
+            g.wake_all()
         };
         for w in waiters {
             w.wake();
+        }
+    }
+}
+
+/// A range guard on its way into one backend operation: the [`Keep`](ironsan_backend::Keep)
+/// the backend holds until the operation can no longer change the medium, and the mark that
+/// makes the range orphaned if the command is dropped first.
+pub(crate) struct Kept {
+    keep: ironsan_backend::Keep,
+    mark: OrphanMark,
+}
+
+impl Kept {
+    /// Start the backend operation `op` with the keep and await it. If this future is
+    /// dropped (the task was aborted) before `op` returns and the device still holds the
+    /// keep, the range becomes orphaned: reads of it wait until the device lets go.
+    pub fn run<'a, T>(
+        self,
+        op: impl FnOnce(ironsan_backend::Keep) -> ironsan_backend::IoFuture<'a, T>,
+    ) -> InDevice<'a, T> {
+        InDevice {
+            op: op(self.keep),
+            mark: self.mark,
+        }
+    }
+}
+
+/// See [`Kept::run`]. Field order matters: the operation is dropped first (a backend that
+/// cancels it drops the keep there and then), then the mark looks whether the range is still
+/// held.
+pub(crate) struct InDevice<'a, T> {
+    op: ironsan_backend::IoFuture<'a, T>,
+    mark: OrphanMark,
+}
+
+impl<T> Future for InDevice<'_, T> {
+    type Output = Result<T, ironsan_backend::BackendError>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let r = std::task::ready!(self.op.as_mut().poll(cx));
+        self.mark.shared = None; // completed: not an orphan
+        Poll::Ready(r)
+    }
+}
+
+/// Marks its range orphaned when dropped while armed and the range is still held.
+struct OrphanMark {
+    shared: Option<Arc<Shared>>,
+    token: u64,
+}
+
+impl Drop for OrphanMark {
+    fn drop(&mut self) {
+        let Some(shared) = self.shared.take() else {
+            return;
+        };
+        let mut g = lock(&shared.state);
+        let token = self.token;
+        let Some(h) = g.held.iter_mut().find(|h| h.token == token) else {
+            return;
+        };
+        if !h.orphaned {
+            h.orphaned = true;
+            g.orphaned += 1;
+            g.publish(&shared);
         }
     }
 }

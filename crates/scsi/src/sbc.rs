@@ -7,7 +7,7 @@
 //! [`MAX_TRANSFER_BYTES`](crate::MAX_TRANSFER_BYTES), so no CDB can make us allocate more.
 
 use crate::cdb::{block_range, opcode::*, verify_bytchk, BlockRange, Cdb};
-use crate::lu::{lock, RangeGuard};
+use crate::lu::{lock, Kept, RangeGuard};
 use crate::sense::SenseReason;
 use crate::spc::truncate;
 use crate::LogicalUnit;
@@ -77,7 +77,11 @@ pub(crate) fn write_mode(lu: &LogicalUnit, fua: bool) -> WriteMode {
     }
 }
 
+/// Read whole blocks. First waits for any orphaned write of the blocks (an aborted write the
+/// device still holds) to finish, so a read after the abort never sees it land later (one
+/// atomic load when there is none).
 async fn read_blocks(lu: &LogicalUnit, lba: u64, blocks: u32) -> Result<Bytes, SenseReason> {
+    lu.writes.settled(lba, lba + u64::from(blocks)).await;
     let len = bytes_of(lu, u64::from(blocks)) as usize;
     let data = lu
         .backend()
@@ -110,10 +114,9 @@ async fn write_blocks(
     lba: u64,
     data: Bytes,
     mode: ironsan_backend::WriteMode,
-    keep: ironsan_backend::Keep,
+    keep: Kept,
 ) -> Result<(), SenseReason> {
-    lu.backend()
-        .write_keeping(bytes_of(lu, lba), data, mode, keep)
+    keep.run(|k| lu.backend().write_keeping(bytes_of(lu, lba), data, mode, k))
         .await
         .map_err(backend_err(lu))
 }
@@ -366,6 +369,8 @@ pub(crate) async fn get_lba_status(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Byt
     }
     let bs = u64::from(lu.block_size());
     let span = (lu.capacity_blocks() - lba).min(LBA_STATUS_SPAN_BYTES / bs);
+    // The map is read like data: not before an orphaned UNMAP or write of it has finished.
+    lu.writes.settled(lba, lba + span).await;
     let map = lu
         .backend()
         .map_status(lba * bs, span * bs)
@@ -493,8 +498,9 @@ async fn write_repeated(
     while done < blocks {
         let n = per_chunk.min(blocks - done);
         let data = buf.slice(..(n * bs) as usize);
-        lu.backend()
-            .write_keeping((lba + done) * bs, data, mode, guard.keep_shared())
+        guard
+            .keep_shared()
+            .run(|k| lu.backend().write_keeping((lba + done) * bs, data, mode, k))
             .await
             .map_err(backend_err(lu))?;
         done += n;
@@ -565,8 +571,11 @@ pub(crate) async fn write_same(
     };
     let g = Arc::new(lu.writes.lock(r.lba, r.lba + blocks).await);
     if unmap && unmap_supported(lu) && pattern.iter().all(|&b| b == 0) {
-        lu.backend()
-            .unmap_keeping(bytes_of(lu, r.lba), bytes_of(lu, blocks), g.keep_shared())
+        g.keep_shared()
+            .run(|k| {
+                lu.backend()
+                    .unmap_keeping(bytes_of(lu, r.lba), bytes_of(lu, blocks), k)
+            })
             .await
             .map_err(backend_err(lu))?;
     } else {
@@ -623,8 +632,11 @@ pub(crate) async fn unmap(
     }
     for (lba, n) in ranges {
         let g = lu.writes.lock(lba, lba + n).await;
-        lu.backend()
-            .unmap_keeping(bytes_of(lu, lba), bytes_of(lu, n), g.keep())
+        g.keep()
+            .run(|k| {
+                lu.backend()
+                    .unmap_keeping(bytes_of(lu, lba), bytes_of(lu, n), k)
+            })
             .await
             .map_err(backend_err(lu))?;
     }
@@ -769,8 +781,8 @@ pub(crate) async fn sanitize(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, Se
     while lba < cap {
         let n = step.min(cap - lba);
         if unmap_supported(lu) {
-            lu.backend()
-                .unmap_keeping(lba * bs, n * bs, g.keep_shared())
+            g.keep_shared()
+                .run(|k| lu.backend().unmap_keeping(lba * bs, n * bs, k))
                 .await
                 .map_err(backend_err(lu))?;
         } else {

@@ -2152,6 +2152,39 @@ async fn write_atomic_is_not_offered_until_it_is_crash_atomic() {
     assert!(good(&r).iter().all(|&b| b == 0), "nothing was written");
 }
 
+/// docs/INTEGRITY.md "Atomicity guarantee": Block Limits advertises no atomic writes (every
+/// SBC-4 atomic field 0: MAXIMUM ATOMIC TRANSFER LENGTH, ATOMIC ALIGNMENT, ATOMIC TRANSFER
+/// LENGTH GRANULARITY, MAXIMUM ATOMIC TRANSFER LENGTH WITH ATOMIC BOUNDARY, MAXIMUM ATOMIC
+/// BOUNDARY SIZE), whatever the block size or backend alignment, and REPORT SUPPORTED
+/// OPERATION CODES says WRITE ATOMIC (16) is not supported.
+#[tokio::test]
+async fn vpd_block_limits_advertises_no_atomic_writes() {
+    let mut aligned = TestBackend::new(1 << 20);
+    aligned.alignment = 4096;
+    let targets = [
+        ram_target(),
+        target_over(Arc::new(RamBackend::new(1 << 20)), cfg(4096)),
+        test_target(aligned, cfg(512)).0,
+    ];
+    for t in &targets {
+        let r = run(t, &inquiry(true, 0xB0, 255)).await;
+        let p = good(&r);
+        assert_eq!(&p[..4], &[0x00, 0xB0, 0x00, 0x3C]);
+        assert_eq!(p.len(), 64);
+        for (name, at) in [
+            ("MAXIMUM ATOMIC TRANSFER LENGTH", 44),
+            ("ATOMIC ALIGNMENT", 48),
+            ("ATOMIC TRANSFER LENGTH GRANULARITY", 52),
+            ("MAXIMUM ATOMIC TRANSFER LENGTH WITH ATOMIC BOUNDARY", 56),
+            ("MAXIMUM ATOMIC BOUNDARY SIZE", 60),
+        ] {
+            assert_eq!(&p[at..at + 4], &[0u8; 4], "{name}");
+        }
+        let r = run(t, &rsoc(1, opcode::WRITE_ATOMIC_16, 0, 64)).await;
+        assert_eq!(good(&r)[1] & 0x07, 0x01, "WRITE ATOMIC (16): SUPPORT 001b");
+    }
+}
+
 #[tokio::test]
 async fn pre_fetch_is_condition_met_and_range_checked() {
     let t = ram_target();
@@ -2954,4 +2987,199 @@ async fn aborted_unmap_in_flight_keeps_the_range_until_its_io_is_done() {
     good(&new.await.unwrap());
     let r = run(&t, &cdb16(READ_16, 0, 8)).await;
     assert_eq!(good(&r), &pattern(4096, 2)[..]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reads and orphaned writes (docs/INTEGRITY.md, "Reads and orphaned writes")
+// ---------------------------------------------------------------------------------------------
+
+/// A write aborted while the device holds its I/O leaves an orphaned range: a read of it issued
+/// after the abort waits until the device finishes and then sees the aborted data, so two
+/// successive reads agree. Without the fix the first read returned the old data and a later
+/// one the aborted write's.
+#[tokio::test(flavor = "current_thread")]
+async fn read_after_abort_waits_for_the_orphaned_write_in_the_device() {
+    let (t, ctl) = fault_target("hang");
+    good(&run_data(&t, &cdb16(WRITE_16, 8, 8), &pattern(4096, 7)).await);
+    let old = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 1)).await }
+    });
+    yield_until("write in the device", || ctl.stuck_now() == 1).await;
+    old.abort();
+    assert!(old.await.unwrap_err().is_cancelled());
+    let lu = Arc::clone(t.lun(0).unwrap());
+    assert_eq!(lu.writes.orphaned(), 1);
+    // A read of the orphaned blocks (here overlapping them by one block) waits ...
+    let read = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run(&t, &cdb16(READ_16, 7, 2)).await }
+    });
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!read.is_finished(), "read overtook the orphaned write");
+    // ... reads elsewhere do not.
+    let r = run(&t, &cdb16(READ_16, 8, 8)).await;
+    assert_eq!(good(&r), &pattern(4096, 7)[..]);
+    // The device finishes the aborted write: the waiting read sees it, and so does every
+    // later read.
+    ctl.release();
+    let r = read.await.unwrap();
+    assert_eq!(&good(&r)[..512], &pattern(4096, 1)[3584..]);
+    assert_eq!(&good(&r)[512..], &pattern(4096, 7)[..512]);
+    let r = run(&t, &cdb16(READ_16, 0, 8)).await;
+    assert_eq!(good(&r), &pattern(4096, 1)[..]);
+    assert_eq!(lu.writes.orphaned(), 0);
+    assert_eq!(lu.writes.held(), 0);
+}
+
+/// Reads do not wait for ordinary in-flight writes (SCSI does not order concurrent commands;
+/// waiting would cost every read that meets a write): a read of blocks a running write holds
+/// completes at once with the old data.
+#[tokio::test(flavor = "current_thread")]
+async fn read_does_not_wait_for_a_write_that_was_not_aborted() {
+    let (t, ctl) = fault_target("hang");
+    let w = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 1)).await }
+    });
+    yield_until("write in the device", || ctl.stuck_now() == 1).await;
+    let lu = Arc::clone(t.lun(0).unwrap());
+    assert_eq!((lu.writes.held(), lu.writes.orphaned()), (1, 0));
+    let r = run(&t, &cdb16(READ_16, 0, 8)).await;
+    assert!(good(&r).iter().all(|&b| b == 0));
+    ctl.release();
+    good(&w.await.unwrap());
+    assert_eq!(
+        good(&run(&t, &cdb16(READ_16, 0, 8)).await),
+        &pattern(4096, 1)[..]
+    );
+}
+
+/// A write aborted before it reached the device (stuck in front of it) orphans nothing: reads
+/// go on at once and see the old data for good.
+#[tokio::test(flavor = "current_thread")]
+async fn read_after_abort_of_a_write_that_never_reached_the_device_does_not_wait() {
+    let (t, ctl) = fault_target("stuck");
+    let old = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 1)).await }
+    });
+    yield_until("write stuck", || ctl.stuck_now() == 1).await;
+    old.abort();
+    assert!(old.await.unwrap_err().is_cancelled());
+    let lu = Arc::clone(t.lun(0).unwrap());
+    assert_eq!((lu.writes.held(), lu.writes.orphaned()), (0, 0));
+    let r = run(&t, &cdb16(READ_16, 0, 8)).await;
+    assert!(good(&r).iter().all(|&b| b == 0));
+    ctl.release();
+    let r = run(&t, &cdb16(READ_16, 0, 8)).await;
+    assert!(good(&r).iter().all(|&b| b == 0), "the dropped write landed");
+}
+
+/// The transport answers ABORT TASK before the aborted task's future is dropped; reads wait
+/// for every task reported with `task_aborted` to be gone, then for what it orphaned. Here
+/// the aborted task is a future held by the test: reads of any block wait while it is
+/// alive; once it is dropped, reads of its blocks wait for the device.
+#[tokio::test(flavor = "current_thread")]
+async fn reads_wait_for_an_aborted_task_that_is_not_yet_dropped() {
+    use std::sync::atomic::AtomicBool;
+    let (t, ctl) = fault_target("hang");
+    let lu = Arc::clone(t.lun(0).unwrap());
+    let cdb = cdb16(WRITE_16, 0, 8);
+    let data = Bytes::from(pattern(4096, 1));
+    let nexus = nexus(1);
+    let mut aborted = Box::pin(t.execute(
+        0,
+        &nexus,
+        Command {
+            cdb: Bytes::copy_from_slice(&cdb),
+            data_out: data,
+            expected_in_len: 0,
+        },
+    ));
+    let noop = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(noop);
+    assert!(aborted.as_mut().poll(&mut cx).is_pending());
+    yield_until("write in the device", || ctl.stuck_now() == 1).await;
+    // ABORT TASK: reported to the LU; the future is not dropped yet.
+    let gone = Arc::new(AtomicBool::new(false));
+    lu.task_aborted({
+        let gone = Arc::clone(&gone);
+        move || gone.load(Ordering::SeqCst)
+    });
+    let far = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run(&t, &cdb16(READ_16, 64, 8)).await }
+    });
+    let near = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run(&t, &cdb16(READ_16, 0, 8)).await }
+    });
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!far.is_finished() && !near.is_finished());
+    // The future is dropped: its range is orphaned; the far read goes on, the near one waits
+    // for the device.
+    drop(aborted);
+    gone.store(true, Ordering::SeqCst);
+    good(&far.await.unwrap());
+    assert_eq!(lu.writes.orphaned(), 1);
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!near.is_finished());
+    ctl.release();
+    assert_eq!(good(&near.await.unwrap()), &pattern(4096, 1)[..]);
+    assert_eq!(lu.writes.orphaned(), 0);
+}
+
+/// An aborted WRITE SAME (UNMAP) in the device orphans its range like a WRITE; reads and GET
+/// LBA STATUS (which reads the allocation map) wait for it.
+#[tokio::test(flavor = "current_thread")]
+async fn get_lba_status_and_reads_wait_for_an_orphaned_unmap() {
+    // One whole RAM chunk (1 MiB = 2048 blocks), so the unmap really deallocates.
+    let rule = ironsan_backend::FaultRule::parse("unmap@0-2047/count=1:hang").unwrap();
+    let inner = Arc::new(RamBackend::new(2 << 20));
+    let be = ironsan_backend::FaultBackend::new(inner, vec![rule], 512, 1);
+    let ctl = be.control();
+    let t = Arc::new(target_over(Arc::new(be), cfg(512)));
+    good(&run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 1)).await);
+    let mut ws = cdb16(opcode::WRITE_SAME_16, 0, 2048);
+    ws[1] = 0x08; // UNMAP
+    let old = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &ws, &[0u8; 512]).await }
+    });
+    yield_until("unmap in the device", || ctl.stuck_now() == 1).await;
+    old.abort();
+    assert!(old.await.unwrap_err().is_cancelled());
+    assert_eq!(t.lun(0).unwrap().writes.orphaned(), 1);
+    let mut gls = vec![0u8; 16];
+    gls[0] = 0x9E;
+    gls[1] = 0x12;
+    gls[13] = 64;
+    let status = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run(&t, &gls).await }
+    });
+    let read = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run(&t, &cdb16(READ_16, 0, 8)).await }
+    });
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!status.is_finished() && !read.is_finished());
+    ctl.release();
+    let st = status.await.unwrap();
+    assert_eq!(good(&st)[8..16], 0u64.to_be_bytes());
+    assert_eq!(
+        good(&st)[20] & 0x0F,
+        0x01,
+        "LBA 0 deallocated by the aborted unmap"
+    );
+    assert!(good(&read.await.unwrap()).iter().all(|&b| b == 0));
 }

@@ -481,6 +481,13 @@ async fn copy_segment(s: &Planned, moved: &mut u64) -> Result<(), SenseReason> {
         let n = COPY_CHUNK.min(s.bytes - off);
         let dst_lba = (s.dst_off + off) / dbs;
         let g = s.dst.writes.lock(dst_lba, dst_lba + n / dbs).await;
+        // Like any read: not before an orphaned write of the source blocks has finished.
+        let sbs = u64::from(s.src.block_size());
+        let src_lba = (s.src_off + off) / sbs;
+        s.src
+            .writes
+            .settled(src_lba, (s.src_off + off + n).div_ceil(sbs))
+            .await;
         let data = s
             .src
             .backend()
@@ -490,9 +497,12 @@ async fn copy_segment(s: &Planned, moved: &mut u64) -> Result<(), SenseReason> {
         if (data.len() as u64) < n {
             return Err(aborted(s.index, 0x44, 0x00));
         }
-        s.dst
-            .backend()
-            .write_keeping(s.dst_off + off, data.slice(..n as usize), mode, g.keep())
+        g.keep()
+            .run(|k| {
+                s.dst
+                    .backend()
+                    .write_keeping(s.dst_off + off, data.slice(..n as usize), mode, k)
+            })
             .await
             .map_err(|e| medium(e, s.dst.block_size()))?;
         *moved += n;

@@ -23,7 +23,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug)]
 pub struct Running {
     pub lun: u64,
-    pub abort: tokio::task::AbortHandle,
+    /// The command's task, if it has one (a command completing inline never has).
+    pub abort: Option<tokio::task::AbortHandle>,
 }
 
 /// One connection as the session sees it.
@@ -134,7 +135,15 @@ impl Session {
     }
 
     /// Abort running tasks that match `pred`; returns how many.
+    ///
+    /// Each aborted task's LU is told before this returns, so before any task management
+    /// response (`LogicalUnit::task_aborted`): `AbortHandle::abort` only schedules the drop of
+    /// the task's future, and until it is dropped reads of that LU wait, so no read issued
+    /// after the response can miss a write the aborted task leaves in the device
+    /// (docs/INTEGRITY.md, "Reads and orphaned writes").
     pub fn abort_where(&self, pred: impl Fn(&Itt, &Running) -> bool) -> usize {
+        // The LUN map first (its lock is never taken under the running table's).
+        let scsi = self.target.as_ref().map(|t| t.scsi());
         let mut running = self.running();
         let victims: Vec<Itt> = running
             .iter()
@@ -142,8 +151,14 @@ impl Session {
             .map(|(i, _)| *i)
             .collect();
         for itt in &victims {
-            if let Some(r) = running.remove(itt) {
-                r.abort.abort();
+            let Some(r) = running.remove(itt) else {
+                continue;
+            };
+            if let Some(abort) = r.abort {
+                abort.abort();
+                if let Some(lu) = scsi.as_ref().and_then(|s| s.lun(r.lun)) {
+                    lu.task_aborted(move || abort.is_finished());
+                }
             }
         }
         victims.len()
