@@ -237,7 +237,7 @@ perf() {
 qbench_once() {
     local count=$1 depth=$2 size=$3 log=$4 rc=0
     taskset -c "$CLIENT_CPU" timeout -k 10 $((DURATION * 6 + 30)) \
-        qemu-img bench -f raw -w -t none -c "$count" -d "$depth" -s "$size" "$TARGET_URL" >"$log" 2>&1 || rc=$?
+        qemu-img bench -f raw -w -t none --pattern=165 -c "$count" -d "$depth" -s "$size" "$TARGET_URL" >"$log" 2>&1 || rc=$?
     local secs
     secs=$(sed -n 's/^Run completed in \([0-9.]*\) seconds.*/\1/p' "$log")
     if [[ $rc -ne 0 || -z $secs ]]; then

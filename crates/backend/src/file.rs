@@ -194,12 +194,13 @@ impl BlockDevice for FileBackend {
                     })
                     .await;
             }
-            let mut buf = vec![0u8; len];
-            // Page-cache hit: no thread hop.
-            let got = sys::read_nowait(&*self.file, &mut buf, offset).unwrap_or(0);
+            // Page-cache hit: no thread hop, and no zeroing of a buffer the kernel fills.
+            let mut buf = Vec::with_capacity(len);
+            let got = sys::read_nowait_append(&*self.file, &mut buf, len, offset).unwrap_or(0);
             if got == len {
                 return Ok(Bytes::from(buf));
             }
+            buf.resize(len, 0);
             let file = Arc::clone(&self.file);
             self.pool
                 .run(move || {

@@ -70,10 +70,40 @@ pub fn write_all_at(
     Ok(())
 }
 
-/// Read at `offset` without blocking (RWF_NOWAIT): returns how many bytes came from the page
-/// cache; `Ok(0)` or an error means "go to a worker thread".
-pub fn read_nowait(file: &impl AsRawFd, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    preadv2(file, buf, offset, libc::RWF_NOWAIT)
+/// Read at `offset` without blocking (RWF_NOWAIT), appending up to `len` bytes to `buf`'s
+/// spare capacity (so a large read buffer is not zeroed before the kernel fills it): returns
+/// how many bytes came from the page cache; `Ok(0)` or an error means "go to a worker
+/// thread".
+pub fn read_nowait_append(
+    file: &impl AsRawFd,
+    buf: &mut Vec<u8>,
+    len: usize,
+    offset: u64,
+) -> io::Result<usize> {
+    buf.reserve(len);
+    let spare = &mut buf.spare_capacity_mut()[..len];
+    let iov = libc::iovec {
+        iov_base: spare.as_mut_ptr() as *mut libc::c_void,
+        iov_len: spare.len(),
+    };
+    // SAFETY: `iov` covers `len` bytes of `buf`'s spare capacity (reserved above, exclusively
+    // borrowed through `spare` for the call); the kernel writes at most that many. `fd` is a
+    // valid descriptor owned by `file`.
+    let ret = unsafe {
+        libc::preadv2(
+            file.as_raw_fd(),
+            &iov,
+            1,
+            offset as libc::off_t,
+            libc::RWF_NOWAIT,
+        )
+    };
+    let got = check(ret)?.min(len);
+    let new_len = buf.len() + got;
+    // SAFETY: the kernel initialised the first `got` bytes of the spare capacity (preadv2
+    // returned `got`, never more than `len`), and `new_len` is within the reserved capacity.
+    unsafe { buf.set_len(new_len) };
+    Ok(got)
 }
 
 /// Read exactly `buf.len()` bytes at `offset` (blocking).

@@ -24,6 +24,7 @@ use ironsan_proto::window::CmdWindow;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
 use ironsan_scsi::{Command, Response, SenseReason};
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -181,7 +182,16 @@ struct Connection {
     /// The latency counters of the LUNs this connection used (a private cache of the target's
     /// map, so a command takes no lock to find them).
     lun_metrics: HashMap<u64, Arc<LunMetrics>>,
+    /// What the reader produced since it last handed work to the writer: responses of
+    /// commands that completed inline, R2Ts, replies. Handed over as one [`Out::Batch`] before
+    /// the reader waits for the socket (or when it grows past [`OUT_BATCH_BYTES`]), so the
+    /// writer wakes once and sends them all with one vectored write.
+    out: Vec<Out>,
+    out_bytes: usize,
 }
+
+/// Bytes of data the reader keeps for the writer before handing them over.
+const OUT_BATCH_BYTES: usize = 256 * 1024;
 
 fn reject(reason: RejectReason, bhs: &Bhs) -> OutPdu {
     OutPdu::status(
@@ -262,6 +272,8 @@ pub async fn run(
         epoch: Instant::now(),
         stats: conn_stats,
         lun_metrics: HashMap::new(),
+        out: Vec::new(),
+        out_bytes: 0,
     };
     let keepalive = tokio::spawn(keepalive(
         conn.tx.clone(),
@@ -661,8 +673,27 @@ impl Connection {
         Ttt(self.next_ttt)
     }
 
-    async fn send(&self, pdus: Vec<OutPdu>) {
-        let _ = self.tx.send(Out::Pdus(pdus)).await;
+    /// Queue PDUs behind everything the reader produced before them.
+    async fn send(&mut self, pdus: Vec<OutPdu>) {
+        self.queue(Out::Pdus(pdus)).await;
+    }
+
+    /// Keep `out` for the writer; hand the batch over once it is large.
+    async fn queue(&mut self, out: Out) {
+        self.out_bytes += out.data_len();
+        self.out.push(out);
+        if self.out_bytes >= OUT_BATCH_BYTES {
+            self.flush().await;
+        }
+    }
+
+    /// Hand the batch to the writer.
+    async fn flush(&mut self) {
+        if !self.out.is_empty() {
+            self.out_bytes = 0;
+            let batch = std::mem::take(&mut self.out);
+            let _ = self.tx.send(Out::Batch(batch)).await;
+        }
     }
 
     /// Admit a non-task PDU's CmdSN (NOP-Out, Text, Logout, TMF): `false` if it must be
@@ -682,6 +713,17 @@ impl Connection {
     async fn full_feature(
         &mut self,
         rd: &mut BufReader<OwnedReadHalf>,
+        close_rx: watch::Receiver<bool>,
+    ) -> String {
+        let reason = self.serve_pdus(rd, close_rx).await;
+        // A Logout response (or anything else still kept) goes out before the close.
+        self.flush().await;
+        reason
+    }
+
+    async fn serve_pdus(
+        &mut self,
+        rd: &mut BufReader<OwnedReadHalf>,
         mut close_rx: watch::Receiver<bool>,
     ) -> String {
         let digests = Digests {
@@ -698,6 +740,10 @@ impl Connection {
         }
         loop {
             while self.tasks.try_join_next().is_some() {}
+            if rd.buffer().len() < BHS_LEN || self.out_bytes >= OUT_BATCH_BYTES {
+                // The next header needs the socket: first let the writer send what is ready.
+                self.flush().await;
+            }
             let header = tokio::select! {
                 biased;
                 _ = close_rx.changed() => {
@@ -776,7 +822,7 @@ impl Connection {
     }
 
     /// Ask the initiator to log out (Async Message event 1, RFC 7143 §11.9.1), used on shutdown.
-    async fn async_logout_request(&self) {
+    async fn async_logout_request(&mut self) {
         // Parameter3: the seconds within which the initiator should log out (RFC 7143
         // §11.9.1), the shutdown grace time.
         let secs = self
@@ -826,12 +872,13 @@ impl Connection {
         let quota = quota.flatten();
         let buffered = cmd.write && !oversize && !over_quota;
         let mut buf = if buffered {
-            BytesMut::zeroed(edtl as usize)
+            // Capacity only: data is appended as it arrives (`io::read_data_at`).
+            BytesMut::with_capacity(edtl as usize)
         } else {
             BytesMut::new()
         };
         let digest_ok = if immediate_len > 0 && immediate_len <= edtl && buffered {
-            io::read_data_into(rd, plan, &mut buf[..immediate_len as usize])
+            io::read_data_at(rd, plan, &mut buf, 0)
                 .await
                 .map_err(|e| e.to_string())?
         } else if immediate_len > 0 {
@@ -959,6 +1006,9 @@ impl Connection {
     async fn advance_write(&mut self, mut pw: PendingWrite) {
         if pw.transfer.is_complete() {
             let exp_data_sn = pw.transfer.r2t_count();
+            // Every byte arrived; a buffer filled out of order is as long as the transfer.
+            pw.buf
+                .resize(pw.cmd.expected_data_transfer_length as usize, 0);
             self.spawn_exec(
                 pw.cmd,
                 pw.cdb,
@@ -1077,12 +1127,12 @@ impl Connection {
             return Ok(());
         }
         let off = d.buffer_offset as usize;
-        let ok = match pw.buf.get_mut(off..off + len as usize) {
-            Some(dst) => io::read_data_into(rd, plan, dst)
-                .await
-                .map_err(|e| e.to_string())?,
-            None => return Err("Data-Out outside the command buffer".into()),
-        };
+        if off + len as usize > pw.cmd.expected_data_transfer_length as usize {
+            return Err("Data-Out outside the command buffer".into());
+        }
+        let ok = io::read_data_at(rd, plan, &mut pw.buf, off)
+            .await
+            .map_err(|e| e.to_string())?;
         if !ok {
             self.send(vec![self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs)])
                 .await;
@@ -1116,7 +1166,6 @@ impl Connection {
         };
         let session = Arc::clone(&self.session);
         let shared = Arc::clone(&self.shared);
-        let tx = self.tx.clone();
         let scmd_op = cdb.first().copied().unwrap_or(0);
         let max_xmit = self.params.max_xmit_data_segment_length;
         let max_burst = session.params.max_burst_length;
@@ -1148,17 +1197,15 @@ impl Connection {
             let n = (cmd.expected_data_transfer_length as usize).min(tx_budget_bytes(&shared));
             (Arc::clone(&self.tx_budget), n as u32)
         });
-        // Hold the running-table lock across spawn + insert so the task cannot finish (and
-        // look for its entry) before the entry exists.
-        let mut running = session.running();
-        let handle = self.tasks.spawn({
+        // The command is in the running table before it can complete, so a task management
+        // function (from any connection of the session) and the completion agree on who
+        // answers it: whoever removes the entry.
+        session.running().insert(itt, Running { lun, abort: None });
+        let body = {
             let session = Arc::clone(&session);
             async move {
                 let permit = match budget {
-                    Some((b, n)) => match b.acquire_many_owned(n).await {
-                        Ok(p) => Some(p),
-                        Err(_) => return,
-                    },
+                    Some((b, n)) => Some(b.acquire_many_owned(n).await.ok()?),
                     None => None,
                 };
                 let scmd = Command {
@@ -1170,9 +1217,7 @@ impl Connection {
                 let resp = scsi.execute(lun, &session.nexus, scmd).await;
                 let t_done = Instant::now();
                 // Whoever removes the entry owns the completion: TMF or us, never both.
-                if session.running().remove(&itt).is_none() {
-                    return;
-                }
+                session.running().remove(&itt)?;
                 if scmd_op == ironsan_scsi::opcode::PERSISTENT_RESERVE_OUT {
                     abort_preempted(&shared, &target, lun);
                 }
@@ -1195,16 +1240,49 @@ impl Connection {
                     done: t_done,
                     queued: Instant::now(),
                 });
-                let _ = tx
-                    .send(Out::Command {
-                        pdus,
-                        permit,
-                        timing,
-                    })
-                    .await;
+                Some(Out::Command {
+                    pdus,
+                    permit,
+                    timing,
+                })
             }
-        });
-        running.insert(itt, Running { lun, abort: handle });
+        };
+        // Most commands (RAM, the page-cache fast path of file LUNs, errors) complete the
+        // first time they are polled: run them here, with no task, no wake-up and no queue
+        // hop, and keep the response for the writer's next batch. The rest become tasks.
+        let mut body = Box::pin(body);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match body.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(Some(out)) => {
+                self.out_bytes += out.data_len();
+                self.out.push(out);
+            }
+            std::task::Poll::Ready(None) => {}
+            std::task::Poll::Pending => {
+                let tx = self.tx.clone();
+                // Polled again by the task, every future in `body` registers the task's
+                // waker in place of the no-op one.
+                let handle = self.tasks.spawn(async move {
+                    if let Some(out) = body.await {
+                        let _ = tx.send(out).await;
+                    }
+                });
+                let mut running = session.running();
+                match running.get_mut(&itt) {
+                    Some(r) => r.abort = Some(handle),
+                    None => {
+                        // A task management function took the entry while the command was
+                        // polled here: it is aborted, like every other task it found.
+                        drop(running);
+                        handle.abort();
+                        let scsi = self.session.target.as_ref().map(|t| t.scsi());
+                        if let Some(lu) = scsi.as_ref().and_then(|s| s.lun(lun)) {
+                            lu.task_aborted(move || handle.is_finished());
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Complete a command that never reached the SCSI layer.
@@ -1505,7 +1583,7 @@ impl Connection {
         }
     }
 
-    async fn send_text(&self, t: &TextRequest, data: Bytes, more: bool, ttt: Ttt) {
+    async fn send_text(&mut self, t: &TextRequest, data: Bytes, more: bool, ttt: Ttt) {
         let resp = Header::TextResponse(TextResponse {
             final_bit: !more,
             cont: more,

@@ -79,11 +79,48 @@ pub async fn read_data_into<R: AsyncRead + Unpin>(
 ) -> std::io::Result<bool> {
     debug_assert_eq!(dst.len(), plan.data_len);
     r.read_exact(dst).await?;
+    check_tail(r, plan, dst).await
+}
+
+/// Read a data segment into `buf` at `offset`. A segment that continues the buffer (the
+/// usual case: Data-Out in order) is appended straight into its spare capacity, so the buffer
+/// is never zeroed first; one that lands elsewhere is written in place (the gap read as zeros
+/// until its own segment arrives). `false` on a data digest mismatch.
+pub async fn read_data_at<R: AsyncRead + Unpin>(
+    r: &mut R,
+    plan: &ReceivePlan,
+    buf: &mut BytesMut,
+    offset: usize,
+) -> std::io::Result<bool> {
+    use bytes::BufMut;
+    let len = plan.data_len;
+    if offset != buf.len() {
+        if buf.len() < offset + len {
+            buf.resize(offset + len, 0);
+        }
+        return read_data_into(r, plan, &mut buf[offset..offset + len]).await;
+    }
+    buf.reserve(len);
+    while buf.len() < offset + len {
+        let want = offset + len - buf.len();
+        if r.read_buf(&mut (&mut *buf).limit(want)).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    check_tail(r, plan, &buf[offset..]).await
+}
+
+/// Read the pad and data digest after a data segment and check the digest.
+async fn check_tail<R: AsyncRead + Unpin>(
+    r: &mut R,
+    plan: &ReceivePlan,
+    data: &[u8],
+) -> std::io::Result<bool> {
     let mut tail = [0u8; 8];
     let tail_len = plan.pad_len + plan.data_digest_len;
     r.read_exact(&mut tail[..tail_len]).await?;
     if plan.data_digest_len == 4 {
-        let crc = digest::crc32c_append(digest::crc32c(dst), &tail[..plan.pad_len]);
+        let crc = digest::crc32c_append(digest::crc32c(data), &tail[..plan.pad_len]);
         let got = u32::from_le_bytes([
             tail[plan.pad_len],
             tail[plan.pad_len + 1],

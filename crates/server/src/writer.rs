@@ -66,6 +66,19 @@ pub enum Out {
     Digests(Digests),
     /// Flush and close the socket after everything before this message.
     Close,
+    /// Several of the above, in order (what a connection's reader produced in one go).
+    Batch(Vec<Out>),
+}
+
+impl Out {
+    /// Bytes of data segments carried (to size batches).
+    pub fn data_len(&self) -> usize {
+        match self {
+            Out::Pdus(pdus) | Out::Command { pdus, .. } => pdus.iter().map(|p| p.data.len()).sum(),
+            Out::Batch(v) => v.iter().map(Out::data_len).sum(),
+            _ => 0,
+        }
+    }
 }
 
 /// Where a target PDU keeps its TargetSn.
@@ -138,7 +151,16 @@ pub async fn run<W: AsyncWrite + Unpin>(
     let mut held = Vec::new();
     // Stamps of the commands whose status is in the batch (reused: no allocation per batch).
     let mut timed: Vec<Timing> = Vec::new();
-    while let Some(first) = rx.recv().await {
+    // Messages unpacked from a batch, ahead of anything still in the channel.
+    let mut unpacked: std::collections::VecDeque<Out> = std::collections::VecDeque::new();
+    loop {
+        let first = match unpacked.pop_front() {
+            Some(m) => m,
+            None => match rx.recv().await {
+                Some(m) => m,
+                None => break,
+            },
+        };
         let mut next = Some(first);
         let mut close = false;
         while let Some(msg) = next.take() {
@@ -163,11 +185,16 @@ pub async fn run<W: AsyncWrite + Unpin>(
                     digests = d;
                 }
                 Out::Close => close = true,
+                Out::Batch(v) => {
+                    for m in v.into_iter().rev() {
+                        unpacked.push_front(m);
+                    }
+                }
             }
             if close || batch.len() >= BATCH_BYTES {
                 break;
             }
-            next = rx.try_recv().ok();
+            next = unpacked.pop_front().or_else(|| rx.try_recv().ok());
         }
         if !batch.is_empty() {
             stats.bytes.fetch_add(batch.len() as u64, Relaxed);
