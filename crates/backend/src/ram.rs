@@ -76,8 +76,30 @@ impl RamBackend {
     }
 
     fn read_sync(&self, offset: u64, len: usize) -> Bytes {
-        // Appended piece by piece: allocated chunks copied, holes zero-filled, nothing
-        // written twice.
+        // A read that starts in a hole takes zeroed memory (calloc: fresh pages cost no
+        // memset) and copies the allocated pieces over it; one that starts in data appends
+        // piece by piece (allocated chunks copied, holes zero-filled, nothing written twice).
+        let starts_in_hole = pieces(offset, len as u64)
+            .next()
+            .is_some_and(|(idx, _, _)| {
+                !self
+                    .shard(idx)
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains_key(&idx)
+            });
+        if starts_in_hole {
+            let mut out = BytesMut::zeroed(len);
+            let mut at = 0usize;
+            for (idx, within, n) in pieces(offset, len as u64) {
+                let shard = self.shard(idx).read().unwrap_or_else(|p| p.into_inner());
+                if let Some(chunk) = shard.get(&idx) {
+                    out[at..at + n].copy_from_slice(&chunk[within..within + n]);
+                }
+                at += n;
+            }
+            return out.freeze();
+        }
         let mut out = BytesMut::with_capacity(len);
         for (idx, within, n) in pieces(offset, len as u64) {
             let shard = self.shard(idx).read().unwrap_or_else(|p| p.into_inner());

@@ -191,7 +191,7 @@ struct Connection {
 }
 
 /// Bytes of data the reader keeps for the writer before handing them over.
-const OUT_BATCH_BYTES: usize = 256 * 1024;
+const OUT_BATCH_BYTES: usize = 64 * 1024;
 
 fn reject(reason: RejectReason, bhs: &Bhs) -> OutPdu {
     OutPdu::status(
@@ -690,9 +690,15 @@ impl Connection {
     /// Hand the batch to the writer.
     async fn flush(&mut self) {
         if !self.out.is_empty() {
+            let large = self.out_bytes >= OUT_BATCH_BYTES;
             self.out_bytes = 0;
             let batch = std::mem::take(&mut self.out);
             let _ = self.tx.send(Out::Batch(batch)).await;
+            if large {
+                // Let the writer send it while the data is still in the CPU's caches, before
+                // this reader produces the next large response.
+                tokio::task::yield_now().await;
+            }
         }
     }
 
