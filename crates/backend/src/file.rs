@@ -20,6 +20,40 @@ use std::sync::Arc;
 
 const DIRECT_ALIGN: usize = 4096;
 
+/// One write, on whatever thread calls it: `dsync` writes with RWF_DSYNC, `by_fdatasync`
+/// writes and then `fdatasync`s (FUSE), a kernel without RWF_DSYNC for the file falls back to
+/// the latter.
+fn write_now(
+    file: &File,
+    data: &[u8],
+    offset: u64,
+    direct: bool,
+    dsync: bool,
+    by_fdatasync: bool,
+) -> Result<(), BackendError> {
+    let res = if direct {
+        let (mut v, start) = aligned_vec(data.len());
+        v[start..start + data.len()].copy_from_slice(data);
+        sys::write_all_at(file, &v[start..start + data.len()], offset, dsync)
+    } else {
+        sys::write_all_at(file, data, offset, dsync)
+    };
+    let res = if by_fdatasync {
+        res.and_then(|_| file.sync_data())
+    } else {
+        res
+    };
+    match res {
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) && dsync => {
+            // Kernel without RWF_DSYNC for this file: write, then fdatasync.
+            sys::write_all_at(file, data, offset, false)
+                .and_then(|_| file.sync_data())
+                .map_err(|e| BackendError::from_io(&e, offset, true))
+        }
+        other => other.map_err(|e| BackendError::from_io(&e, offset, true)),
+    }
+}
+
 /// How to open a file backend.
 #[derive(Debug, Clone)]
 pub struct FileOptions {
@@ -58,6 +92,12 @@ pub struct FileBackend {
     /// mode drops the RWF_DSYNC flag (the FUSE server sees a plain WRITE and no FSYNC), which
     /// the power-loss harness (tests/powerfail) showed loses acknowledged writes.
     dsync_by_fdatasync: bool,
+    /// The file lives on tmpfs/ramfs: its I/O never waits for a device, so it runs inline on
+    /// the caller's thread (no I/O-thread hop). Such file systems do not support RWF_NOWAIT.
+    in_memory: bool,
+    /// `preadv2(RWF_NOWAIT)` works here (cleared the first time it reports EOPNOTSUPP, so a
+    /// file system without it does not pay a failing syscall per read).
+    nowait_reads: std::sync::atomic::AtomicBool,
     pool: IoPool,
 }
 
@@ -114,9 +154,11 @@ impl FileBackend {
             ));
         }
         let pool = IoPool::new("file", opts.io_threads)?;
-        let dsync_by_fdatasync = sys::fs_type(&file)
-            .map(|t| t == sys::FUSE_SUPER_MAGIC)
-            .unwrap_or(true);
+        let fs_type = sys::fs_type(&file).ok();
+        let dsync_by_fdatasync = fs_type.is_none_or(|t| t == sys::FUSE_SUPER_MAGIC);
+        let in_memory = !opts.direct
+            && !is_block
+            && fs_type.is_some_and(|t| t == sys::TMPFS_MAGIC || t == sys::RAMFS_MAGIC);
         Ok(FileBackend {
             file: Arc::new(file),
             path: path.to_owned(),
@@ -125,6 +167,8 @@ impl FileBackend {
             direct: opts.direct,
             punch: !is_block,
             dsync_by_fdatasync,
+            in_memory,
+            nowait_reads: std::sync::atomic::AtomicBool::new(true),
             pool,
         })
     }
@@ -194,9 +238,25 @@ impl BlockDevice for FileBackend {
                     })
                     .await;
             }
+            use std::sync::atomic::Ordering::Relaxed;
             // Page-cache hit: no thread hop, and no zeroing of a buffer the kernel fills.
             let mut buf = Vec::with_capacity(len);
-            let got = sys::read_nowait_append(&*self.file, &mut buf, len, offset).unwrap_or(0);
+            let got = if self.in_memory {
+                sys::read_append_blocking(&*self.file, &mut buf, len, offset)
+                    .map_err(|e| BackendError::from_io(&e, offset, false))?
+            } else if self.nowait_reads.load(Relaxed) {
+                match sys::read_nowait_append(&*self.file, &mut buf, len, offset) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                            self.nowait_reads.store(false, Relaxed);
+                        }
+                        0
+                    }
+                }
+            } else {
+                0
+            };
             if got == len {
                 return Ok(Bytes::from(buf));
             }
@@ -230,28 +290,14 @@ impl BlockDevice for FileBackend {
         let durable = mode == WriteMode::Durable;
         let by_fdatasync = durable && self.dsync_by_fdatasync;
         let dsync = durable && !by_fdatasync;
+        if self.in_memory {
+            // tmpfs: the write is a copy into memory; no reason to hop to an I/O thread.
+            let res = write_now(&file, &data, offset, direct, dsync, by_fdatasync);
+            drop(keep);
+            return Box::pin(async move { res });
+        }
         Box::pin(self.pool.run(move || {
-            let res = if direct {
-                let (mut v, start) = aligned_vec(data.len());
-                v[start..start + data.len()].copy_from_slice(&data);
-                sys::write_all_at(&*file, &v[start..start + data.len()], offset, dsync)
-            } else {
-                sys::write_all_at(&*file, &data, offset, dsync)
-            };
-            let res = if by_fdatasync {
-                res.and_then(|_| file.sync_data())
-            } else {
-                res
-            };
-            let res = match res {
-                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) && dsync => {
-                    // Kernel without RWF_DSYNC for this file: write, then fdatasync.
-                    sys::write_all_at(&*file, &data, offset, false)
-                        .and_then(|_| file.sync_data())
-                        .map_err(|e| BackendError::from_io(&e, offset, true))
-                }
-                other => other.map_err(|e| BackendError::from_io(&e, offset, true)),
-            };
+            let res = write_now(&file, &data, offset, direct, dsync, by_fdatasync);
             drop(keep);
             res
         }))

@@ -80,6 +80,36 @@ pub fn read_nowait_append(
     len: usize,
     offset: u64,
 ) -> io::Result<usize> {
+    read_append(file, buf, len, offset, libc::RWF_NOWAIT)
+}
+
+/// Read up to `len` bytes at `offset` into `buf`'s spare capacity (blocking); returns the
+/// bytes appended (fewer only at the end of the file).
+pub fn read_append_blocking(
+    file: &impl AsRawFd,
+    buf: &mut Vec<u8>,
+    len: usize,
+    offset: u64,
+) -> io::Result<usize> {
+    let mut got = 0;
+    while got < len {
+        match read_append(file, buf, len - got, offset + got as u64, 0) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+fn read_append(
+    file: &impl AsRawFd,
+    buf: &mut Vec<u8>,
+    len: usize,
+    offset: u64,
+    flags: libc::c_int,
+) -> io::Result<usize> {
     buf.reserve(len);
     let spare = &mut buf.spare_capacity_mut()[..len];
     let iov = libc::iovec {
@@ -89,15 +119,7 @@ pub fn read_nowait_append(
     // SAFETY: `iov` covers `len` bytes of `buf`'s spare capacity (reserved above, exclusively
     // borrowed through `spare` for the call); the kernel writes at most that many. `fd` is a
     // valid descriptor owned by `file`.
-    let ret = unsafe {
-        libc::preadv2(
-            file.as_raw_fd(),
-            &iov,
-            1,
-            offset as libc::off_t,
-            libc::RWF_NOWAIT,
-        )
-    };
+    let ret = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
     let got = check(ret)?.min(len);
     let new_len = buf.len() + got;
     // SAFETY: the kernel initialised the first `got` bytes of the spare capacity (preadv2
@@ -140,6 +162,10 @@ pub fn fs_type(file: &impl AsRawFd) -> io::Result<i64> {
         Ok(st.f_type as i64)
     }
 }
+
+/// `statfs.f_type` of tmpfs and ramfs: file systems whose pages live in memory.
+pub const TMPFS_MAGIC: i64 = 0x0102_1994;
+pub const RAMFS_MAGIC: i64 = 0x8584_58f6;
 
 /// `statfs.f_type` of FUSE file systems.
 pub const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
