@@ -29,7 +29,6 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::io::BufReader;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, Semaphore};
@@ -217,7 +216,7 @@ pub async fn run(
     };
     let portal = Portal { addr: local, tag };
     let (rd, wr) = stream.into_split();
-    let mut rd = BufReader::with_capacity(64 * 1024, rd);
+    let mut rd = io::RecvBuf::new(rd);
     let (tx, rx) = mpsc::channel::<Out>(WRITER_QUEUE);
     let stats = Arc::new(TxStats::default());
     let mut writer = LazyWriter {
@@ -364,7 +363,7 @@ impl std::future::IntoFuture for WriterHandle {
 
 /// Run the login phase. Returns the StatSN to start from and, on success, the session.
 async fn login_phase(
-    rd: &mut BufReader<OwnedReadHalf>,
+    rd: &mut io::RecvBuf<OwnedReadHalf>,
     tx: &mpsc::Sender<Out>,
     shared: &Arc<Shared>,
     peer: SocketAddr,
@@ -718,7 +717,7 @@ impl Connection {
     /// The full feature phase loop. Returns why it ended.
     async fn full_feature(
         &mut self,
-        rd: &mut BufReader<OwnedReadHalf>,
+        rd: &mut io::RecvBuf<OwnedReadHalf>,
         close_rx: watch::Receiver<bool>,
     ) -> String {
         let reason = self.serve_pdus(rd, close_rx).await;
@@ -729,7 +728,7 @@ impl Connection {
 
     async fn serve_pdus(
         &mut self,
-        rd: &mut BufReader<OwnedReadHalf>,
+        rd: &mut io::RecvBuf<OwnedReadHalf>,
         mut close_rx: watch::Receiver<bool>,
     ) -> String {
         let digests = Digests {
@@ -848,7 +847,7 @@ impl Connection {
 
     async fn on_scsi_command(
         &mut self,
-        rd: &mut BufReader<OwnedReadHalf>,
+        rd: &mut io::RecvBuf<OwnedReadHalf>,
         bhs: &Bhs,
         ahs: Bytes,
         plan: &ReceivePlan,
@@ -1102,7 +1101,7 @@ impl Connection {
 
     async fn on_data_out(
         &mut self,
-        rd: &mut BufReader<OwnedReadHalf>,
+        rd: &mut io::RecvBuf<OwnedReadHalf>,
         bhs: &Bhs,
         plan: &ReceivePlan,
         d: DataOut,

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# A/B one change: two ironsan binaries, the same workload, alternated in one run.
+#
+#   bench/ab.sh [--rounds N] [--secs S] [--lun SPEC] OLD_BIN NEW_BIN [-- IOPERF_ARGS...]
+#
+#   OLD_BIN, NEW_BIN  ironsan binaries (e.g. one built in a `git worktree` of the parent
+#                     commit, and target/release/ironsan)
+#   --rounds N        alternate N times (default 3): old, new, old, new, ...
+#   --secs S          seconds per run (default 5)
+#   --lun SPEC        the LUN both serve (default ram:1G; e.g. file:/dev/shm/x.img,wce)
+#   IOPERF_ARGS       iscsi-perf arguments (default: -m 32 -b 8 -r, 4K QD32 random read)
+#
+# Per run it prints IOPS, target CPU % and CPU us per I/O (utime+stime from /proc/PID/stat)
+# and I/Os per write syscall (syscw from /proc/PID/io: how well responses are batched).
+# The target is pinned to CPU 0 and iscsi-perf to CPU 1, as in bench/run.sh. Alternating
+# the binaries in one run is what makes a before/after figure worth quoting on a shared box.
+set -euo pipefail
+
+rounds=3 secs=5 lun=ram:1G
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --rounds) rounds=$2; shift 2 ;;
+        --secs) secs=$2; shift 2 ;;
+        --lun) lun=$2; shift 2 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        *) break ;;
+    esac
+done
+[[ $# -ge 2 ]] || { echo "usage: bench/ab.sh [options] OLD_BIN NEW_BIN [-- iscsi-perf args]" >&2; exit 2; }
+old=$1 new=$2
+shift 2
+[[ ${1:-} == -- ]] && shift
+perf_args=("$@")
+[[ ${#perf_args[@]} -gt 0 ]] || perf_args=(-m 32 -b 8 -r)
+for b in "$old" "$new"; do
+    [[ -x $b ]] || { echo "bench/ab.sh: $b is not an executable" >&2; exit 2; }
+done
+command -v iscsi-perf >/dev/null || { echo "bench/ab.sh: needs iscsi-perf (libiscsi-bin)" >&2; exit 2; }
+
+work=$(mktemp -d)
+port=$((20000 + RANDOM % 20000))
+pid=
+cleanup() {
+    [[ -n $pid ]] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+field() { awk -v k="$1" '$1 == k":" {print $2}' "/proc/$2/io"; }
+cpu_ticks() { awk '{sub(/^.*\) /, ""); print $12 + $13}' "/proc/$1/stat"; }
+
+run_one() {
+    local label=$1 bin=$2
+    taskset -c 0 "$bin" serve --listen "127.0.0.1:$port" --control "$work/ctl.sock" \
+        --lun "$lun" >"$work/serve.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 50); do
+        grep -q "serving" "$work/serve.log" 2>/dev/null && break
+        sleep 0.1
+    done
+    local w0 c0 w1 c1 iops
+    w0=$(field syscw "$pid"); c0=$(cpu_ticks "$pid")
+    taskset -c 1 iscsi-perf "${perf_args[@]}" -t "$secs" \
+        "iscsi://127.0.0.1:$port/iqn.2026-11.org.ironsan:default/0" >"$work/perf.log" 2>&1 || true
+    w1=$(field syscw "$pid"); c1=$(cpu_ticks "$pid")
+    kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
+    iops=$(grep -o 'iops average [0-9]*' "$work/perf.log" | tail -n 1 | awk '{print $3}')
+    python3 - "$label" "${iops:-0}" $((c1 - c0)) $((w1 - w0)) "$secs" <<'EOF'
+import os, sys
+label, iops, ticks, writes, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+hz = os.sysconf("SC_CLK_TCK")
+cpu_s = ticks / hz
+ios = iops * secs
+print(f"{label:4} {iops:>9} IOPS  CPU {100 * cpu_s / secs:5.1f} %  "
+      f"{(1e6 * cpu_s / ios) if ios else 0:8.2f} us/IO  {ios / max(writes, 1):6.1f} IO/write")
+EOF
+}
+
+echo "ab: lun $lun, iscsi-perf ${perf_args[*]}, ${secs}s x $rounds rounds; target CPU 0, client CPU 1"
+echo "old: $old"
+echo "new: $new"
+for _ in $(seq "$rounds"); do
+    run_one old "$old"
+    run_one new "$new"
+done
