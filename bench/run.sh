@@ -28,7 +28,8 @@
 #             discards writes): 4K QD32 random read, 512K QD8 sequential read
 #             (iscsi-perf, READ16 only), 4K QD32 and 512K QD8 sequential
 #             write (qemu-img bench -w, WRITE16).
-#     qd1     QD1 4K random read: latency = 1 / IOPS of iscsi-perf -m 1 -b 8 -r.
+#     qd1     QD1 4K random read: latency = 1 / IOPS of iscsi-perf -m 1 -b 8 -r;
+#             ironsan also once more with --busy-poll-us $POLL_US (ironsan-poll).
 #     scale   16 iscsi-perf processes (16 sessions) x -m 8 -b 8 -r, summed,
 #             vs one session -m 32 (the ram/file randread figure is reused
 #             when present, else measured here).
@@ -59,6 +60,7 @@ note() { printf 'bench: %s\n' "$*" >&2; }
 
 DURATION=10
 IDLE_SECS=10
+POLL_US=100   # ironsan-poll: the QD1 row of the opt-in busy-polling mode
 SESSIONS=100
 ONLY=""
 SAVE=1
@@ -175,6 +177,8 @@ start_target() {
         ironsan)
             local iqn=iqn.2026-11.org.ironsan:bench lun=ram:1G extra=()
             if [[ $setup == file ]]; then lun=file:$SHM/lun.img; extra=(--write-cache); fi
+            # The opt-in busy-polling mode, for the QD1 latency row only.
+            if [[ $setup == poll ]]; then extra=(--busy-poll-us "$POLL_US"); TARGET_NAME=ironsan-poll; fi
             NO_COLOR=1 taskset -c "$TARGET_CPU" "$BIN" serve --listen "127.0.0.1:$port" --target "$iqn" \
                 --lun "$lun" "${extra[@]}" --data-dir "$WORK/ironsan-data" </dev/null >"$WORK/ironsan.log" 2>&1 &
             TARGET_PID=$!
@@ -364,6 +368,11 @@ if want ram || want qd1 || want scale || want idle || want memory; then
         if want qd1; then qd1 ram; fi
         if want scale; then scale ram; fi
         stop_target
+        if [[ $t == ironsan ]] && want qd1; then
+            start_target ironsan poll
+            qd1 ram
+            stop_target
+        fi
     done
 fi
 if want file || { want memory && want_target istgt; }; then
@@ -379,8 +388,9 @@ if want file || { want memory && want_target istgt; }; then
 fi
 T_END=$(date +%s)
 
-TABLE=$(python3 - "$ROWS" "$IDLE_SECS" <<'EOF'
+TABLE=$(python3 - "$ROWS" "$IDLE_SECS" "$POLL_US" <<'EOF'
 import sys
+POLL_US = sys.argv[3]
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 perf, idle, mem = {}, {}, {}
 order = {}
@@ -422,13 +432,16 @@ def table(setup, title, targets, base):
 table("ram", "RAM/null LUN: ironsan ram:1G vs tgt bstype null (target CPU 0, client CPU 1)", ["ironsan", "tgt"], "ironsan")
 table("file", "File LUN: one preallocated 256 MiB file on tmpfs (ironsan --write-cache, tgt rdwr, istgt)", ["ironsan", "tgt", "istgt"], "ironsan")
 
-lat = {t: perf[("ram", "qd1-randread-4k", t)][0] for t in ("ironsan", "tgt") if ("ram", "qd1-randread-4k", t) in perf}
+lat = {t: perf[("ram", "qd1-randread-4k", t)][0] for t in ("ironsan", "ironsan-poll", "tgt") if ("ram", "qd1-randread-4k", t) in perf}
 if lat:
     print("\nQD1 4K random read latency (1 / IOPS, iscsi-perf -m 1 -b 8 -r; includes the client's own time)")
     for t, i in lat.items():
-        print(f"  {t:<8} {1e6 / i:8.1f} us" if i else f"  {t:<8} failed")
-    if len(lat) == 2 and all(lat.values()):
-        print(f"  ironsan/tgt latency ratio {lat['tgt'] / lat['ironsan']:.2f}")
+        print(f"  {t:<12} {1e6 / i:8.1f} us" if i else f"  {t:<12} failed")
+    for t in ("ironsan", "ironsan-poll"):
+        if lat.get(t) and lat.get("tgt"):
+            print(f"  {t}/tgt latency ratio {lat['tgt'] / lat[t]:.2f}")
+    if "ironsan-poll" in lat:
+        print(f"  (ironsan-poll: --busy-poll-us {POLL_US}, opt-in; the default never polls)")
 
 sc = [(t, perf.get(("ram", "16x-randread-4k-qd8", t)), perf.get(("ram", "randread-4k-qd32", t))) for t in ("ironsan", "tgt")]
 if any(m for _, m, _ in sc):

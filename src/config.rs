@@ -217,6 +217,8 @@ pub struct Limits {
     pub tx_buffer_per_connection: u64,
     /// SIGTERM: how long to wait for sessions to log out and commands to finish.
     pub shutdown_grace: std::time::Duration,
+    /// Opt-in busy polling per connection, in microseconds (0: off).
+    pub busy_poll_us: u64,
 }
 
 #[cfg(test)]
@@ -244,6 +246,7 @@ impl Default for Limits {
             max_r2ts_per_connection: d.max_r2ts_per_connection,
             tx_buffer_per_connection: d.tx_buffer_per_connection,
             shutdown_grace: d.shutdown_grace,
+            busy_poll_us: d.busy_poll.as_micros() as u64,
         }
     }
 }
@@ -516,6 +519,7 @@ struct FileLimits {
     max_r2ts_per_connection: Option<Spanned<usize>>,
     tx_buffer_per_connection: Option<Spanned<String>>,
     shutdown_grace: Option<Spanned<String>>,
+    busy_poll_us: Option<Spanned<u64>>,
 }
 
 type At<'a> = &'a dyn Fn(std::ops::Range<usize>, String) -> String;
@@ -623,6 +627,14 @@ fn limits_from_file(l: Option<FileLimits>, at: At) -> Result<Limits, String> {
         0,
         3600,
         &mut out.nop_interval_secs,
+        at,
+    )?;
+    num(
+        &l.busy_poll_us,
+        "busy_poll_us",
+        0,
+        10_000,
+        &mut out.busy_poll_us,
         at,
     )?;
     num(

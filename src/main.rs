@@ -104,6 +104,11 @@ struct ServeArgs {
     /// Log filter (error, warn, info, debug, trace, or a tracing directive).
     #[arg(long, default_value = "info", env = "IRONSAN_LOG")]
     log: String,
+    /// Opt-in busy polling: each connection keeps receiving for up to US microseconds
+    /// (0-10000) before it sleeps. Cuts QD1 latency about 3x on loopback, but a core spins
+    /// while initiators are active. Overrides `busy_poll_us` in [limits]. Default: 0 (off).
+    #[arg(long, value_name = "US", value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    busy_poll_us: Option<u64>,
 }
 
 fn build_lu(
@@ -239,7 +244,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         config::Source::Flag(_) | config::Source::Flags => {}
     }
     let config_path = source.path().map(std::path::Path::to_owned);
-    let plan: Plan = match &config_path {
+    let mut plan: Plan = match &config_path {
         Some(path) => config::load_file(path).map_err(anyhow::Error::msg)?,
         None => config::from_flags(
             &args.listen,
@@ -260,6 +265,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         )
         .map_err(anyhow::Error::msg)?,
     };
+    if let Some(us) = args.busy_poll_us {
+        plan.limits.busy_poll_us = us;
+    }
     let mut targets = Vec::new();
     let mut summary = Vec::new();
     let mut access = std::collections::HashMap::new();
@@ -317,6 +325,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     cfg.max_r2ts_per_connection = l.max_r2ts_per_connection;
     cfg.tx_buffer_per_connection = l.tx_buffer_per_connection;
     cfg.shutdown_grace = l.shutdown_grace;
+    cfg.busy_poll = std::time::Duration::from_micros(l.busy_poll_us);
     let server = Server::bind(cfg).await?;
     let control = server.control();
     for t in &plan.targets {

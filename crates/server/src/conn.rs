@@ -744,10 +744,49 @@ impl Connection {
             self.async_logout_request().await;
         }
         loop {
-            while self.tasks.try_join_next().is_some() {}
-            if rd.buffer().len() < BHS_LEN || self.out_bytes >= OUT_BATCH_BYTES {
-                // The next header needs the socket: first let the writer send what is ready.
+            // The whole header (BHS, AHS, header digest) is here: reading it cannot wait.
+            let buffered = {
+                let b = rd.buffer();
+                let ahs = b.get(4).map_or(0, |&words| usize::from(words) * 4);
+                let hd = if digests.header { 4 } else { 0 };
+                b.len() >= BHS_LEN && b.len() >= BHS_LEN + ahs + hd
+            };
+            if !buffered || self.out_bytes >= OUT_BATCH_BYTES {
+                // The next header needs the socket: first let the writer send what is ready
+                // (and reap finished command tasks).
                 self.flush().await;
+                while self.tasks.try_join_next().is_some() {}
+                let spin = self.shared.cfg.busy_poll;
+                if !spin.is_zero() && rd.buffer().is_empty() {
+                    // Opt-in busy polling (`busy_poll`): keep receiving for a while instead
+                    // of sleeping, letting the writer and other tasks run in between.
+                    let deadline = Instant::now() + spin;
+                    let got = loop {
+                        tokio::task::yield_now().await;
+                        match rd.try_fill() {
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                                if Instant::now() >= deadline {
+                                    break false;
+                                }
+                            }
+                            _ => break true,
+                        }
+                    };
+                    if got {
+                        continue;
+                    }
+                }
+            }
+            // A header already buffered is read without arming the close/shutdown watches
+            // (registering and dropping their waiters per PDU was a measurable cost); a
+            // change is still seen at once through `has_changed`.
+            let quiet = |w: &watch::Receiver<bool>| matches!(w.has_changed(), Ok(false));
+            if buffered && quiet(&close_rx) && (draining || quiet(&shutdown)) {
+                let header = io::read_header(rd, digests, max_data).await;
+                if let Some(reason) = self.on_pdu(rd, header).await {
+                    return reason;
+                }
+                continue;
             }
             let header = tokio::select! {
                 biased;
@@ -763,56 +802,68 @@ impl Connection {
                 }
                 h = io::read_header(rd, digests, max_data) => h,
             };
-            let (bhs, ahs, plan) = match header {
-                Ok(h) => h,
-                Err(ReadError::TooLong(e)) => {
-                    // RFC 7143 §7.1.3: a length beyond what was negotiated is a protocol error;
-                    // the stream cannot be resynchronised safely.
-                    return format!("protocol error: {e}");
-                }
-                Err(e) => {
-                    if matches!(e, ReadError::HeaderDigest) {
-                        self.stats.digest_errors.fetch_add(1, Ordering::Relaxed);
-                        self.shared
-                            .stats
-                            .digest_errors
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                    return e.to_string();
-                }
-            };
-            self.stats.received(48 + ahs.len() + plan.data_len);
-            self.last_rx
-                .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
-            let result = match Header::decode(&bhs) {
-                Header::ScsiCommand(cmd) => {
-                    let t_header = Instant::now();
-                    self.on_scsi_command(rd, &bhs, ahs, &plan, cmd, t_header)
-                        .await
-                }
-                Header::DataOut(d) => self.on_data_out(rd, &bhs, &plan, d).await,
-                other => {
-                    let mut data = BytesMut::zeroed(plan.data_len);
-                    match io::read_data_into(rd, &plan, &mut data).await {
-                        Ok(true) => self.on_other(&bhs, other, data.freeze()).await,
-                        Ok(false) => {
-                            self.send(vec![
-                                self.digest_error(RejectReason::DATA_DIGEST_ERROR, &bhs)
-                            ])
-                            .await;
-                            Ok(())
-                        }
-                        Err(e) => Err(e.to_string()),
-                    }
-                }
-            };
-            if let Err(reason) = result {
+            if let Some(reason) = self.on_pdu(rd, header).await {
                 return reason;
             }
-            if !self.starved.is_empty() {
-                self.serve_starved().await;
-            }
         }
+    }
+
+    /// Handle one PDU whose header was read; `Some(reason)` ends the connection.
+    async fn on_pdu(
+        &mut self,
+        rd: &mut io::RecvBuf<OwnedReadHalf>,
+        header: Result<(Bhs, Bytes, ReceivePlan), ReadError>,
+    ) -> Option<String> {
+        let (bhs, ahs, plan) = match header {
+            Ok(h) => h,
+            Err(ReadError::TooLong(e)) => {
+                // RFC 7143 §7.1.3: a length beyond what was negotiated is a protocol error;
+                // the stream cannot be resynchronised safely.
+                return Some(format!("protocol error: {e}"));
+            }
+            Err(e) => {
+                if matches!(e, ReadError::HeaderDigest) {
+                    self.stats.digest_errors.fetch_add(1, Ordering::Relaxed);
+                    self.shared
+                        .stats
+                        .digest_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                return Some(e.to_string());
+            }
+        };
+        self.stats.received(48 + ahs.len() + plan.data_len);
+        self.last_rx
+            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        let result = match Header::decode(&bhs) {
+            Header::ScsiCommand(cmd) => {
+                let t_header = Instant::now();
+                self.on_scsi_command(rd, &bhs, ahs, &plan, cmd, t_header)
+                    .await
+            }
+            Header::DataOut(d) => self.on_data_out(rd, &bhs, &plan, d).await,
+            other => {
+                let mut data = BytesMut::zeroed(plan.data_len);
+                match io::read_data_into(rd, &plan, &mut data).await {
+                    Ok(true) => self.on_other(&bhs, other, data.freeze()).await,
+                    Ok(false) => {
+                        self.send(vec![
+                            self.digest_error(RejectReason::DATA_DIGEST_ERROR, &bhs)
+                        ])
+                        .await;
+                        Ok(())
+                    }
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+        };
+        if let Err(reason) = result {
+            return Some(reason);
+        }
+        if !self.starved.is_empty() {
+            self.serve_starved().await;
+        }
+        None
     }
 
     /// A Reject for a data digest error, counted.
@@ -1165,7 +1216,9 @@ impl Connection {
         slot: Slot,
         t_header: Instant,
     ) {
-        let t_data = Instant::now();
+        // A command without Data-Out comes here straight from its header: no second clock
+        // read for a stage that is empty.
+        let t_data = if cmd.write { Instant::now() } else { t_header };
         let Some(target) = self.session.target.clone() else {
             return;
         };

@@ -338,6 +338,20 @@ impl<R: AsyncRead + Unpin> RecvBuf<R> {
     }
 }
 
+impl RecvBuf<tokio::net::tcp::OwnedReadHalf> {
+    /// Receive without waiting into an empty buffer (busy polling): `Ok(0)` at end of stream,
+    /// `WouldBlock` when nothing is there.
+    pub fn try_fill(&mut self) -> std::io::Result<usize> {
+        if self.pos != self.filled {
+            return Ok(self.filled - self.pos);
+        }
+        let n = self.inner.try_read(&mut self.buf)?;
+        self.pos = 0;
+        self.filled = n;
+        Ok(n)
+    }
+}
+
 impl<R: AsyncRead + Unpin> AsyncRead for RecvBuf<R> {
     fn poll_read(
         self: std::pin::Pin<&mut Self>,

@@ -32,6 +32,29 @@ async fn login_write_read_logout() {
     assert_eq!(c.logout().await.unwrap(), LogoutResponseCode::CLOSED);
 }
 
+/// Opt-in busy polling: commands arriving while the reader spins and after it gave up and
+/// slept are both served, with digests and multi-PDU transfers, and logout still works.
+#[tokio::test]
+async fn busy_polling_serves_io_before_and_after_it_sleeps() {
+    let (addr, _stop) = start_with(|c| c.busy_poll = Duration::from_micros(500)).await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.header_digest = true;
+    o.data_digest = true;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    for (i, len) in [512usize, 4096, 300 * 1024].into_iter().enumerate() {
+        // Back to back: the next command lands while the reader is still polling.
+        round_trip(&mut c, 64 * i as u64, len, i as u8).await;
+        // Idle longer than the polling window: the reader must sleep and be woken.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        round_trip(&mut c, 4096 + 64 * i as u64, len, 100 + i as u8).await;
+    }
+    assert_eq!(
+        c.ping(Bytes::from_static(b"spin")).await.unwrap(),
+        Bytes::from_static(b"spin")
+    );
+    assert_eq!(c.logout().await.unwrap(), LogoutResponseCode::CLOSED);
+}
+
 #[tokio::test]
 async fn digests_are_computed_and_checked_both_ways() {
     let (addr, _stop) = start().await;
