@@ -646,10 +646,7 @@ impl Hooks for BinHooks {
                 self.save_text(control).and_then(|text| match file {
                     None => Ok(json!({ "text": text })),
                     Some(f) => {
-                        let tmp = f.with_extension("toml.new");
-                        std::fs::write(&tmp, &text)
-                            .and_then(|_| std::fs::rename(&tmp, &f))
-                            .map_err(|e| format!("{}: {e}", f.display()))?;
+                        write_durably(&f, &text).map_err(|e| format!("{}: {e}", f.display()))?;
                         Ok(json!({ "message": format!("saved to {}", f.display()) }))
                     }
                 })
@@ -657,6 +654,24 @@ impl Hooks for BinHooks {
             _ => return None,
         })
     }
+}
+
+/// Replace `path` with `text` so that a crash or a power loss leaves the old or the new file,
+/// never a torn one: write a temporary file beside it, fsync it, rename it over `path`, fsync
+/// the directory (the rename itself is then durable).
+fn write_durably(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("toml.new");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]
