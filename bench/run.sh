@@ -343,7 +343,12 @@ memory() {
     else
         note "memory: $SESSIONS sessions against $TARGET_NAME failed"
     fi
-    sleep 1
+    # A fresh process for the bare connections: memory the sessions freed would otherwise be
+    # reused and the per-connection figure would read as (near) zero.
+    local kind=$TARGET_KIND
+    stop_target
+    start_target "$kind" "$setup"
+    sleep 0.5
     r0=$(rss_kb "$TARGET_PID")
     if hold_sessions "$SESSIONS" --connect-only; then
         sleep 1

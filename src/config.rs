@@ -39,6 +39,7 @@
 //! # [limits]
 //! # max_connections = 1024
 //! # shutdown_grace = "10s"   # SIGTERM: how long initiators get to log out
+//! # busy_poll_us = 0         # opt-in: spin up to N us per connection before sleeping
 //!
 //! # Top-level keys (before any [table]); the --metrics / --control flags override them.
 //! # metrics = "127.0.0.1:9360"
