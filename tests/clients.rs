@@ -1224,29 +1224,38 @@ fn recv_notify(sock: &std::os::unix::net::UnixDatagram, what: &str) -> String {
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
-#[test]
-fn sd_notify_ready_once_the_portal_accepts_and_stopping_on_sigterm() {
-    let dir = tempfile::tempdir().unwrap();
-    let notify_path = dir.path().join("notify.sock");
+/// `ironsan serve` of a 1 MiB RAM LUN on `addr` (no control socket, data in `dir`/data,
+/// output discarded) with `NOTIFY_SOCKET` at `dir`/notify.sock, after `env` set more of its
+/// environment. Returns that socket (15 s read timeout) and the process.
+fn serve_notifying(
+    dir: &std::path::Path,
+    addr: SocketAddr,
+    env: impl FnOnce(&mut std::process::Command),
+) -> (std::os::unix::net::UnixDatagram, KillOnDrop) {
+    let notify_path = dir.join("notify.sock");
     let sock = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(15)))
         .unwrap();
-    let port = free_port();
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let data = dir.path().join("data");
-    let child = std::process::Command::new(bin())
-        .args(["serve", "--listen", &addr.to_string(), "--lun", "ram:1M"])
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args(["serve", "--listen", &addr.to_string(), "--lun", "ram:1M"])
         .args(["--control", "none", "--data-dir"])
-        .arg(&data)
+        .arg(dir.join("data"))
         .env("NOTIFY_SOCKET", &notify_path)
         .env_remove("IRONSAN_LOG")
         .env_remove("IRONSAN_CONFIG")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("starting ironsan serve");
-    let mut child = KillOnDrop(child);
+        .stderr(std::process::Stdio::null());
+    env(&mut cmd);
+    let child = cmd.spawn().expect("starting ironsan serve");
+    (sock, KillOnDrop(child))
+}
+
+#[test]
+fn sd_notify_ready_once_the_portal_accepts_and_stopping_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
+    let (sock, mut child) = serve_notifying(dir.path(), addr, |_| {});
     let ready = recv_notify(&sock, "READY=1");
     // The portal accepts by the time READY=1 arrives: no retry here.
     let accepted = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1));
@@ -1282,26 +1291,10 @@ fn sd_notify_ready_once_the_portal_accepts_and_stopping_on_sigterm() {
 #[test]
 fn sd_notify_watchdog_pings_when_watchdog_usec_is_set() {
     let dir = tempfile::tempdir().unwrap();
-    let notify_path = dir.path().join("notify.sock");
-    let sock = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(15)))
-        .unwrap();
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
-    let child = std::process::Command::new(bin())
-        .args(["serve", "--listen", &addr.to_string(), "--lun", "ram:1M"])
-        .args(["--control", "none", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .env("NOTIFY_SOCKET", &notify_path)
-        .env("WATCHDOG_USEC", "200000")
-        .env_remove("WATCHDOG_PID")
-        .env_remove("IRONSAN_LOG")
-        .env_remove("IRONSAN_CONFIG")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("starting ironsan serve");
-    let _child = KillOnDrop(child);
+    let (sock, _child) = serve_notifying(dir.path(), addr, |c| {
+        c.env("WATCHDOG_USEC", "200000").env_remove("WATCHDOG_PID");
+    });
     let ready = recv_notify(&sock, "READY=1");
     assert_eq!(ready.lines().next(), Some("READY=1"), "{ready:?}");
     // 100 ms apart: at least two within a second (a slow CI machine gets 3 s).
@@ -1337,17 +1330,14 @@ async fn ctl_portal_add_remove_save_and_reload() {
     use ironsan_initiator::{Client, LoginOptions};
     let dir = tempfile::tempdir().unwrap();
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
-    let config = dir.path().join("ironsan.toml");
     let sock = dir.path().join("control.sock");
     let sock_s = sock.display().to_string();
-    std::fs::write(
-        &config,
-        format!(
-            "listen = [\"{addr}\"]\ndata_dir = \"{}\"\ncontrol = \"{sock_s}\"\n\n[[target]]\nname = \"{DEFAULT_TARGET}\"\n[[target.lun]]\nspec = \"ram:1M\"\n\n[limits]\nshutdown_grace = \"1s\"\nmax_sessions = 77\n",
-            dir.path().join("data").display()
-        ),
-    )
-    .unwrap();
+    let config = write_ram_config(
+        dir.path(),
+        addr,
+        &sock_s,
+        "\n[limits]\nshutdown_grace = \"1s\"\nmax_sessions = 77\n",
+    );
     let s = Server::start_config(dir, &config, vec![addr], DEFAULT_TARGET);
     let ctl = |args: &[&str]| {
         let mut full = vec!["ctl", "--control", &sock_s];
@@ -1480,15 +1470,12 @@ async fn sigterm_asks_initiators_to_log_out_and_exits_within_the_grace_time() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let config = dir.path().join("ironsan.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "listen = [\"{addr}\"]\ndata_dir = \"{}\"\ncontrol = \"none\"\n\n[[target]]\nname = \"{DEFAULT_TARGET}\"\n[[target.lun]]\nspec = \"ram:1M\"\n\n[limits]\nshutdown_grace = \"2s\"\n",
-            dir.path().join("data").display()
-        ),
-    )
-    .unwrap();
+    let config = write_ram_config(
+        dir.path(),
+        addr,
+        "none",
+        "\n[limits]\nshutdown_grace = \"2s\"\n",
+    );
     let mut s = Server::start_config(dir, &config, vec![addr], DEFAULT_TARGET);
     let opts = ironsan_initiator::LoginOptions::new(Some(DEFAULT_TARGET));
     let mut polite = ironsan_initiator::Client::login(addr, &opts)

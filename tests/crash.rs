@@ -588,17 +588,8 @@ fn ctl_save_leaves_the_old_or_the_new_config_after_sigkill() {
     let mut rng = Rng(plan.seed | 1);
     let dir = tempfile::tempdir().unwrap();
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, common::free_port()));
-    let config = dir.path().join("ironsan.toml");
     let sock = dir.path().join("control.sock");
-    std::fs::write(
-        &config,
-        format!(
-            "listen = [\"{addr}\"]\ndata_dir = \"{}\"\ncontrol = \"{}\"\n\n[[target]]\nname = \"{DEFAULT_TARGET}\"\n[[target.lun]]\nspec = \"ram:1M\"\n",
-            dir.path().join("data").display(),
-            sock.display()
-        ),
-    )
-    .unwrap();
+    let config = common::write_ram_config(dir.path(), addr, &sock.display().to_string(), "");
     let mut server = Server::start_config(dir, &config, vec![addr], DEFAULT_TARGET);
     let size = ["1M", "2M"];
     let save_as = |i: usize| {

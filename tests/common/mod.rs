@@ -24,6 +24,22 @@ use std::time::{Duration, Instant};
 /// The target name `ironsan serve` uses when no `--target` is given.
 pub const DEFAULT_TARGET: &str = "iqn.2026-11.org.ironsan:default";
 
+/// Write `dir`/ironsan.toml for [`Server::start_config`]: `addr` as the only portal, data
+/// under `dir`/data, the control socket at `control` ("none" for none), [`DEFAULT_TARGET`]
+/// with a 1 MiB RAM LUN, then `extra` (more tables, e.g. `[limits]`). Returns its path.
+pub fn write_ram_config(dir: &Path, addr: SocketAddr, control: &str, extra: &str) -> PathBuf {
+    let config = dir.join("ironsan.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = [\"{addr}\"]\ndata_dir = \"{}\"\ncontrol = \"{control}\"\n\n[[target]]\nname = \"{DEFAULT_TARGET}\"\n[[target.lun]]\nspec = \"ram:1M\"\n{extra}",
+            dir.join("data").display()
+        ),
+    )
+    .unwrap();
+    config
+}
+
 /// How long a client command may run before it is killed and the test fails.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 

@@ -33,6 +33,22 @@ fn get_key(pairs: &[(String, String)], key: &str) -> Option<String> {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// The CDB of a READ(16) of `blocks` blocks at `lba`.
+pub fn read16_cdb(lba: u64, blocks: u32) -> [u8; 16] {
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x88;
+    cdb[2..10].copy_from_slice(&lba.to_be_bytes());
+    cdb[10..14].copy_from_slice(&blocks.to_be_bytes());
+    cdb
+}
+
+/// The CDB of a WRITE(16) of `blocks` blocks at `lba` (no FUA).
+pub fn write16_cdb(lba: u64, blocks: u32) -> [u8; 16] {
+    let mut cdb = read16_cdb(lba, blocks);
+    cdb[0] = 0x8a;
+    cdb
+}
+
 /// What to offer at login.
 #[derive(Clone, Debug)]
 pub struct LoginOptions {
@@ -706,11 +722,8 @@ impl Client {
         blocks: u32,
         block_size: u32,
     ) -> Result<CommandResult> {
-        let mut cdb = [0u8; 16];
-        cdb[0] = 0x88;
-        cdb[2..10].copy_from_slice(&lba.to_be_bytes());
-        cdb[10..14].copy_from_slice(&blocks.to_be_bytes());
-        self.command(lun, &cdb, None, blocks * block_size).await
+        self.command(lun, &read16_cdb(lba, blocks), None, blocks * block_size)
+            .await
     }
 
     /// WRITE(16) of `data` at `lba`, with FUA if asked.
@@ -722,14 +735,74 @@ impl Client {
         block_size: u32,
         fua: bool,
     ) -> Result<CommandResult> {
-        let mut cdb = [0u8; 16];
-        cdb[0] = 0x8a;
+        let mut cdb = write16_cdb(lba, (data.len() as u32) / block_size);
         if fua {
             cdb[1] = 0x08;
         }
-        cdb[2..10].copy_from_slice(&lba.to_be_bytes());
-        cdb[10..14].copy_from_slice(&((data.len() as u32) / block_size).to_be_bytes());
         self.command(lun, &cdb, Some(data), 0).await
+    }
+
+    /// Send the SCSI Command PDU `cmd` with `data` as its immediate data and return at once:
+    /// the Data-Out, the Data-In and the status are the caller's. `cmd` gets a fresh ITT,
+    /// the next CmdSN (which then advances) and the current ExpStatSN; returns the ITT and
+    /// CmdSN, as a task management request names the task.
+    pub async fn send_command(&mut self, cmd: ScsiCommand, data: Bytes) -> Result<(Itt, CmdSn)> {
+        let itt = self.itt();
+        let sn = self.cmd_sn;
+        let cmd = ScsiCommand {
+            itt,
+            cmd_sn: sn,
+            exp_stat_sn: self.exp_stat_sn,
+            ..cmd
+        };
+        self.cmd_sn = sn.next();
+        self.send(Header::ScsiCommand(cmd), data).await?;
+        Ok((itt, sn))
+    }
+
+    /// [`send_command`](Self::send_command) of a READ(16) of `blocks` blocks of `block_size`
+    /// at `lba` (simple task attribute): sent without waiting for the answer.
+    pub async fn send_read16(
+        &mut self,
+        lun: u64,
+        lba: u64,
+        blocks: u32,
+        block_size: u32,
+    ) -> Result<(Itt, CmdSn)> {
+        let cmd = ScsiCommand {
+            final_bit: true,
+            read: true,
+            attr: TaskAttr::SIMPLE,
+            lun: Lun::from_number(lun),
+            expected_data_transfer_length: blocks * block_size,
+            cdb: read16_cdb(lba, blocks),
+            ..Default::default()
+        };
+        self.send_command(cmd, Bytes::new()).await
+    }
+
+    /// [`send_command`](Self::send_command) of a WRITE(16) of `len` bytes in blocks of
+    /// `block_size` at `lba` (simple task attribute, F set), with `data` as its immediate
+    /// data: all of it, or a first part or none, for the rest to go by R2T. Sent without
+    /// waiting for the answer.
+    pub async fn send_write16(
+        &mut self,
+        lun: u64,
+        lba: u64,
+        len: u32,
+        block_size: u32,
+        data: Bytes,
+    ) -> Result<(Itt, CmdSn)> {
+        let cmd = ScsiCommand {
+            final_bit: true,
+            write: true,
+            attr: TaskAttr::SIMPLE,
+            lun: Lun::from_number(lun),
+            expected_data_transfer_length: len,
+            cdb: write16_cdb(lba, len / block_size),
+            ..Default::default()
+        };
+        self.send_command(cmd, data).await
     }
 
     /// Text request with SendTargets=`value`; returns the key=value pairs (following C-bit

@@ -478,6 +478,38 @@ struct Listeners {
     closed: bool,
 }
 
+impl Listeners {
+    /// Refuse `addr` if a portal (other than the `except`-th) is bound to it or was asked
+    /// for it. Port 0 asks for a new free port: never a duplicate.
+    fn refuse_duplicate(&self, addr: SocketAddr, except: Option<usize>) -> Result<(), String> {
+        if addr.port() == 0 {
+            return Ok(());
+        }
+        match self
+            .list
+            .iter()
+            .enumerate()
+            .find(|(j, p)| Some(*j) != except && (p.addr == addr || p.requested == addr))
+        {
+            Some((_, p)) => Err(format!(
+                "portal {addr} already exists (group {})",
+                p.tag.load(Ordering::Relaxed)
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The runtime a socket for `addr` is registered with: the server's (or the caller's
+    /// before `run`).
+    fn runtime_handle(&self, addr: SocketAddr) -> Result<tokio::runtime::Handle, String> {
+        match self.handle.clone() {
+            Some(h) => Ok(h),
+            None => tokio::runtime::Handle::try_current()
+                .map_err(|_| format!("cannot listen on {addr}: no tokio runtime")),
+        }
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -614,38 +646,28 @@ impl Shared {
             .collect()
     }
 
+    /// The listeners, locked to bind a portal of group `tag`: refused for tag 0 (reserved)
+    /// and once shutdown has begun.
+    fn listeners_to_bind(&self, tag: u16) -> Result<std::sync::MutexGuard<'_, Listeners>, String> {
+        if tag == 0 {
+            return Err("portal group tag 0 is reserved".into());
+        }
+        let l = lock(&self.listeners);
+        if l.closed {
+            return Err("the server is shutting down".into());
+        }
+        Ok(l)
+    }
+
     /// Bind `addr` as a portal of group `tag` and start accepting on it (if the server runs).
     pub(crate) fn add_portal(
         self: &Arc<Self>,
         addr: SocketAddr,
         tag: u16,
     ) -> Result<Portal, String> {
-        if tag == 0 {
-            return Err("portal group tag 0 is reserved".into());
-        }
-        let mut l = lock(&self.listeners);
-        if l.closed {
-            return Err("the server is shutting down".into());
-        }
-        // Port 0 asks for a new free port: never a duplicate.
-        if addr.port() != 0 {
-            if let Some(p) = l
-                .list
-                .iter()
-                .find(|p| p.addr == addr || p.requested == addr)
-            {
-                return Err(format!(
-                    "portal {addr} already exists (group {})",
-                    p.tag.load(Ordering::Relaxed)
-                ));
-            }
-        }
-        // The socket is registered with the server's runtime (or the caller's before `run`).
-        let handle = match l.handle.clone() {
-            Some(h) => h,
-            None => tokio::runtime::Handle::try_current()
-                .map_err(|_| format!("cannot listen on {addr}: no tokio runtime"))?,
-        };
+        let mut l = self.listeners_to_bind(tag)?;
+        l.refuse_duplicate(addr, None)?;
+        let handle = l.runtime_handle(addr)?;
         let mut p = {
             let _in_runtime = handle.enter();
             Listening::bind(addr, tag).map_err(|e| e.to_string())?
@@ -723,40 +745,18 @@ impl Shared {
         new: SocketAddr,
         tag: u16,
     ) -> Result<Portal, String> {
-        if tag == 0 {
-            return Err("portal group tag 0 is reserved".into());
-        }
-        let mut l = lock(&self.listeners);
-        if l.closed {
-            return Err("the server is shutting down".into());
-        }
+        let mut l = self.listeners_to_bind(tag)?;
         let i = l
             .list
             .iter()
             .position(|p| p.addr == old)
             .ok_or_else(|| format!("no portal {old}"))?;
-        if new.port() != 0 {
-            if let Some(p) = l
-                .list
-                .iter()
-                .enumerate()
-                .find(|(j, p)| *j != i && (p.addr == new || p.requested == new))
-            {
-                return Err(format!(
-                    "portal {new} already exists (group {})",
-                    p.1.tag.load(Ordering::Relaxed)
-                ));
-            }
-        }
+        l.refuse_duplicate(new, Some(i))?;
         let old_tag = l.list[i].tag.load(Ordering::Relaxed);
         if old_tag != tag {
             self.check_group_keeps_a_portal(&l, i)?;
         }
-        let handle = match l.handle.clone() {
-            Some(h) => h,
-            None => tokio::runtime::Handle::try_current()
-                .map_err(|_| format!("cannot listen on {new}: no tokio runtime"))?,
-        };
+        let handle = l.runtime_handle(new)?;
         let _in_runtime = handle.enter();
         let started = l.handle.is_some();
         let gone = l.list.remove(i);

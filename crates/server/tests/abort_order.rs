@@ -112,34 +112,10 @@ async fn read(c: &mut Client, lba: u64, blocks: u32) -> CommandResult {
         .unwrap()
 }
 
-fn write16_cdb(lba: u64, blocks: u32) -> [u8; 16] {
-    let mut cdb = [0u8; 16];
-    cdb[0] = 0x8a;
-    cdb[2..10].copy_from_slice(&lba.to_be_bytes());
-    cdb[10..14].copy_from_slice(&blocks.to_be_bytes());
-    cdb
-}
-
 /// Send a WRITE(16) of `len` bytes without waiting, with `data` as immediate data (all of it,
 /// or none to go by R2T); returns its ITT and CmdSN.
 async fn send_write(c: &mut Client, lba: u64, len: u32, data: Bytes) -> (Itt, CmdSn) {
-    let itt = c.itt();
-    let sn = c.cmd_sn;
-    let cmd = ScsiCommand {
-        final_bit: true,
-        write: true,
-        attr: TaskAttr::SIMPLE,
-        lun: Lun::from_number(0),
-        itt,
-        expected_data_transfer_length: len,
-        cmd_sn: sn,
-        exp_stat_sn: c.exp_stat_sn,
-        cdb: write16_cdb(lba, len / BS),
-        ..Default::default()
-    };
-    c.cmd_sn = c.cmd_sn.next();
-    c.send(Header::ScsiCommand(cmd), data).await.unwrap();
-    (itt, sn)
+    c.send_write16(0, lba, len, BS, data).await.unwrap()
 }
 
 async fn wait_stuck(ctl: &FaultControl, n: usize) {
@@ -193,6 +169,24 @@ async fn wait_status(c: &mut Client, itt: Itt) -> (u8, Vec<Pdu>) {
     }
 }
 
+/// Send a WRITE(16) of `data` at `lba` that a `hang` rule holds in the device, and ABORT TASK
+/// it: the abort completes at once (within 2 s) while the I/O stays in the device. Returns
+/// the write's ITT.
+async fn abort_write_stuck_in_device(rig: &Rig, c: &mut Client, lba: u64, data: Bytes) -> Itt {
+    let (itt, sn) = send_write(c, lba, data.len() as u32, data).await;
+    wait_stuck(&rig.ctl, 1).await;
+    let code = tokio::time::timeout(
+        Duration::from_secs(2),
+        c.task_mgmt(TmfFunction::ABORT_TASK, 0, itt, sn),
+    )
+    .await
+    .expect("ABORT TASK waited for the stuck device")
+    .unwrap();
+    assert_eq!(code, TmfResponseCode::COMPLETE);
+    assert_eq!(rig.ctl.stuck_now(), 1, "the write is still in the device");
+    itt
+}
+
 /// RAM under the fault layer at `lba`, `blocks` long.
 async fn medium(rig: &Rig, lba: u64, blocks: u32) -> Bytes {
     rig.inner
@@ -207,19 +201,9 @@ async fn aborted_write_in_the_device_cannot_overwrite_a_newer_acknowledged_write
     let mut c = login_with(rig.addr, &opts(1)).await;
     let old = pattern(4096, 1);
     let new = pattern(4096, 2);
-    let (itt, sn) = send_write(&mut c, 0, 4096, old.clone()).await;
-    wait_stuck(&rig.ctl, 1).await;
-    // ABORT TASK completes at once although the device holds the I/O.
-    let code = tokio::time::timeout(
-        Duration::from_secs(2),
-        c.task_mgmt(TmfFunction::ABORT_TASK, 0, itt, sn),
-    )
-    .await
-    .expect("ABORT TASK waited for the stuck device")
-    .unwrap();
-    assert_eq!(code, TmfResponseCode::COMPLETE);
-    // The I/O itself cannot be called back: it is still in the device.
-    assert_eq!(rig.ctl.stuck_now(), 1);
+    // ABORT TASK completes at once although the device holds the I/O, which cannot be called
+    // back: it is still in the device.
+    let itt = abort_write_stuck_in_device(&rig, &mut c, 0, old.clone()).await;
     // A newer write of the same blocks waits for it (the range stays locked) ...
     let (itt2, _) = send_write(&mut c, 0, 4096, new.clone()).await;
     // ... while other blocks are written and read as usual.
@@ -256,28 +240,7 @@ async fn aborted_write_in_the_device_cannot_overwrite_a_newer_acknowledged_write
 
 /// Send a READ(16) of `blocks` blocks without waiting; returns its ITT.
 async fn send_read(c: &mut Client, lba: u64, blocks: u32) -> Itt {
-    let itt = c.itt();
-    let mut cdb = [0u8; 16];
-    cdb[0] = 0x88;
-    cdb[2..10].copy_from_slice(&lba.to_be_bytes());
-    cdb[10..14].copy_from_slice(&blocks.to_be_bytes());
-    let cmd = ScsiCommand {
-        final_bit: true,
-        read: true,
-        attr: TaskAttr::SIMPLE,
-        lun: Lun::from_number(0),
-        itt,
-        expected_data_transfer_length: blocks * BS,
-        cmd_sn: c.cmd_sn,
-        exp_stat_sn: c.exp_stat_sn,
-        cdb,
-        ..Default::default()
-    };
-    c.cmd_sn = c.cmd_sn.next();
-    c.send(Header::ScsiCommand(cmd), Bytes::new())
-        .await
-        .unwrap();
-    itt
+    c.send_read16(0, lba, blocks, BS).await.unwrap().0
 }
 
 /// The Data-In of `itt` in `pdus` (in order of arrival) and its status, if it completed.
@@ -307,17 +270,7 @@ async fn read_after_abort_waits_for_the_orphaned_write_so_successive_reads_agree
     let mut c = login_with(rig.addr, &opts(2)).await;
     let aborted = pattern(4096, 31);
     assert_eq!(write(&mut c, 64, pattern(4096, 32)).await.status, 0);
-    let (itt, sn) = send_write(&mut c, 0, 4096, aborted.clone()).await;
-    wait_stuck(&rig.ctl, 1).await;
-    let code = tokio::time::timeout(
-        Duration::from_secs(2),
-        c.task_mgmt(TmfFunction::ABORT_TASK, 0, itt, sn),
-    )
-    .await
-    .expect("ABORT TASK waited for the stuck device")
-    .unwrap();
-    assert_eq!(code, TmfResponseCode::COMPLETE);
-    assert_eq!(rig.ctl.stuck_now(), 1, "the write is still in the device");
+    abort_write_stuck_in_device(&rig, &mut c, 0, aborted.clone()).await;
     // A read of the orphaned blocks, issued after the TMF response, waits ...
     let r1 = send_read(&mut c, 0, 8).await;
     // ... while reads of other blocks go on.

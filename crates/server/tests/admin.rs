@@ -8,11 +8,11 @@ use ironsan_initiator::{Client, LoginOptions};
 use ironsan_scsi::{LogicalUnit, LuConfig};
 use ironsan_server::admin::{self, Hooks};
 use ironsan_server::{Server, ServerConfig, TargetDef};
-use serde_json::Value;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use support::{ctl, login_opts};
 
 const TARGET: &str = "iqn.2026-11.org.ironsan:admin";
 
@@ -73,19 +73,8 @@ async fn start(name: &str) -> (SocketAddr, PathBuf, tokio::sync::oneshot::Sender
     (addr, path, tx)
 }
 
-async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
-    let path = path.to_owned();
-    let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
-    tokio::task::spawn_blocking(move || admin::call(&path, &argv))
-        .await
-        .unwrap()
-}
-
 fn opts(initiator: &str, isid: u8) -> LoginOptions {
-    let mut o = LoginOptions::new(Some(TARGET));
-    o.initiator_name = initiator.into();
-    o.isid.0[5] = isid;
-    o
+    login_opts(TARGET, initiator, isid)
 }
 
 const UA: u8 = 0x6;

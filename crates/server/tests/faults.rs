@@ -104,54 +104,13 @@ async fn read(c: &mut Client, lun: u64, lba: u64, blocks: u32) -> CommandResult 
 
 /// Send a WRITE(16) with all its data immediate, without waiting; returns its ITT and CmdSN.
 async fn send_write(c: &mut Client, lun: u64, lba: u64, data: Bytes) -> (Itt, CmdSn) {
-    let itt = c.itt();
-    let sn = c.cmd_sn;
-    let mut cdb = [0u8; 16];
-    cdb[0] = 0x8a;
-    cdb[2..10].copy_from_slice(&lba.to_be_bytes());
-    cdb[10..14].copy_from_slice(&((data.len() as u32) / BS).to_be_bytes());
-    let cmd = ScsiCommand {
-        final_bit: true,
-        write: true,
-        attr: TaskAttr::SIMPLE,
-        lun: Lun::from_number(lun),
-        itt,
-        expected_data_transfer_length: data.len() as u32,
-        cmd_sn: sn,
-        exp_stat_sn: c.exp_stat_sn,
-        cdb,
-        ..Default::default()
-    };
-    c.cmd_sn = c.cmd_sn.next();
-    c.send(Header::ScsiCommand(cmd), data).await.unwrap();
-    (itt, sn)
+    let len = data.len() as u32;
+    c.send_write16(lun, lba, len, BS, data).await.unwrap()
 }
 
 /// Send a READ(16) without waiting.
 async fn send_read(c: &mut Client, lun: u64, lba: u64, blocks: u32) -> (Itt, CmdSn) {
-    let itt = c.itt();
-    let sn = c.cmd_sn;
-    let mut cdb = [0u8; 16];
-    cdb[0] = 0x88;
-    cdb[2..10].copy_from_slice(&lba.to_be_bytes());
-    cdb[10..14].copy_from_slice(&blocks.to_be_bytes());
-    let cmd = ScsiCommand {
-        final_bit: true,
-        read: true,
-        attr: TaskAttr::SIMPLE,
-        lun: Lun::from_number(lun),
-        itt,
-        expected_data_transfer_length: blocks * BS,
-        cmd_sn: sn,
-        exp_stat_sn: c.exp_stat_sn,
-        cdb,
-        ..Default::default()
-    };
-    c.cmd_sn = c.cmd_sn.next();
-    c.send(Header::ScsiCommand(cmd), Bytes::new())
-        .await
-        .unwrap();
-    (itt, sn)
+    c.send_read16(lun, lba, blocks, BS).await.unwrap()
 }
 
 async fn wait_stuck(ctl: &FaultControl, n: usize) {

@@ -7,10 +7,9 @@ mod support;
 use ironsan_initiator::{Client, Error, LoginOptions};
 use ironsan_server::admin;
 use ironsan_server::{Portal, PortalGroup, Server, ServerConfig};
-use serde_json::Value;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use support::*;
@@ -51,11 +50,7 @@ async fn start_groups() -> (
     let server = Server::bind(cfg).await.unwrap();
     let portals = server.portals();
     let control = server.control();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
-    (portals, control, tx)
+    (portals, control, run_in_background(server))
 }
 
 fn tpgt(c: &Client) -> Option<String> {
@@ -64,6 +59,28 @@ fn tpgt(c: &Client) -> Option<String> {
         .rev()
         .find(|(k, _)| k == "TargetPortalGroupTag")
         .map(|(_, v)| v.clone())
+}
+
+/// SendTargets=All from a discovery session on `portal`, with the TargetPortalGroupTag that
+/// session's login announced.
+async fn discover(portal: SocketAddr) -> (Option<String>, Vec<(String, String)>) {
+    let mut c = Client::login(portal, &LoginOptions::new(None))
+        .await
+        .unwrap();
+    let pairs = c.send_targets("All").await.unwrap();
+    (tpgt(&c), pairs)
+}
+
+/// The SendTargets answer for `targets`, in order, each with its portals (address, tag).
+fn listing(targets: &[(&str, &[(SocketAddr, u16)])]) -> Vec<(String, String)> {
+    let mut pairs = Vec::new();
+    for (name, portals) in targets {
+        pairs.push(("TargetName".to_string(), name.to_string()));
+        for (addr, tag) in *portals {
+            pairs.push(("TargetAddress".to_string(), format!("{addr},{tag}")));
+        }
+    }
+    pairs
 }
 
 #[tokio::test]
@@ -77,20 +94,14 @@ async fn send_targets_lists_each_targets_portals_with_their_tags() {
     assert_ne!(p1, p2);
     // The same answer from a discovery session on either portal.
     for p in [p1, p2] {
-        let mut c = Client::login(p, &LoginOptions::new(None)).await.unwrap();
-        let pairs = c.send_targets("All").await.unwrap();
-        let s = |k: &str, v: String| (k.to_string(), v);
+        let (_, pairs) = discover(p).await;
         assert_eq!(
             pairs,
-            vec![
-                s("TargetName", EVERYWHERE.into()),
-                s("TargetAddress", format!("{p1},1")),
-                s("TargetAddress", format!("{p2},2")),
-                s("TargetName", ONLY_ONE.into()),
-                s("TargetAddress", format!("{p1},1")),
-                s("TargetName", ONLY_TWO.into()),
-                s("TargetAddress", format!("{p2},2")),
-            ]
+            listing(&[
+                (EVERYWHERE, &[(p1, 1), (p2, 2)]),
+                (ONLY_ONE, &[(p1, 1)]),
+                (ONLY_TWO, &[(p2, 2)]),
+            ])
         );
     }
 }
@@ -150,21 +161,6 @@ async fn listen_alone_is_portal_group_one() {
     assert_eq!(tpgt(&c).as_deref(), Some("1"));
 }
 
-async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
-    let path = path.to_owned();
-    let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
-    tokio::task::spawn_blocking(move || admin::call(&path, &argv))
-        .await
-        .unwrap()
-}
-
-fn opts(target: &str, initiator: &str, isid: u8) -> LoginOptions {
-    let mut o = LoginOptions::new(Some(target));
-    o.initiator_name = initiator.into();
-    o.isid.0[5] = isid;
-    o
-}
-
 /// Write 8 KiB at `lba` and read it back.
 async fn write_read(c: &mut Client, lba: u64, seed: u8) -> Result<(), String> {
     let data = pattern(8192, seed);
@@ -218,7 +214,7 @@ async fn portals_are_added_and_removed_live() {
     // Session A does I/O through portal 1 the whole time.
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
-    let mut a = Client::login(p1, &opts(EVERYWHERE, "iqn.2026-11.org.test:a", 1))
+    let mut a = Client::login(p1, &login_opts(EVERYWHERE, "iqn.2026-11.org.test:a", 1))
         .await
         .unwrap();
     let io = tokio::spawn({
@@ -283,29 +279,21 @@ async fn portals_are_added_and_removed_live() {
     // portal. A discovery login announces no TargetPortalGroupTag (RFC 7143 §13.9: only when
     // the initiator names a target).
     for p in [p1, p2] {
-        let mut d = Client::login(p, &LoginOptions::new(None)).await.unwrap();
-        assert_eq!(tpgt(&d), None);
-        let pairs = d.send_targets("All").await.unwrap();
-        let s = |k: &str, v: String| (k.to_string(), v);
+        let (tag, pairs) = discover(p).await;
+        assert_eq!(tag, None);
         assert_eq!(
             pairs,
-            vec![
-                s("TargetName", EVERYWHERE.into()),
-                s("TargetAddress", format!("{p1},1")),
-                s("TargetAddress", format!("{p2},2")),
-                s("TargetName", ONLY_TWO.into()),
-                s("TargetAddress", format!("{p2},2")),
-            ]
+            listing(&[(EVERYWHERE, &[(p1, 1), (p2, 2)]), (ONLY_TWO, &[(p2, 2)])])
         );
     }
     // Session B through the new portal: announces tag 2 and does I/O.
-    let mut b = Client::login(p2, &opts(ONLY_TWO, "iqn.2026-11.org.test:b", 2))
+    let mut b = Client::login(p2, &login_opts(ONLY_TWO, "iqn.2026-11.org.test:b", 2))
         .await
         .unwrap();
     assert_eq!(tpgt(&b).as_deref(), Some("2"));
     write_read(&mut b, 0, 0x22).await.unwrap();
     assert!(matches!(
-        Client::login(p1, &opts(ONLY_TWO, "iqn.2026-11.org.test:b", 3)).await,
+        Client::login(p1, &login_opts(ONLY_TWO, "iqn.2026-11.org.test:b", 3)).await,
         Err(Error::Login(2, 3))
     ));
 
@@ -334,12 +322,11 @@ async fn portals_are_added_and_removed_live() {
         "{refused:?}"
     );
     write_read(&mut b, 64, 0x23).await.unwrap();
-    let mut d = Client::login(p1, &LoginOptions::new(None)).await.unwrap();
     assert_eq!(
-        addresses(&d.send_targets("All").await.unwrap()),
+        addresses(&discover(p1).await.1),
         vec![format!("{p1},1"), format!("{p3},2"), format!("{p3},2")]
     );
-    let mut b2 = Client::login(p3, &opts(ONLY_TWO, "iqn.2026-11.org.test:b", 4))
+    let mut b2 = Client::login(p3, &login_opts(ONLY_TWO, "iqn.2026-11.org.test:b", 4))
         .await
         .unwrap();
     write_read(&mut b2, 128, 0x24).await.unwrap();

@@ -516,7 +516,6 @@ async fn many_commands_in_flight_on_one_connection() {
     // Pipeline 32 READ(10)s without waiting, then collect every status.
     let mut itts = Vec::new();
     for i in 0..32u32 {
-        let itt = c.itt();
         let mut cdb = [0u8; 16];
         cdb[0] = 0x28;
         cdb[5] = (i * 4) as u8;
@@ -524,16 +523,11 @@ async fn many_commands_in_flight_on_one_connection() {
         let cmd = ScsiCommand {
             final_bit: true,
             read: true,
-            itt,
             expected_data_transfer_length: 2048,
-            cmd_sn: c.cmd_sn,
             cdb,
             ..Default::default()
         };
-        c.cmd_sn = c.cmd_sn.next();
-        c.send(Header::ScsiCommand(cmd), Bytes::new())
-            .await
-            .unwrap();
+        let (itt, _) = c.send_command(cmd, Bytes::new()).await.unwrap();
         itts.push(itt);
     }
     let mut done = 0;

@@ -637,24 +637,7 @@ async fn reads_to_an_initiator_that_does_not_read_are_bounded_and_complete_later
     // 48 reads of 1 MiB sent without reading anything back.
     let n = 48u32;
     for i in 0..n {
-        let mut cdb = [0u8; 16];
-        cdb[0] = 0x88;
-        cdb[2..10].copy_from_slice(&(u64::from(i % 8) * 2048).to_be_bytes());
-        cdb[10..14].copy_from_slice(&2048u32.to_be_bytes());
-        let cmd = ScsiCommand {
-            final_bit: true,
-            read: true,
-            attr: TaskAttr::SIMPLE,
-            lun: Lun::from_number(0),
-            itt: Itt(100 + i),
-            expected_data_transfer_length: 1 << 20,
-            cmd_sn: c.cmd_sn,
-            exp_stat_sn: c.exp_stat_sn,
-            cdb,
-            ..Default::default()
-        };
-        c.cmd_sn = c.cmd_sn.next();
-        c.send(Header::ScsiCommand(cmd), Bytes::new())
+        c.send_read16(0, u64::from(i % 8) * 2048, 2048, 512)
             .await
             .unwrap();
     }

@@ -1,12 +1,16 @@
 //! What the in-process server tests share: a RAM-backed target, a server on 127.0.0.1:0 that
-//! stops when the returned sender is dropped, and a data pattern.
+//! stops when the returned sender is dropped, a data pattern, login options and control
+//! socket calls.
 #![allow(dead_code)] // each test crate uses a different part
 
 use bytes::Bytes;
 use ironsan_backend::RamBackend;
+use ironsan_initiator::LoginOptions;
 use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::{Server, ServerConfig, TargetDef};
+use ironsan_server::{admin, Server, ServerConfig, TargetDef};
+use serde_json::Value;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 
 /// The target name most tests use.
@@ -71,4 +75,21 @@ pub fn pattern(len: usize, seed: u8) -> Bytes {
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
             .collect::<Vec<u8>>(),
     )
+}
+
+/// Login options for `target` as `initiator`, with `isid` as the last byte of the ISID.
+pub fn login_opts(target: &str, initiator: &str, isid: u8) -> LoginOptions {
+    let mut o = LoginOptions::new(Some(target));
+    o.initiator_name = initiator.into();
+    o.isid.0[5] = isid;
+    o
+}
+
+/// Run `ironsan ctl ARGV` against the control socket at `path` (off the async threads).
+pub async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
+    let path = path.to_owned();
+    let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
+    tokio::task::spawn_blocking(move || admin::call(&path, &argv))
+        .await
+        .unwrap()
 }
