@@ -29,7 +29,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, Semaphore};
 
@@ -187,6 +187,8 @@ struct Connection {
     /// writer wakes once and sends them all with one vectored write.
     out: Vec<Out>,
     out_bytes: usize,
+    /// The connection's writer, for writing `out` directly when it is idle.
+    writer: Arc<writer::Writer>,
 }
 
 /// Bytes of data the reader keeps for the writer before handing them over.
@@ -220,7 +222,8 @@ pub async fn run(
     let (tx, rx) = mpsc::channel::<Out>(WRITER_QUEUE);
     let stats = Arc::new(TxStats::default());
     let mut writer = LazyWriter {
-        parts: Some((wr, rx)),
+        writer: writer::Writer::new(wr, Arc::clone(&stats)),
+        rx: Some(rx),
         handle: None,
         stats: Arc::clone(&stats),
     };
@@ -243,6 +246,7 @@ pub async fn run(
             return;
         }
     };
+    let direct_writer = Arc::clone(&writer.writer);
     let writer = writer.start(StatSn(0));
     let Some((session, params, cid, close_rx, conn_stats)) = outcome else {
         let _ = tx.send(Out::Close).await;
@@ -273,6 +277,7 @@ pub async fn run(
         lun_metrics: HashMap::new(),
         out: Vec::new(),
         out_bytes: 0,
+        writer: direct_writer,
     };
     let keepalive = tokio::spawn(keepalive(
         conn.tx.clone(),
@@ -283,6 +288,8 @@ pub async fn run(
         Arc::clone(&session),
         cid,
     ));
+    // Behind the login's Attach and Digests: from here the reader may write directly.
+    let _ = conn.tx.send(Out::Direct).await;
     let reason = conn.full_feature(&mut rd, close_rx).await;
     // A logout or a shutdown is routine; anything else (a protocol or digest error, a reset,
     // a NOP timeout) is an error worth a warning.
@@ -326,7 +333,8 @@ type LoginOutcome = (
 /// The writer task, started when the first Login Request tells the StatSN to begin with
 /// (its ExpStatSN), so every login response, not only the last, goes out at once.
 struct LazyWriter {
-    parts: Option<(OwnedWriteHalf, mpsc::Receiver<Out>)>,
+    writer: Arc<writer::Writer>,
+    rx: Option<mpsc::Receiver<Out>>,
     handle: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
     stats: Arc<TxStats>,
 }
@@ -334,12 +342,11 @@ struct LazyWriter {
 impl LazyWriter {
     /// Start the writer (once) and return its handle's owner.
     fn start(&mut self, first_stat_sn: StatSn) -> WriterHandle {
-        if let Some((wr, rx)) = self.parts.take() {
+        if let Some(rx) = self.rx.take() {
             self.handle = Some(tokio::spawn(writer::run(
-                wr,
+                Arc::clone(&self.writer),
                 rx,
                 first_stat_sn,
-                Arc::clone(&self.stats),
             )));
         }
         WriterHandle(self.handle.take())
@@ -692,7 +699,17 @@ impl Connection {
             let large = self.out_bytes >= OUT_BATCH_BYTES;
             self.out_bytes = 0;
             let batch = std::mem::take(&mut self.out);
-            let _ = self.tx.send(Out::Batch(batch)).await;
+            // Written here when the writer is idle; otherwise (or to finish a partial write)
+            // through the writer task.
+            match self.writer.try_direct(batch) {
+                Ok(writer::DirectOutcome::Written) => {}
+                Ok(writer::DirectOutcome::Kick) => {
+                    let _ = self.tx.send(Out::Kick).await;
+                }
+                Err(batch) => {
+                    let _ = self.tx.send(Out::Batch(batch)).await;
+                }
+            }
             if large {
                 // Let the writer send it while the data is still in the CPU's caches, before
                 // this reader produces the next large response.

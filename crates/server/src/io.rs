@@ -6,7 +6,7 @@ use bytes::{Bytes, BytesMut};
 use ironsan_proto::digest;
 use ironsan_proto::pdu::{pad_len, Bhs, Header, Pdu, ReceivePlan, BHS_LEN};
 use std::io::IoSlice;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// Digest settings of a connection, one per direction as negotiated.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -171,6 +171,9 @@ pub struct WriteBatch {
     /// Headers, digests and padding live here; data segments are referenced, not copied.
     parts: Vec<Part>,
     bytes: usize,
+    /// Write progress: the first part not yet fully written and how much of it was.
+    part: usize,
+    off: usize,
 }
 
 enum Part {
@@ -226,11 +229,12 @@ impl WriteBatch {
         }
     }
 
-    /// Write everything queued, then clear the batch.
-    pub async fn flush<W: AsyncWrite + Unpin>(&mut self, w: &mut W) -> std::io::Result<()> {
-        let mut part = 0usize;
-        let mut off = 0usize;
-        while part < self.parts.len() {
+    /// Write as much as the socket takes without waiting; `Ok(true)` once everything queued
+    /// is written (the batch is then empty), `Ok(false)` when the socket is full (call again
+    /// when it is writable: progress is kept).
+    pub fn try_write(&mut self, sock: &tokio::net::tcp::OwnedWriteHalf) -> std::io::Result<bool> {
+        while self.part < self.parts.len() {
+            let (part, off) = (self.part, self.off);
             let slices: Vec<IoSlice<'_>> = self.parts[part..]
                 .iter()
                 .enumerate()
@@ -243,25 +247,30 @@ impl WriteBatch {
                     }
                 })
                 .collect();
-            let mut n = w.write_vectored(&slices).await?;
-            if n == 0 {
-                return Err(std::io::ErrorKind::WriteZero.into());
-            }
-            while n > 0 && part < self.parts.len() {
-                let left = self.parts[part].as_slice().len() - off;
+            let mut n = match sock.try_write_vectored(&slices) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            while n > 0 && self.part < self.parts.len() {
+                let left = self.parts[self.part].as_slice().len() - self.off;
                 if n >= left {
                     n -= left;
-                    part += 1;
-                    off = 0;
+                    self.part += 1;
+                    self.off = 0;
                 } else {
-                    off += n;
+                    self.off += n;
                     n = 0;
                 }
             }
         }
         self.parts.clear();
         self.bytes = 0;
-        w.flush().await
+        self.part = 0;
+        self.off = 0;
+        Ok(true)
     }
 }
 

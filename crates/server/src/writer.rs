@@ -1,6 +1,8 @@
-//! The writer task of a connection: the only place that assigns StatSN and stamps
-//! ExpCmdSN/MaxCmdSN (RFC 7143 §4.2.2.2, §11.4.8), so numbers always go out in order. It drains
-//! its queue and sends everything ready in one vectored write (batching).
+//! A connection's writer: the only place that assigns StatSN and stamps ExpCmdSN/MaxCmdSN
+//! (RFC 7143 §4.2.2.2, §11.4.8), under one lock, so numbers always go out in write order. The
+//! reader writes its own batch directly when the writer is idle ([`Writer::try_direct`]); the
+//! writer task drains its queue (responses of commands that became tasks, pings, login) and
+//! sends everything ready in one vectored write, and alone waits for a full socket.
 
 use crate::io::{Digests, WriteBatch};
 use crate::metrics::Timing;
@@ -8,8 +10,8 @@ use crate::session::Session;
 use bytes::Bytes;
 use ironsan_proto::pdu::{Header, Pdu, TargetSn};
 use ironsan_proto::StatSn;
-use std::sync::Arc;
-use tokio::io::AsyncWrite;
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::mpsc;
 
 /// How a PDU relates to StatSN.
@@ -66,6 +68,10 @@ pub enum Out {
     Digests(Digests),
     /// Flush and close the socket after everything before this message.
     Close,
+    /// From now on the reader may write its batches itself ([`Writer::try_direct`]).
+    Direct,
+    /// A direct write left bytes unwritten: finish them.
+    Kick,
     /// Several of the above, in order (what a connection's reader produced in one go).
     Batch(Vec<Out>),
 }
@@ -135,22 +141,161 @@ fn push(
     }
 }
 
-/// Run the writer until the queue closes, a `Close` arrives, or the socket fails.
-pub async fn run<W: AsyncWrite + Unpin>(
-    mut w: W,
+/// What the writer keeps between writes: the StatSN counter, the session whose window it
+/// stamps, the digests, and the encoded bytes not yet written with what waits for them.
+struct Core {
+    stat_sn: StatSn,
+    session: Option<Arc<Session>>,
+    digests: Digests,
+    batch: WriteBatch,
+    /// Transmit budget of reads in the batch, returned once it is written.
+    held: Vec<tokio::sync::OwnedSemaphorePermit>,
+    /// Stage stamps of the commands whose status is in the batch.
+    timed: Vec<Timing>,
+    /// The writer task has handled [`Out::Direct`]: every login-time message (Attach,
+    /// Digests) is behind us, so the reader may write its own batches.
+    direct: bool,
+}
+
+impl Core {
+    /// Stamp and encode PDUs or a command's response; other messages (only the writer task
+    /// handles them) come back.
+    fn add(&mut self, msg: Out, stats: &TxStats) -> Option<Out> {
+        let (pdus, permit, timing) = match msg {
+            Out::Pdus(pdus) => (pdus, None, None),
+            Out::Command {
+                pdus,
+                permit,
+                timing,
+            } => (pdus, permit, timing),
+            other => return Some(other),
+        };
+        push(
+            pdus,
+            &mut self.batch,
+            &mut self.stat_sn,
+            &self.session,
+            self.digests,
+            stats,
+        );
+        self.held.extend(permit);
+        self.timed.extend(timing);
+        None
+    }
+
+    /// Write what the socket takes now; `true` once the batch is all written (its read
+    /// budget returned and its commands' stages recorded).
+    fn try_write(&mut self, sock: &OwnedWriteHalf, stats: &TxStats) -> std::io::Result<bool> {
+        let len = self.batch.len();
+        if !self.batch.try_write(sock)? {
+            return Ok(false);
+        }
+        stats
+            .bytes
+            .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+        self.held.clear();
+        if !self.timed.is_empty() {
+            let now = std::time::Instant::now();
+            for t in self.timed.drain(..) {
+                t.written(now);
+            }
+        }
+        Ok(true)
+    }
+}
+
+fn lock(m: &Mutex<Core>) -> MutexGuard<'_, Core> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A connection's writer: the socket's sending half and the [`Core`], shared by the writer
+/// task and the connection's reader. The reader writes its own batch directly when the
+/// writer is idle (nothing unwritten, nobody holding the core): no channel, no wake-up, no
+/// task switch. Otherwise, and for everything else (responses of commands that became
+/// tasks, pings, login), the writer task does it; it alone waits for the socket.
+pub struct Writer {
+    core: Mutex<Core>,
+    sock: OwnedWriteHalf,
+    pub stats: Arc<TxStats>,
+}
+
+impl std::fmt::Debug for Writer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Writer").finish_non_exhaustive()
+    }
+}
+
+impl Writer {
+    pub fn new(sock: OwnedWriteHalf, stats: Arc<TxStats>) -> Arc<Writer> {
+        Arc::new(Writer {
+            core: Mutex::new(Core {
+                stat_sn: StatSn(0),
+                session: None,
+                digests: Digests::default(),
+                batch: WriteBatch::default(),
+                held: Vec::new(),
+                timed: Vec::new(),
+                direct: false,
+            }),
+            sock,
+            stats,
+        })
+    }
+
+    /// Write `batch` (responses and PDUs only) from the calling task if the writer is idle.
+    /// `Ok(None)`: written, or started and left to the writer task, which `kick` must then
+    /// wake; `Err(batch)`: the writer is busy, send it through the channel.
+    pub fn try_direct(&self, batch: Vec<Out>) -> Result<DirectOutcome, Vec<Out>> {
+        let Ok(mut core) = self.core.try_lock() else {
+            return Err(batch);
+        };
+        if !core.direct
+            || !core.batch.is_empty()
+            || !batch
+                .iter()
+                .all(|m| matches!(m, Out::Pdus(_) | Out::Command { .. }))
+        {
+            return Err(batch);
+        }
+        for m in batch {
+            // Only responses and PDUs (checked above): nothing comes back.
+            let _ = core.add(m, &self.stats);
+        }
+        Ok(match core.try_write(&self.sock, &self.stats) {
+            Ok(true) => DirectOutcome::Written,
+            // The socket is full (or failed): the writer task finishes or reports it.
+            Ok(false) | Err(_) => DirectOutcome::Kick,
+        })
+    }
+
+    /// Write everything in the core, waiting for the socket as needed (writer task only).
+    async fn drain(&self) -> std::io::Result<()> {
+        loop {
+            if lock(&self.core).try_write(&self.sock, &self.stats)? {
+                return Ok(());
+            }
+            self.sock.as_ref().writable().await?;
+        }
+    }
+}
+
+/// What became of a direct write.
+#[derive(Debug, PartialEq, Eq)]
+pub enum DirectOutcome {
+    /// All on the socket.
+    Written,
+    /// Partly written: send [`Out::Kick`] so the writer task finishes it.
+    Kick,
+}
+
+/// Run the writer task until the queue closes, a `Close` arrives, or the socket fails.
+pub async fn run(
+    w: Arc<Writer>,
     mut rx: mpsc::Receiver<Out>,
     first_stat_sn: StatSn,
-    stats: Arc<TxStats>,
 ) -> std::io::Result<()> {
-    use std::sync::atomic::Ordering::Relaxed;
-    let mut stat_sn = first_stat_sn;
-    let mut session: Option<Arc<Session>> = None;
-    let mut digests = Digests::default();
-    let mut batch = WriteBatch::default();
+    lock(&w.core).stat_sn = first_stat_sn;
     const BATCH_BYTES: usize = 1 << 20;
-    let mut held = Vec::new();
-    // Stamps of the commands whose status is in the batch (reused: no allocation per batch).
-    let mut timed: Vec<Timing> = Vec::new();
     // Messages unpacked from a batch, ahead of anything still in the channel.
     let mut unpacked: std::collections::VecDeque<Out> = std::collections::VecDeque::new();
     loop {
@@ -164,50 +309,29 @@ pub async fn run<W: AsyncWrite + Unpin>(
         let mut next = Some(first);
         let mut close = false;
         while let Some(msg) = next.take() {
-            match msg {
-                Out::Pdus(pdus) => push(pdus, &mut batch, &mut stat_sn, &session, digests, &stats),
-                Out::Command {
-                    pdus,
-                    permit,
-                    timing,
-                } => {
-                    push(pdus, &mut batch, &mut stat_sn, &session, digests, &stats);
-                    held.extend(permit);
-                    timed.extend(timing);
-                }
-                Out::Attach(s) => session = Some(s),
-                Out::Digests(d) => {
+            let rest = lock(&w.core).add(msg, &w.stats);
+            match rest {
+                None | Some(Out::Kick) | Some(Out::Pdus(_)) | Some(Out::Command { .. }) => {}
+                Some(Out::Attach(s)) => lock(&w.core).session = Some(s),
+                Some(Out::Digests(d)) => {
                     // Everything queued so far was negotiated without digests.
-                    if !batch.is_empty() {
-                        stats.bytes.fetch_add(batch.len() as u64, Relaxed);
-                        batch.flush(&mut w).await?;
-                    }
-                    digests = d;
+                    w.drain().await?;
+                    lock(&w.core).digests = d;
                 }
-                Out::Close => close = true,
-                Out::Batch(v) => {
+                Some(Out::Direct) => lock(&w.core).direct = true,
+                Some(Out::Close) => close = true,
+                Some(Out::Batch(v)) => {
                     for m in v.into_iter().rev() {
                         unpacked.push_front(m);
                     }
                 }
             }
-            if close || batch.len() >= BATCH_BYTES {
+            if close || lock(&w.core).batch.len() >= BATCH_BYTES {
                 break;
             }
             next = unpacked.pop_front().or_else(|| rx.try_recv().ok());
         }
-        if !batch.is_empty() {
-            stats.bytes.fetch_add(batch.len() as u64, Relaxed);
-            batch.flush(&mut w).await?;
-        }
-        // Written: the reads' transmit budget is free again.
-        held.clear();
-        if !timed.is_empty() {
-            let now = std::time::Instant::now();
-            for t in timed.drain(..) {
-                t.written(now);
-            }
-        }
+        w.drain().await?;
         if close {
             break;
         }
