@@ -160,7 +160,7 @@ impl Drop for Slot {
 struct Connection {
     shared: Arc<Shared>,
     session: Arc<Session>,
-    tx: mpsc::Sender<Out>,
+    tx: writer::Queue,
     params: ConnParams,
     cid: u16,
     local: SocketAddr,
@@ -189,6 +189,8 @@ struct Connection {
     out_bytes: usize,
     /// The connection's writer, for writing `out` directly when it is idle.
     writer: Arc<writer::Writer>,
+    /// Set while `spawn_exec` polls a command inline (see `Running::polling`).
+    polling: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Bytes of data the reader keeps for the writer before handing them over.
@@ -219,11 +221,12 @@ pub async fn run(
     let portal = Portal { addr: local, tag };
     let (rd, wr) = stream.into_split();
     let mut rd = io::RecvBuf::new(rd);
-    let (tx, rx) = mpsc::channel::<Out>(WRITER_QUEUE);
+    let (tx, rx) = writer::Queue::new(WRITER_QUEUE);
     let stats = Arc::new(TxStats::default());
     let mut writer = LazyWriter {
         writer: writer::Writer::new(wr, Arc::clone(&stats)),
         rx: Some(rx),
+        pending: tx.pending(),
         handle: None,
         stats: Arc::clone(&stats),
     };
@@ -278,6 +281,7 @@ pub async fn run(
         out: Vec::new(),
         out_bytes: 0,
         writer: direct_writer,
+        polling: Arc::new(std::sync::atomic::AtomicBool::new(false)),
     };
     let keepalive = tokio::spawn(keepalive(
         conn.tx.clone(),
@@ -335,6 +339,7 @@ type LoginOutcome = (
 struct LazyWriter {
     writer: Arc<writer::Writer>,
     rx: Option<mpsc::Receiver<Out>>,
+    pending: Arc<std::sync::atomic::AtomicUsize>,
     handle: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
     stats: Arc<TxStats>,
 }
@@ -346,6 +351,7 @@ impl LazyWriter {
             self.handle = Some(tokio::spawn(writer::run(
                 Arc::clone(&self.writer),
                 rx,
+                Arc::clone(&self.pending),
                 first_stat_sn,
             )));
         }
@@ -371,7 +377,7 @@ impl std::future::IntoFuture for WriterHandle {
 /// Run the login phase. Returns the StatSN to start from and, on success, the session.
 async fn login_phase(
     rd: &mut io::RecvBuf<OwnedReadHalf>,
-    tx: &mpsc::Sender<Out>,
+    tx: &writer::Queue,
     shared: &Arc<Shared>,
     peer: SocketAddr,
     portal: Portal,
@@ -605,7 +611,7 @@ fn login_failure_reason(class: u8, detail: u8) -> &'static str {
     }
 }
 
-async fn send_login(tx: &mpsc::Sender<Out>, resp: LoginResponse, data: Bytes) {
+async fn send_login(tx: &writer::Queue, resp: LoginResponse, data: Bytes) {
     let _ = tx
         .send(Out::Pdus(vec![OutPdu::status(
             Header::LoginResponse(resp),
@@ -617,7 +623,7 @@ async fn send_login(tx: &mpsc::Sender<Out>, resp: LoginResponse, data: Bytes) {
 /// Target-initiated NOP-In pings (RFC 7143 §11.19): after `interval` without traffic, ping;
 /// if nothing arrives within `timeout`, close the connection.
 async fn keepalive(
-    tx: mpsc::Sender<Out>,
+    tx: writer::Queue,
     last_rx: Arc<AtomicU64>,
     epoch: Instant,
     interval: std::time::Duration,
@@ -701,7 +707,7 @@ impl Connection {
             let batch = std::mem::take(&mut self.out);
             // Written here when the writer is idle; otherwise (or to finish a partial write)
             // through the writer task.
-            match self.writer.try_direct(batch) {
+            match self.writer.try_direct(&self.tx, batch) {
                 Ok(writer::DirectOutcome::Written) => {}
                 Ok(writer::DirectOutcome::Kick) => {
                     let _ = self.tx.send(Out::Kick).await;
@@ -781,12 +787,14 @@ impl Connection {
                     let got = loop {
                         tokio::task::yield_now().await;
                         match rd.try_fill() {
+                            Ok(n) if n > 0 => break true,
                             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                                 if Instant::now() >= deadline {
                                     break false;
                                 }
                             }
-                            _ => break true,
+                            // End of stream or an error: the normal read reports it.
+                            _ => break false,
                         }
                     };
                     if got {
@@ -1275,7 +1283,15 @@ impl Connection {
         // The command is in the running table before it can complete, so a task management
         // function (from any connection of the session) and the completion agree on who
         // answers it: whoever removes the entry.
-        session.running().insert(itt, Running { lun, abort: None });
+        self.polling.store(true, Ordering::Release);
+        session.running().insert(
+            itt,
+            Running {
+                lun,
+                abort: None,
+                polling: Arc::clone(&self.polling),
+            },
+        );
         let body = {
             let session = Arc::clone(&session);
             async move {
@@ -1358,6 +1374,8 @@ impl Connection {
                 }
             }
         }
+        // Out of the inline poll (completed, or a task that an abort now knows about).
+        self.polling.store(false, Ordering::Release);
     }
 
     /// Complete a command that never reached the SCSI layer.
@@ -1547,6 +1565,9 @@ impl Connection {
     }
 
     async fn on_logout(&mut self, l: LogoutRequest) -> Result<(), String> {
+        // Responses kept for the writer go out first: they hold transmit budget that commands
+        // still running (waited for below) may need.
+        self.flush().await;
         let mut code = LogoutResponseCode::CLOSED;
         let mut close_self = false;
         match l.reason {

@@ -25,6 +25,10 @@ pub struct Running {
     pub lun: u64,
     /// The command's task, if it has one (a command completing inline never has).
     pub abort: Option<tokio::task::AbortHandle>,
+    /// While the command is polled inline by its connection's reader (before it has a task),
+    /// this is set: an abort from another thread then waits for it (reads of the LU wait
+    /// until the flag is clear, `LogicalUnit::task_aborted`).
+    pub polling: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// One connection as the session sees it.
@@ -154,10 +158,25 @@ impl Session {
             let Some(r) = running.remove(itt) else {
                 continue;
             };
-            if let Some(abort) = r.abort {
-                abort.abort();
-                if let Some(lu) = scsi.as_ref().and_then(|s| s.lun(r.lun)) {
-                    lu.task_aborted(move || abort.is_finished());
+            let lu = scsi.as_ref().and_then(|s| s.lun(r.lun));
+            match r.abort {
+                Some(abort) => {
+                    abort.abort();
+                    if let Some(lu) = lu {
+                        lu.task_aborted(move || abort.is_finished());
+                    }
+                }
+                None => {
+                    // Being polled inline right now (or already done with): reads wait
+                    // until the reader is out of it.
+                    let polling = r.polling;
+                    if polling.load(std::sync::atomic::Ordering::Acquire) {
+                        if let Some(lu) = lu {
+                            lu.task_aborted(move || {
+                                !polling.load(std::sync::atomic::Ordering::Acquire)
+                            });
+                        }
+                    }
                 }
             }
         }

@@ -245,12 +245,14 @@ impl Writer {
     /// Write `batch` (responses and PDUs only) from the calling task if the writer is idle.
     /// `Ok(None)`: written, or started and left to the writer task, which `kick` must then
     /// wake; `Err(batch)`: the writer is busy, send it through the channel.
-    pub fn try_direct(&self, batch: Vec<Out>) -> Result<DirectOutcome, Vec<Out>> {
+    pub fn try_direct(&self, queue: &Queue, batch: Vec<Out>) -> Result<DirectOutcome, Vec<Out>> {
         let Ok(mut core) = self.core.try_lock() else {
             return Err(batch);
         };
         if !core.direct
             || !core.batch.is_empty()
+            // Something queued before this batch is not encoded yet: it goes first.
+            || queue.pending.load(std::sync::atomic::Ordering::SeqCst) != 0
             || !batch
                 .iter()
                 .all(|m| matches!(m, Out::Pdus(_) | Out::Command { .. }))
@@ -279,6 +281,45 @@ impl Writer {
     }
 }
 
+/// The sending side of the writer's queue. It counts messages sent and not yet encoded by
+/// the writer task, so a direct write never overtakes them (a TMF or Logout response must
+/// follow the responses queued before it).
+#[derive(Debug, Clone)]
+pub struct Queue {
+    tx: mpsc::Sender<Out>,
+    pending: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Queue {
+    pub fn new(capacity: usize) -> (Queue, mpsc::Receiver<Out>) {
+        let (tx, rx) = mpsc::channel(capacity);
+        (
+            Queue {
+                tx,
+                pending: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            },
+            rx,
+        )
+    }
+
+    /// The count of queued messages not yet encoded, for [`run`] (which must not hold a
+    /// sender: the queue closes when the connection's senders are gone).
+    pub fn pending(&self) -> Arc<std::sync::atomic::AtomicUsize> {
+        Arc::clone(&self.pending)
+    }
+
+    /// Queue `msg` for the writer task (waits while the queue is full).
+    pub async fn send(&self, msg: Out) -> Result<(), mpsc::error::SendError<Out>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.pending.fetch_add(1, SeqCst);
+        let r = self.tx.send(msg).await;
+        if r.is_err() {
+            self.pending.fetch_sub(1, SeqCst);
+        }
+        r
+    }
+}
+
 /// What became of a direct write.
 #[derive(Debug, PartialEq, Eq)]
 pub enum DirectOutcome {
@@ -292,49 +333,59 @@ pub enum DirectOutcome {
 pub async fn run(
     w: Arc<Writer>,
     mut rx: mpsc::Receiver<Out>,
+    pending: Arc<std::sync::atomic::AtomicUsize>,
     first_stat_sn: StatSn,
 ) -> std::io::Result<()> {
+    use std::sync::atomic::Ordering::SeqCst;
     lock(&w.core).stat_sn = first_stat_sn;
     const BATCH_BYTES: usize = 1 << 20;
-    // Messages unpacked from a batch, ahead of anything still in the channel.
-    let mut unpacked: std::collections::VecDeque<Out> = std::collections::VecDeque::new();
-    loop {
-        let first = match unpacked.pop_front() {
-            Some(m) => m,
-            None => match rx.recv().await {
-                Some(m) => m,
-                None => break,
-            },
-        };
+    let mut close = false;
+    while let Some(first) = rx.recv().await {
         let mut next = Some(first);
-        let mut close = false;
         while let Some(msg) = next.take() {
-            let rest = lock(&w.core).add(msg, &w.stats);
-            match rest {
-                None | Some(Out::Kick) | Some(Out::Pdus(_)) | Some(Out::Command { .. }) => {}
-                Some(Out::Attach(s)) => lock(&w.core).session = Some(s),
-                Some(Out::Digests(d)) => {
-                    // Everything queued so far was negotiated without digests.
-                    w.drain().await?;
-                    lock(&w.core).digests = d;
-                }
-                Some(Out::Direct) => lock(&w.core).direct = true,
-                Some(Out::Close) => close = true,
-                Some(Out::Batch(v)) => {
-                    for m in v.into_iter().rev() {
-                        unpacked.push_front(m);
+            match msg {
+                Out::Batch(v) => {
+                    for m in v {
+                        handle(&w, m, &mut close).await?;
                     }
                 }
+                m => handle(&w, m, &mut close).await?,
             }
+            // Encoded: a direct write may now follow it.
+            pending.fetch_sub(1, SeqCst);
             if close || lock(&w.core).batch.len() >= BATCH_BYTES {
                 break;
             }
-            next = unpacked.pop_front().or_else(|| rx.try_recv().ok());
+            next = rx.try_recv().ok();
         }
         w.drain().await?;
         if close {
             break;
         }
+    }
+    Ok(())
+}
+
+/// Encode one message, or act on it (writer task).
+async fn handle(w: &Writer, msg: Out, close: &mut bool) -> std::io::Result<()> {
+    let rest = lock(&w.core).add(msg, &w.stats);
+    match rest {
+        None | Some(Out::Kick) | Some(Out::Pdus(_)) | Some(Out::Command { .. }) => {}
+        Some(Out::Batch(v)) => {
+            // Batches do not nest; encode the contents in order anyway.
+            for m in v {
+                let rest = lock(&w.core).add(m, &w.stats);
+                debug_assert!(rest.is_none(), "only PDUs and responses in a batch");
+            }
+        }
+        Some(Out::Attach(s)) => lock(&w.core).session = Some(s),
+        Some(Out::Digests(d)) => {
+            // Everything queued so far was negotiated without digests.
+            w.drain().await?;
+            lock(&w.core).digests = d;
+        }
+        Some(Out::Direct) => lock(&w.core).direct = true,
+        Some(Out::Close) => *close = true,
     }
     Ok(())
 }

@@ -55,6 +55,82 @@ async fn busy_polling_serves_io_before_and_after_it_sleeps() {
     assert_eq!(c.logout().await.unwrap(), LogoutResponseCode::CLOSED);
 }
 
+/// A read that completed inline holds transmit budget until its response is written; a
+/// second read waits for that budget; a Logout arriving in the same segment must not wait for
+/// the second read before the first one's response is out (it did: the connection hung).
+/// Both reads' data and then the Logout Response arrive, in that order.
+#[tokio::test]
+async fn logout_behind_reads_waiting_for_transmit_budget_completes() {
+    // The budget is max(tx_buffer_per_connection, max_io_bytes) = 32 MiB here: a 32 KiB read
+    // (small enough to stay in the reader's batch) and a 32 MiB one cannot both hold it.
+    let (addr, _stop) = start_with(|c| c.tx_buffer_per_connection = 0).await;
+    let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
+        .await
+        .unwrap();
+    let mut wire = Vec::new();
+    let mut itts = Vec::new();
+    for (lba, blocks) in [(0u64, 64u32), (0, 64 << 10)] {
+        let itt = c.itt();
+        itts.push(itt);
+        let cmd = ScsiCommand {
+            final_bit: true,
+            read: true,
+            attr: TaskAttr::SIMPLE,
+            lun: Lun::from_number(0),
+            itt,
+            expected_data_transfer_length: blocks * 512,
+            cmd_sn: c.cmd_sn,
+            exp_stat_sn: c.exp_stat_sn,
+            cdb: ironsan_initiator::read16_cdb(lba, blocks),
+            ..Default::default()
+        };
+        c.cmd_sn = c.cmd_sn.next();
+        wire.extend_from_slice(&Pdu::new(Header::ScsiCommand(cmd), Bytes::new()).bhs().0);
+    }
+    let logout = LogoutRequest {
+        immediate: false,
+        reason: LogoutReason::CLOSE_SESSION,
+        itt: c.itt(),
+        cmd_sn: c.cmd_sn,
+        exp_stat_sn: c.exp_stat_sn,
+        ..Default::default()
+    };
+    wire.extend_from_slice(
+        &Pdu::new(Header::LogoutRequest(logout), Bytes::new())
+            .bhs()
+            .0,
+    );
+    c.send_bytes(&wire).await.unwrap();
+    let mut data = std::collections::HashMap::new();
+    let mut done = Vec::new();
+    let logout = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let p = c.recv().await.unwrap();
+            match p.header {
+                Header::DataIn(d) => {
+                    *data.entry(d.itt).or_insert(0usize) += p.data.len();
+                    if d.status.is_some() {
+                        done.push(d.itt);
+                    }
+                }
+                Header::ScsiResponse(r) => done.push(r.itt),
+                Header::LogoutResponse(l) => return l,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("the Logout Response never came: the connection hung");
+    assert_eq!(logout.response, LogoutResponseCode::CLOSED);
+    assert_eq!(
+        done.len(),
+        2,
+        "both reads completed before the Logout Response"
+    );
+    assert_eq!(data.get(&itts[0]), Some(&(32usize << 10)));
+    assert_eq!(data.get(&itts[1]), Some(&(32usize << 20)));
+}
+
 #[tokio::test]
 async fn digests_are_computed_and_checked_both_ways() {
     let (addr, _stop) = start().await;
