@@ -677,7 +677,7 @@ fn write_durably(path: &Path, text: &str) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ironsan_server::{Server, ServerConfig};
+    use ironsan_server::Server;
 
     /// What `serve` does with a plan, less the printing.
     async fn start(plan: &Plan) -> Server {
@@ -695,13 +695,7 @@ mod tests {
                 scsi: Arc::new(scsi),
             });
         }
-        let mut cfg = ServerConfig::new(Vec::new(), targets);
-        cfg.portal_groups = plan.portal_groups.clone();
-        cfg.target_portal_groups = plan
-            .targets
-            .iter()
-            .filter_map(|t| Some((t.name.clone(), t.portal_groups.clone()?)))
-            .collect();
+        let cfg = crate::server_config(plan, targets);
         let server = Server::bind(cfg).await.unwrap();
         let control = server.control();
         for t in &plan.targets {

@@ -228,6 +228,33 @@ impl ServeArgs {
     }
 }
 
+/// The server configuration a plan describes (portal groups, queue depth, discovery access,
+/// limits) for `targets`; per-target access is the caller's.
+fn server_config(plan: &Plan, targets: Vec<TargetDef>) -> ServerConfig {
+    let mut cfg = ServerConfig::new(Vec::new(), targets);
+    cfg.portal_groups = plan.portal_groups.clone();
+    cfg.target_portal_groups = plan
+        .targets
+        .iter()
+        .filter_map(|t| Some((t.name.clone(), t.portal_groups.clone()?)))
+        .collect();
+    cfg.queue_depth = plan.queue_depth;
+    cfg.discovery = plan.discovery.clone();
+    let l = &plan.limits;
+    cfg.login_timeout = std::time::Duration::from_secs(l.login_timeout_secs);
+    cfg.nop_interval = std::time::Duration::from_secs(l.nop_interval_secs);
+    cfg.nop_timeout = std::time::Duration::from_secs(l.nop_timeout_secs);
+    cfg.max_connections = l.max_connections;
+    cfg.max_sessions = l.max_sessions;
+    cfg.max_sessions_per_initiator = l.max_sessions_per_initiator;
+    cfg.write_buffer_per_session = l.write_buffer_per_session;
+    cfg.max_r2ts_per_connection = l.max_r2ts_per_connection;
+    cfg.tx_buffer_per_connection = l.tx_buffer_per_connection;
+    cfg.shutdown_grace = l.shutdown_grace;
+    cfg.busy_poll = std::time::Duration::from_micros(l.busy_poll_us);
+    cfg
+}
+
 async fn serve(args: ServeArgs) -> Result<()> {
     let source = config::config_source(
         args.config.as_deref(),
@@ -304,28 +331,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
         });
     }
     summary.push(format!("  discovery: {}", describe_access(&plan.discovery)));
-    let mut cfg = ServerConfig::new(Vec::new(), targets);
-    cfg.portal_groups = plan.portal_groups.clone();
-    cfg.target_portal_groups = plan
-        .targets
-        .iter()
-        .filter_map(|t| Some((t.name.clone(), t.portal_groups.clone()?)))
-        .collect();
-    cfg.queue_depth = plan.queue_depth;
+    let mut cfg = server_config(&plan, targets);
     cfg.access = access;
-    cfg.discovery = plan.discovery.clone();
-    let l = &plan.limits;
-    cfg.login_timeout = std::time::Duration::from_secs(l.login_timeout_secs);
-    cfg.nop_interval = std::time::Duration::from_secs(l.nop_interval_secs);
-    cfg.nop_timeout = std::time::Duration::from_secs(l.nop_timeout_secs);
-    cfg.max_connections = l.max_connections;
-    cfg.max_sessions = l.max_sessions;
-    cfg.max_sessions_per_initiator = l.max_sessions_per_initiator;
-    cfg.write_buffer_per_session = l.write_buffer_per_session;
-    cfg.max_r2ts_per_connection = l.max_r2ts_per_connection;
-    cfg.tx_buffer_per_connection = l.tx_buffer_per_connection;
-    cfg.shutdown_grace = l.shutdown_grace;
-    cfg.busy_poll = std::time::Duration::from_micros(l.busy_poll_us);
     let server = Server::bind(cfg).await?;
     let control = server.control();
     for t in &plan.targets {

@@ -18,7 +18,7 @@
 
 use crate::access::{Access, AclRule};
 use crate::session::Session;
-use crate::{LiveTarget, Shared, TargetDef};
+use crate::{LiveTarget, Runtime, Shared, TargetDef};
 use ironsan_scsi::LogicalUnit;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -129,6 +129,21 @@ pub struct Control {
     origins: Arc<Mutex<BTreeMap<String, BTreeMap<u64, String>>>>,
 }
 
+/// The name of `target` (which must exist), or of every target, sorted.
+fn target_names<'a>(rt: &'a Runtime, target: Option<&str>) -> Result<Vec<&'a String>, String> {
+    let mut names: Vec<&String> = match target {
+        Some(t) => vec![
+            rt.targets
+                .get_key_value(t)
+                .ok_or_else(|| format!("no target '{t}'"))?
+                .0,
+        ],
+        None => rt.targets.keys().collect(),
+    };
+    names.sort();
+    Ok(names)
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -192,16 +207,7 @@ impl Control {
     /// The LUNs of one target, or of every target.
     pub fn luns(&self, target: Option<&str>) -> Result<Value, String> {
         let rt = self.shared.runtime();
-        let mut names: Vec<&String> = match target {
-            Some(t) => vec![
-                rt.targets
-                    .get_key_value(t)
-                    .ok_or_else(|| format!("no target '{t}'"))?
-                    .0,
-            ],
-            None => rt.targets.keys().collect(),
-        };
-        names.sort();
+        let names = target_names(&rt, target)?;
         let origins = lock(&self.origins);
         let mut out = Vec::new();
         for n in names {
@@ -329,16 +335,7 @@ impl Control {
         target: Option<&str>,
     ) -> Result<Vec<(String, u64, Arc<crate::metrics::LunMetrics>)>, String> {
         let rt = self.shared.runtime();
-        let mut names: Vec<&String> = match target {
-            Some(t) => vec![
-                rt.targets
-                    .get_key_value(t)
-                    .ok_or_else(|| format!("no target '{t}'"))?
-                    .0,
-            ],
-            None => rt.targets.keys().collect(),
-        };
-        names.sort();
+        let names = target_names(&rt, target)?;
         Ok(names
             .into_iter()
             .flat_map(|n| {

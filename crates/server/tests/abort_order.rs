@@ -31,6 +31,7 @@ use ironsan_server::{Server, ServerConfig, TargetDef};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use support::{completions, drain};
 
 const TARGET: &str = "iqn.2026-11.org.ironsan:abort-order";
 const BS: u32 = 512;
@@ -128,27 +129,6 @@ async fn wait_stuck(ctl: &FaultControl, n: usize) {
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-}
-
-/// (ITT, status) of every final status in `pdus`.
-fn completions(pdus: &[Pdu]) -> Vec<(Itt, u8)> {
-    pdus.iter()
-        .filter_map(|p| match &p.header {
-            Header::ScsiResponse(r) => Some((r.itt, r.status)),
-            Header::DataIn(d) => d.status.map(|s| (d.itt, s)),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Collect PDUs for `dur` (or until the connection closes).
-async fn drain(c: &mut Client, dur: Duration) -> Vec<Pdu> {
-    let mut out = Vec::new();
-    let end = tokio::time::Instant::now() + dur;
-    while let Ok(Ok(p)) = tokio::time::timeout_at(end, c.recv()).await {
-        out.push(p);
-    }
-    out
 }
 
 /// Receive until the final status of `itt`; returns it and everything else seen.

@@ -15,6 +15,7 @@ use ironsan_server::{Server, ServerConfig, TargetDef};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use support::drain;
 
 const TARGET: &str = "iqn.2026-11.org.ironsan:faults";
 const BS: u32 = 512;
@@ -127,23 +128,10 @@ async fn wait_stuck(ctl: &FaultControl, n: usize) {
 
 /// ITTs of every final status seen in `pdus` (SCSI Response, or Data-In with status).
 fn completions(pdus: &[Pdu]) -> Vec<Itt> {
-    pdus.iter()
-        .filter_map(|p| match &p.header {
-            Header::ScsiResponse(r) => Some(r.itt),
-            Header::DataIn(d) if d.status.is_some() => Some(d.itt),
-            _ => None,
-        })
+    support::completions(pdus)
+        .into_iter()
+        .map(|(i, _)| i)
         .collect()
-}
-
-/// Collect PDUs for `dur` (or until the connection closes).
-async fn drain(c: &mut Client, dur: Duration) -> Vec<Pdu> {
-    let mut out = Vec::new();
-    let end = tokio::time::Instant::now() + dur;
-    while let Ok(Ok(p)) = tokio::time::timeout_at(end, c.recv()).await {
-        out.push(p);
-    }
-    out
 }
 
 #[tokio::test]

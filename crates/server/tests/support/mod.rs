@@ -93,3 +93,28 @@ pub async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
         .await
         .unwrap()
 }
+
+/// (ITT, status) of every final status in `pdus` (SCSI Response, or Data-In with status).
+pub fn completions(pdus: &[ironsan_proto::pdu::Pdu]) -> Vec<(ironsan_proto::pdu::Itt, u8)> {
+    use ironsan_proto::pdu::Header;
+    pdus.iter()
+        .filter_map(|p| match &p.header {
+            Header::ScsiResponse(r) => Some((r.itt, r.status)),
+            Header::DataIn(d) => d.status.map(|s| (d.itt, s)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Collect PDUs for `dur` (or until the connection closes).
+pub async fn drain(
+    c: &mut ironsan_initiator::Client,
+    dur: std::time::Duration,
+) -> Vec<ironsan_proto::pdu::Pdu> {
+    let mut out = Vec::new();
+    let end = tokio::time::Instant::now() + dur;
+    while let Ok(Ok(p)) = tokio::time::timeout_at(end, c.recv()).await {
+        out.push(p);
+    }
+    out
+}
