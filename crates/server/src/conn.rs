@@ -692,11 +692,16 @@ impl Connection {
 
     /// Keep `out` for the writer; hand the batch over once it is large.
     async fn queue(&mut self, out: Out) {
-        self.out_bytes += out.data_len();
-        self.out.push(out);
+        self.keep(out);
         if self.out_bytes >= OUT_BATCH_BYTES {
             self.flush().await;
         }
+    }
+
+    /// Keep `out` for the writer's next batch.
+    fn keep(&mut self, out: Out) {
+        self.out_bytes += out.data_len();
+        self.out.push(out);
     }
 
     /// Hand the batch to the writer.
@@ -1344,10 +1349,7 @@ impl Connection {
         let mut body = Box::pin(body);
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         match body.as_mut().poll(&mut cx) {
-            std::task::Poll::Ready(Some(out)) => {
-                self.out_bytes += out.data_len();
-                self.out.push(out);
-            }
+            std::task::Poll::Ready(Some(out)) => self.keep(out),
             std::task::Poll::Ready(None) => {}
             std::task::Poll::Pending => {
                 let tx = self.tx.clone();

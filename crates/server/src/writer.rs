@@ -343,14 +343,7 @@ pub async fn run(
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
         while let Some(msg) = next.take() {
-            match msg {
-                Out::Batch(v) => {
-                    for m in v {
-                        handle(&w, m, &mut close).await?;
-                    }
-                }
-                m => handle(&w, m, &mut close).await?,
-            }
+            handle(&w, msg, &mut close).await?;
             // Encoded: a direct write may now follow it.
             pending.fetch_sub(1, SeqCst);
             if close || lock(&w.core).batch.len() >= BATCH_BYTES {
@@ -372,9 +365,10 @@ async fn handle(w: &Writer, msg: Out, close: &mut bool) -> std::io::Result<()> {
     match rest {
         None | Some(Out::Kick) | Some(Out::Pdus(_)) | Some(Out::Command { .. }) => {}
         Some(Out::Batch(v)) => {
-            // Batches do not nest; encode the contents in order anyway.
+            // A reader's batch: PDUs and responses only (what `Connection::flush` keeps).
+            let mut core = lock(&w.core);
             for m in v {
-                let rest = lock(&w.core).add(m, &w.stats);
+                let rest = core.add(m, &w.stats);
                 debug_assert!(rest.is_none(), "only PDUs and responses in a batch");
             }
         }
