@@ -254,12 +254,13 @@ async fn scrape(addr: SocketAddr) -> Scrape {
     parse(&body)
 }
 
-/// Run until the command answers without a unit attention (power-on reset and the like).
-async fn settle(c: &mut Client, lun: u64) {
-    for _ in 0..5 {
+/// Run until the command answers without a unit attention (power-on reset and the like);
+/// returns how many TEST UNIT READY commands it sent.
+async fn settle(c: &mut Client, lun: u64) -> u64 {
+    for n in 1..=5 {
         let r = c.command(lun, &[0; 6], None, 0).await.unwrap();
         if r.status == 0 {
-            return;
+            return n;
         }
     }
     panic!("LUN {lun} keeps failing TEST UNIT READY");
@@ -271,12 +272,28 @@ async fn scrape_counts_io_and_histograms_are_consistent() {
     let mut o = LoginOptions::new(Some(TARGET));
     o.initiator_name = "iqn.2026-11.org.test:metrics".into();
     let mut c = Client::login(srv.iscsi, &o).await.unwrap();
-    settle(&mut c, 0).await;
-    settle(&mut c, 1).await;
+    let n0 = settle(&mut c, 0).await as f64;
+    let n1 = settle(&mut c, 1).await as f64;
 
-    let before = scrape(srv.metrics).await;
     let lbl = |lun: &'static str, class: &'static str| {
         [("target", TARGET), ("lun", lun), ("class", class)]
+    };
+    // The writer records a command just after its write returned, which may be a moment
+    // after the initiator saw the answer: wait until the settling commands are all counted,
+    // or the last of them would be counted again in the differences below.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let before = loop {
+        let s = scrape(srv.metrics).await;
+        let o0 = s.get("ironsan_commands_total", &lbl("0", "other"));
+        let o1 = s.get("ironsan_commands_total", &lbl("1", "other"));
+        if o0 == n0 && o1 == n1 {
+            break s;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "settling commands counted {o0}/{o1}, sent {n0}/{n1}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let b_w = before.get("ironsan_commands_total", &lbl("0", "write"));
     let b_r = before.get("ironsan_commands_total", &lbl("0", "read"));
@@ -325,8 +342,7 @@ async fn scrape_counts_io_and_histograms_are_consistent() {
     let r = c.command(9, &[0; 6], None, 0).await.unwrap();
     assert_ne!(r.status, 0);
 
-    // The writer records a command just after its write returned, which may be a moment
-    // after the initiator saw the answer: poll briefly.
+    // Poll briefly for the same reason as above.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let after = loop {
         let s = scrape(srv.metrics).await;
