@@ -2,6 +2,7 @@
 
 mod config;
 mod ctl;
+mod load;
 mod notify;
 
 use anyhow::{Context, Result};
@@ -32,6 +33,9 @@ enum Cmd {
     Serve(Box<ServeArgs>),
     /// Inspect and change a running `ironsan serve` through its control socket.
     Ctl(ctl::CtlArgs),
+    /// Load generator: keep --qd READ(16)/WRITE(16) commands in flight against any iSCSI
+    /// target and report IOPS, MiB/s, latency percentiles and client CPU.
+    Load(load::LoadArgs),
 }
 
 #[derive(clap::Args)]
@@ -498,5 +502,6 @@ fn main() -> Result<()> {
             rt.block_on(serve(*args))
         }
         Cmd::Ctl(args) => ctl::run(args),
+        Cmd::Load(args) => load::main(args),
     }
 }

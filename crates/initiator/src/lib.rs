@@ -2,7 +2,10 @@
 //!
 //! For tests and benchmarks: things libiscsi cannot do (hostile PDUs, exact control over
 //! every field), and an in-process client for the server's tests. One command at a time per
-//! [`Client`]; raw PDU access for protocol tests.
+//! [`Client`]; raw PDU access for protocol tests. [`load`] is a pipelined load generator
+//! (`ironsan load`) for benchmarks.
+
+pub mod load;
 
 use bytes::{Bytes, BytesMut};
 use ironsan_proto::chap::{decode_binary, encode_hex, ChapAlgorithm, MAX_BINARY_LEN};
@@ -517,6 +520,21 @@ impl Client {
         s.set_zero_linger()?;
         drop(s);
         Ok(())
+    }
+
+    /// Give up the connection for a caller that drives the session itself (the load
+    /// generator): the socket, with nothing buffered ahead of it.
+    pub fn into_stream(self) -> Result<TcpStream> {
+        if !self.rd.buffer().is_empty() {
+            return Err(Error::Protocol(format!(
+                "{} bytes from the target arrived unasked",
+                self.rd.buffer().len()
+            )));
+        }
+        self.rd
+            .into_inner()
+            .reunite(self.wr)
+            .map_err(|e| Error::Protocol(format!("reunite: {e}")))
     }
 
     /// Write raw bytes to the socket.

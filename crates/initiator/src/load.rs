@@ -1,0 +1,1126 @@
+//! A pipelined load generator (`ironsan load`): keeps a fixed number of READ(16) or WRITE(16)
+//! commands in flight on each session and reports IOPS, bandwidth, latency percentiles and its
+//! own CPU time.
+//!
+//! Why not only `iscsi-perf`: with a fast target, libiscsi's per-command cost makes the client
+//! the bottleneck, so the benchmark measures the client. This generator logs in with
+//! [`Client`], then drives the socket itself from one thread: commands are encoded straight
+//! into one output buffer and sent with one write per batch, responses are parsed in place
+//! from one receive buffer (Data-In payload is never copied), and many sessions share the
+//! thread. It speaks to any RFC 7143 target (ironsan, tgt, istgt): immediate and unsolicited
+//! data within the negotiated limits, R2Ts answered, the CmdSN window honoured, the target's
+//! NOP-In pings answered, Logout at the end.
+//!
+//! `--verify` stamps every written block with its LBA (first and last 8 bytes) and checks the
+//! stamps of every block read, so a write pass followed by a read pass proves the data path
+//! end to end.
+
+use crate::{read16_cdb, write16_cdb, ChapOptions, Client, Error, LoginOptions, Result};
+use ironsan_proto::pdu::*;
+use ironsan_proto::{CmdSn, DataSn, StatSn};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::{Duration, Instant};
+use tokio::io::Interest;
+use tokio::net::TcpStream;
+
+/// Access pattern.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pattern {
+    RandRead,
+    SeqRead,
+    RandWrite,
+    SeqWrite,
+}
+
+impl Pattern {
+    /// `randread`, `read`, `randwrite`, `write` (the names fio uses).
+    pub fn parse(s: &str) -> Option<Pattern> {
+        Some(match s {
+            "randread" => Pattern::RandRead,
+            "read" => Pattern::SeqRead,
+            "randwrite" => Pattern::RandWrite,
+            "write" => Pattern::SeqWrite,
+            _ => return None,
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Pattern::RandRead => "randread",
+            Pattern::SeqRead => "read",
+            Pattern::RandWrite => "randwrite",
+            Pattern::SeqWrite => "write",
+        }
+    }
+    fn write(self) -> bool {
+        matches!(self, Pattern::RandWrite | Pattern::SeqWrite)
+    }
+    fn random(self) -> bool {
+        matches!(self, Pattern::RandRead | Pattern::RandWrite)
+    }
+}
+
+/// Where to connect: `iscsi://[user%secret@]host[:port]/target-iqn/lun` (libiscsi's URL form).
+#[derive(Clone, Debug)]
+pub struct Url {
+    pub addr: SocketAddr,
+    pub target: String,
+    pub lun: u64,
+    pub chap: Option<(String, String)>,
+}
+
+impl Url {
+    pub fn parse(url: &str) -> std::result::Result<Url, String> {
+        let bad = |why: &str| format!("bad URL {url:?}: {why} (want iscsi://host[:port]/iqn/lun)");
+        let rest = url
+            .strip_prefix("iscsi://")
+            .ok_or_else(|| bad("no iscsi:// prefix"))?;
+        let (auth, rest) = match rest.split_once('@') {
+            Some((a, r)) => (Some(a), r),
+            None => (None, rest),
+        };
+        let chap = match auth {
+            None => None,
+            Some(a) => {
+                let (u, s) = a
+                    .split_once('%')
+                    .ok_or_else(|| bad("credentials must be user%secret"))?;
+                Some((u.to_string(), s.to_string()))
+            }
+        };
+        let (host, path) = rest.split_once('/').ok_or_else(|| bad("no target"))?;
+        let (target, lun) = path.rsplit_once('/').ok_or_else(|| bad("no LUN"))?;
+        if target.is_empty() {
+            return Err(bad("empty target name"));
+        }
+        let lun = lun.parse().map_err(|_| bad("LUN is not a number"))?;
+        let with_port = if host.ends_with(']') || !host.contains(':') {
+            format!("{host}:3260")
+        } else {
+            host.to_string()
+        };
+        let addr = with_port
+            .to_socket_addrs()
+            .map_err(|e| bad(&format!("cannot resolve {host}: {e}")))?
+            .next()
+            .ok_or_else(|| bad("host resolves to nothing"))?;
+        Ok(Url {
+            addr,
+            target: target.to_string(),
+            lun,
+            chap,
+        })
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub pattern: Pattern,
+    /// Bytes per command (a multiple of the LUN's block size).
+    pub io_bytes: u32,
+    /// Commands in flight per session.
+    pub queue_depth: u32,
+    pub sessions: u32,
+    /// Stop issuing after this long...
+    pub duration: Duration,
+    /// ...or after this many commands per session, whichever comes first.
+    pub count: Option<u64>,
+    /// Stamp written blocks with their LBA and check the stamps of blocks read.
+    pub verify: bool,
+    /// Seed of the random LBAs.
+    pub seed: u64,
+    pub initiator_name: String,
+}
+
+impl Spec {
+    pub fn new(pattern: Pattern, io_bytes: u32, queue_depth: u32) -> Spec {
+        Spec {
+            pattern,
+            io_bytes,
+            queue_depth,
+            sessions: 1,
+            duration: Duration::from_secs(10),
+            count: None,
+            verify: false,
+            seed: 1,
+            initiator_name: "iqn.2026-11.org.ironsan:load".into(),
+        }
+    }
+}
+
+/// Latency histogram with 1 us buckets up to 100 ms (and one bucket above).
+#[derive(Clone, Debug)]
+pub struct Histogram {
+    buckets: Vec<u64>,
+    count: u64,
+    sum_ns: u128,
+    max_ns: u64,
+}
+
+const HIST_US: usize = 100_000;
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: vec![0; HIST_US + 1],
+            count: 0,
+            sum_ns: 0,
+            max_ns: 0,
+        }
+    }
+}
+
+impl Histogram {
+    fn record(&mut self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let us = usize::try_from(ns / 1000).unwrap_or(HIST_US).min(HIST_US);
+        if let Some(b) = self.buckets.get_mut(us) {
+            *b += 1;
+        }
+        self.count += 1;
+        self.sum_ns += u128::from(ns);
+        self.max_ns = self.max_ns.max(ns);
+    }
+    fn merge(&mut self, o: &Histogram) {
+        for (a, b) in self.buckets.iter_mut().zip(&o.buckets) {
+            *a += b;
+        }
+        self.count += o.count;
+        self.sum_ns += o.sum_ns;
+        self.max_ns = self.max_ns.max(o.max_ns);
+    }
+    /// Mean latency in microseconds.
+    pub fn mean_us(&self) -> f64 {
+        if self.count == 0 {
+            return 0.0;
+        }
+        self.sum_ns as f64 / self.count as f64 / 1000.0
+    }
+    pub fn max_us(&self) -> f64 {
+        self.max_ns as f64 / 1000.0
+    }
+    /// The latency (upper edge of its 1 us bucket) below which `p` (0..1) of commands fell.
+    pub fn percentile_us(&self, p: f64) -> f64 {
+        let want = ((self.count as f64) * p).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (us, n) in self.buckets.iter().enumerate() {
+            seen += n;
+            if seen >= want {
+                return if us == HIST_US {
+                    self.max_us()
+                } else {
+                    (us + 1) as f64
+                };
+            }
+        }
+        0.0
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Commands completed (with any status).
+    pub ios: u64,
+    /// Bytes moved by commands that completed with GOOD.
+    pub bytes: u64,
+    /// Commands that did not complete with GOOD and all their data.
+    pub failed: u64,
+    pub first_failure: Option<String>,
+    /// Blocks read whose stamps were not the ones written (with `verify`).
+    pub verify_failures: u64,
+    pub first_verify_failure: Option<String>,
+    /// From the first command sent to the last response received.
+    pub elapsed: Duration,
+    pub latency: Histogram,
+    /// CPU time this process used during the run (all sessions share one thread).
+    pub cpu: Duration,
+    pub block_size: u32,
+    pub blocks: u64,
+}
+
+impl Report {
+    pub fn iops(&self) -> f64 {
+        self.ios as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+    pub fn mib_per_s(&self) -> f64 {
+        self.bytes as f64 / (1 << 20) as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+    fn merge(&mut self, o: Report) {
+        self.ios += o.ios;
+        self.bytes += o.bytes;
+        self.failed += o.failed;
+        self.first_failure = self.first_failure.take().or(o.first_failure);
+        self.verify_failures += o.verify_failures;
+        self.first_verify_failure = self.first_verify_failure.take().or(o.first_verify_failure);
+        self.elapsed = self.elapsed.max(o.elapsed);
+        self.latency.merge(&o.latency);
+        self.block_size = o.block_size;
+        self.blocks = o.blocks;
+    }
+}
+
+/// CPU time of this process so far (utime + stime from /proc/self/stat, in clock ticks of
+/// 10 ms; coarse, fine over seconds).
+fn process_cpu() -> Duration {
+    let Ok(s) = std::fs::read_to_string("/proc/self/stat") else {
+        return Duration::ZERO;
+    };
+    // Fields after the command name (which may contain spaces) start after the last ')'.
+    let Some((_, rest)) = s.rsplit_once(')') else {
+        return Duration::ZERO;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    Duration::from_millis((tick(11) + tick(12)) * 10)
+}
+
+/// Run `spec` against `url`: log in `spec.sessions` sessions, drive them all from the
+/// current thread, log out. Call from a current-thread Tokio runtime for the figures to mean
+/// "one client core".
+pub async fn run(url: &Url, spec: &Spec) -> Result<Report> {
+    if spec.queue_depth == 0 || spec.sessions == 0 || spec.io_bytes == 0 {
+        return Err(Error::Protocol(
+            "queue depth, sessions and I/O size must be at least 1".into(),
+        ));
+    }
+    let mut conns = Vec::new();
+    for i in 0..spec.sessions {
+        conns.push(Session::login(url, spec, i).await?);
+    }
+    let cpu0 = process_cpu();
+    let t0 = Instant::now();
+    let mut runs = Vec::new();
+    for c in conns {
+        runs.push(tokio::spawn(c.drive()));
+    }
+    let mut report = Report::default();
+    for r in runs {
+        let r = r
+            .await
+            .map_err(|e| Error::Protocol(format!("session task: {e}")))??;
+        report.merge(r);
+    }
+    report.elapsed = report
+        .elapsed
+        .max(Duration::from_nanos(1))
+        .min(t0.elapsed());
+    report.cpu = process_cpu().saturating_sub(cpu0);
+    Ok(report)
+}
+
+/// The stamp of block `lba`: first 8 bytes, last 8 bytes.
+fn stamps(lba: u64) -> ([u8; 8], [u8; 8]) {
+    (
+        (lba.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x1e05_a4a5_1e05_a4a5).to_le_bytes(),
+        (!lba).to_le_bytes(),
+    )
+}
+
+#[derive(Default)]
+struct Slot {
+    busy: bool,
+    lba: u64,
+    start: Option<Instant>,
+    /// Data-In bytes received so far.
+    received: u32,
+    /// This slot's write data (writes only).
+    wbuf: Vec<u8>,
+}
+
+/// What the PDU whose data segment is being received is.
+enum Rx {
+    /// Waiting for a header.
+    Header,
+    /// Data-In for `slot`: `left` data bytes then `pad` bytes; `status` if S was set.
+    DataIn {
+        slot: usize,
+        left: usize,
+        pad: usize,
+        status: Option<u8>,
+        residual: Residual,
+    },
+    /// Another PDU with a data segment (sense, reject, ping data), collected into `small`.
+    Other {
+        header: Box<Header>,
+        left: usize,
+        pad: usize,
+    },
+}
+
+const RX_BUF: usize = 256 * 1024;
+/// Largest data segment kept for a PDU other than Data-In.
+const SMALL_MAX: usize = 64 * 1024;
+
+struct Session {
+    stream: TcpStream,
+    spec: Spec,
+    lun: Lun,
+    block_size: u32,
+    blocks: u64,
+    /// Blocks per command.
+    bpc: u64,
+    /// Command-sized positions on the LUN.
+    span: u64,
+    next_seq: u64,
+    rng: u64,
+    cmd_sn: CmdSn,
+    exp_stat_sn: StatSn,
+    max_cmd_sn: CmdSn,
+    target_mrdsl: u32,
+    first_burst: u32,
+    immediate_data: bool,
+    initial_r2t: bool,
+    slots: Vec<Slot>,
+    /// Slots whose next command waits for the CmdSN window to open.
+    waiting: Vec<usize>,
+    out: Vec<u8>,
+    out_pos: usize,
+    issued: u64,
+    stop: bool,
+    logout_sent: bool,
+    logged_out: bool,
+    deadline: Instant,
+    started: Option<Instant>,
+    last_done: Option<Instant>,
+    small: Vec<u8>,
+    report: Report,
+}
+
+fn failure(report: &mut Report, why: impl FnOnce() -> String) {
+    report.failed += 1;
+    if report.first_failure.is_none() {
+        report.first_failure = Some(why());
+    }
+}
+
+impl Session {
+    async fn login(url: &Url, spec: &Spec, index: u32) -> Result<Session> {
+        let mut o = LoginOptions::new(Some(&url.target));
+        o.initiator_name = spec.initiator_name.clone();
+        let i = index.to_be_bytes();
+        o.isid = Isid([0x80, 0x4c, i[0], i[1], i[2], i[3]]);
+        // What libiscsi offers, so both load generators see the same limits.
+        o.max_recv_data_segment_length = 262_144;
+        o.first_burst_length = 262_144;
+        o.max_burst_length = 262_144;
+        o.initial_r2t = false;
+        o.immediate_data = true;
+        if let Some((u, s)) = &url.chap {
+            o.chap = Some(ChapOptions::new(u, s.as_bytes()));
+        }
+        let mut c = Client::login(url.addr, &o).await?;
+        if c.header_digest || c.data_digest {
+            return Err(Error::Protocol(
+                "the load generator runs without digests".into(),
+            ));
+        }
+        // READ CAPACITY(16), past any unit attention.
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x9e;
+        cdb[1] = 0x10;
+        cdb[13] = 32;
+        let mut cap = None;
+        for _ in 0..5 {
+            let r = c.command(url.lun, &cdb, None, 32).await?;
+            if r.status == 0 && r.data.len() >= 12 {
+                cap = Some(r.data);
+                break;
+            }
+        }
+        let cap = cap.ok_or_else(|| {
+            Error::Protocol(format!("READ CAPACITY(16) of LUN {} failed", url.lun))
+        })?;
+        let be64 = |b: &[u8]| b.iter().fold(0u64, |a, &x| (a << 8) | u64::from(x));
+        let blocks = be64(&cap[0..8]).saturating_add(1);
+        let block_size = be64(&cap[8..12]) as u32;
+        if block_size == 0 || !spec.io_bytes.is_multiple_of(block_size) {
+            return Err(Error::Protocol(format!(
+                "I/O size {} is not a multiple of the block size {block_size}",
+                spec.io_bytes
+            )));
+        }
+        let bpc = u64::from(spec.io_bytes / block_size);
+        let span = blocks / bpc;
+        if span == 0 {
+            return Err(Error::Protocol(format!(
+                "the LUN ({blocks} blocks) is smaller than one I/O"
+            )));
+        }
+        let wbuf_len = if spec.pattern.write() {
+            spec.io_bytes as usize
+        } else {
+            0
+        };
+        let slots = (0..spec.queue_depth)
+            .map(|_| Slot {
+                // 0xa5, not zeros: a target may treat zero writes specially (thin LUNs).
+                wbuf: vec![0xa5; wbuf_len],
+                ..Slot::default()
+            })
+            .collect();
+        let sessions = u64::from(spec.sessions.max(1));
+        Ok(Session {
+            spec: spec.clone(),
+            lun: Lun::from_number(url.lun),
+            block_size,
+            blocks,
+            bpc,
+            span,
+            // Sequential streams of several sessions start spread over the LUN.
+            next_seq: span / sessions * u64::from(index),
+            rng: spec.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(index + 1) | 1,
+            cmd_sn: c.cmd_sn,
+            exp_stat_sn: c.exp_stat_sn,
+            max_cmd_sn: c.max_cmd_sn,
+            target_mrdsl: c.target_mrdsl.max(512),
+            first_burst: c.first_burst,
+            immediate_data: c.immediate_data,
+            initial_r2t: c.initial_r2t,
+            slots,
+            waiting: Vec::new(),
+            out: Vec::with_capacity(64 * 1024),
+            out_pos: 0,
+            issued: 0,
+            stop: false,
+            logout_sent: false,
+            logged_out: false,
+            deadline: Instant::now(),
+            started: None,
+            last_done: None,
+            small: Vec::new(),
+            report: Report::default(),
+            stream: c.into_stream()?,
+        })
+    }
+
+    fn next_lba(&mut self) -> u64 {
+        let pos = if self.spec.pattern.random() {
+            // xorshift64*
+            self.rng ^= self.rng >> 12;
+            self.rng ^= self.rng << 25;
+            self.rng ^= self.rng >> 27;
+            self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) % self.span
+        } else {
+            let p = self.next_seq % self.span;
+            self.next_seq = p + 1;
+            p
+        };
+        pos * self.bpc
+    }
+
+    /// Start the next command on `slot` (or park the slot until the window opens).
+    fn issue(&mut self, slot: usize) {
+        if self.stop {
+            return;
+        }
+        if self.spec.count.is_some_and(|n| self.issued >= n) {
+            self.stop = true;
+            return;
+        }
+        if self.cmd_sn.gt(self.max_cmd_sn) {
+            self.waiting.push(slot);
+            return;
+        }
+        let lba = self.next_lba();
+        let io = self.spec.io_bytes;
+        let write = self.spec.pattern.write();
+        let Some(s) = self.slots.get_mut(slot) else {
+            return;
+        };
+        s.busy = true;
+        s.lba = lba;
+        s.received = 0;
+        if write && self.spec.verify {
+            let bs = self.block_size as usize;
+            for (i, block) in s.wbuf.chunks_exact_mut(bs).enumerate() {
+                let (a, b) = stamps(lba + i as u64);
+                block[..8].copy_from_slice(&a);
+                block[bs - 8..].copy_from_slice(&b);
+            }
+        }
+        let blocks = (u64::from(io) / u64::from(self.block_size)) as u32;
+        let (imm, unsolicited_end) = if write {
+            let imm = if self.immediate_data {
+                io.min(self.first_burst).min(self.target_mrdsl)
+            } else {
+                0
+            };
+            let end = if self.initial_r2t {
+                imm
+            } else {
+                io.min(self.first_burst)
+            };
+            (imm, end)
+        } else {
+            (0, 0)
+        };
+        let itt = Itt(slot as u32);
+        let cmd = ScsiCommand {
+            final_bit: unsolicited_end <= imm,
+            read: !write,
+            write,
+            attr: TaskAttr::SIMPLE,
+            lun: self.lun,
+            itt,
+            expected_data_transfer_length: io,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: self.exp_stat_sn,
+            cdb: if write {
+                write16_cdb(lba, blocks)
+            } else {
+                read16_cdb(lba, blocks)
+            },
+            ..Default::default()
+        };
+        self.cmd_sn = self.cmd_sn.next();
+        self.issued += 1;
+        let mut bhs = Header::ScsiCommand(cmd).encode();
+        bhs.set_lengths(0, imm);
+        self.out.extend_from_slice(&bhs.0);
+        push_padded(&mut self.out, &s.wbuf[..imm as usize]);
+        push_data_out(
+            &mut self.out,
+            &DataOutSeq {
+                lun: self.lun,
+                itt,
+                ttt: Ttt::RESERVED,
+                exp_stat_sn: self.exp_stat_sn,
+                mrdsl: self.target_mrdsl,
+            },
+            &s.wbuf,
+            imm,
+            unsolicited_end,
+        );
+        s.start = Some(Instant::now());
+        if self.started.is_none() {
+            self.started = s.start;
+        }
+    }
+
+    /// A command finished: record it and start the next one on its slot.
+    fn complete(&mut self, slot: usize, ok: Result<()>) {
+        let now = Instant::now();
+        let io = u64::from(self.spec.io_bytes);
+        let Some(s) = self.slots.get_mut(slot) else {
+            return;
+        };
+        if !s.busy {
+            return;
+        }
+        s.busy = false;
+        if let Some(t) = s.start.take() {
+            self.report.latency.record(now - t);
+        }
+        self.report.ios += 1;
+        match ok {
+            Ok(()) => self.report.bytes += io,
+            Err(e) => failure(&mut self.report, || e.to_string()),
+        }
+        self.last_done = Some(now);
+        if now >= self.deadline {
+            self.stop = true;
+        }
+        self.issue(slot);
+    }
+
+    fn note_sn(&mut self, sn: &TargetSn, status: bool) {
+        if status {
+            self.exp_stat_sn = sn.stat_sn.next();
+        }
+        if sn.max_cmd_sn.gt(self.max_cmd_sn) {
+            self.max_cmd_sn = sn.max_cmd_sn;
+        }
+    }
+
+    fn slot_of(&self, itt: Itt) -> Result<usize> {
+        let i = itt.0 as usize;
+        match self.slots.get(i) {
+            Some(s) if s.busy => Ok(i),
+            _ => Err(Error::Protocol(format!(
+                "response for task {:#x}, which is not running",
+                itt.0
+            ))),
+        }
+    }
+
+    /// Check the stamps of Data-In bytes `chunk` at `offset` in the command's buffer.
+    fn verify(&mut self, slot: usize, offset: u32, chunk: &[u8]) {
+        let Some(s) = self.slots.get(slot) else {
+            return;
+        };
+        let bs = u64::from(self.block_size);
+        let (start, end) = (u64::from(offset), u64::from(offset) + chunk.len() as u64);
+        if chunk.is_empty() {
+            return;
+        }
+        let mut bad = None;
+        for b in start / bs..=(end - 1) / bs {
+            let (head, tail) = stamps(s.lba + b);
+            for (at, want) in [(b * bs, head), ((b + 1) * bs - 8, tail)] {
+                let lo = at.max(start);
+                let hi = (at + 8).min(end);
+                if lo >= hi {
+                    continue;
+                }
+                let got = chunk.get((lo - start) as usize..(hi - start) as usize);
+                let exp = want.get((lo - at) as usize..(hi - at) as usize);
+                if got != exp && bad.is_none() {
+                    bad = Some((s.lba + b, got.map(<[u8]>::to_vec).unwrap_or_default()));
+                }
+            }
+        }
+        if let Some((lba, got)) = bad {
+            self.report.verify_failures += 1;
+            if self.report.first_verify_failure.is_none() {
+                self.report.first_verify_failure = Some(format!(
+                    "block {lba}: stamp bytes {got:02x?} are not its own"
+                ));
+            }
+        }
+    }
+
+    /// A header arrived: act on it, return what its data segment is.
+    fn header(&mut self, bhs: &Bhs) -> Result<Rx> {
+        let len = bhs.data_len() as usize;
+        let pad = pad_len(len);
+        let h = Header::decode(bhs);
+        match h {
+            Header::DataIn(d) => {
+                let slot = self.slot_of(d.itt)?;
+                let received = self.slots.get(slot).map_or(0, |s| s.received);
+                if d.buffer_offset != received {
+                    return Err(Error::Protocol(format!(
+                        "Data-In at offset {} after {received} bytes",
+                        d.buffer_offset
+                    )));
+                }
+                if u64::from(received) + len as u64 > u64::from(self.spec.io_bytes) {
+                    return Err(Error::Protocol("Data-In beyond the transfer length".into()));
+                }
+                self.note_sn(&d.sn, d.status.is_some());
+                Ok(Rx::DataIn {
+                    slot,
+                    left: len,
+                    pad,
+                    status: d.status,
+                    residual: d.residual,
+                })
+            }
+            Header::R2t(ref r) => {
+                let slot = self.slot_of(r.itt)?;
+                self.note_sn(&r.sn, false);
+                let io = self.spec.io_bytes;
+                let end = r
+                    .buffer_offset
+                    .saturating_add(r.desired_data_transfer_length)
+                    .min(io);
+                if let Some(s) = self.slots.get(slot) {
+                    push_data_out(
+                        &mut self.out,
+                        &DataOutSeq {
+                            lun: self.lun,
+                            itt: r.itt,
+                            ttt: r.ttt,
+                            exp_stat_sn: self.exp_stat_sn,
+                            mrdsl: self.target_mrdsl,
+                        },
+                        &s.wbuf,
+                        r.buffer_offset,
+                        end,
+                    );
+                }
+                self.other_data(h, len, pad)
+            }
+            Header::NopIn(ref n) => {
+                self.note_sn(&n.sn, false);
+                if n.ttt != Ttt::RESERVED {
+                    let reply = NopOut {
+                        immediate: true,
+                        lun: n.lun,
+                        itt: Itt::RESERVED,
+                        ttt: n.ttt,
+                        cmd_sn: self.cmd_sn,
+                        exp_stat_sn: self.exp_stat_sn,
+                    };
+                    self.out
+                        .extend_from_slice(&Header::NopOut(reply).encode().0);
+                }
+                self.other_data(h, len, pad)
+            }
+            Header::ScsiResponse(ref r) => {
+                self.slot_of(r.itt)?;
+                self.note_sn(&r.sn, true);
+                self.other_data(h, len, pad)
+            }
+            Header::AsyncMessage(ref a) => {
+                self.note_sn(&a.sn, false);
+                // Logout requested, connection or session dropped: stop issuing.
+                if matches!(a.async_event, 1..=3) {
+                    self.stop = true;
+                }
+                self.other_data(h, len, pad)
+            }
+            Header::LogoutResponse(ref l) => {
+                self.note_sn(&l.sn, true);
+                self.logged_out = true;
+                self.other_data(h, len, pad)
+            }
+            Header::Reject(r) => Err(Error::Protocol(format!(
+                "the target rejected a PDU (reason {:#04x})",
+                r.reason.0
+            ))),
+            other => Err(Error::Protocol(format!("unexpected PDU {other:?}"))),
+        }
+    }
+
+    fn other_data(&mut self, h: Header, len: usize, pad: usize) -> Result<Rx> {
+        if len > SMALL_MAX {
+            return Err(Error::Protocol(format!(
+                "{len}-byte data segment on a {h:?}"
+            )));
+        }
+        self.small.clear();
+        let rx = Rx::Other {
+            header: Box::new(h),
+            left: len,
+            pad,
+        };
+        if len == 0 {
+            self.pdu_done(rx);
+            return Ok(Rx::Header);
+        }
+        Ok(rx)
+    }
+
+    /// The PDU whose data segment ended: complete its command.
+    fn pdu_done(&mut self, rx: Rx) {
+        match rx {
+            Rx::Header => {}
+            Rx::DataIn {
+                slot,
+                status,
+                residual,
+                ..
+            } => {
+                let Some(status) = status else { return };
+                let received = self.slots.get(slot).map_or(0, |s| s.received);
+                let ok = if status != 0 {
+                    Err(Error::Protocol(format!("status {status:#04x} in Data-In")))
+                } else if received != self.spec.io_bytes || residual != Residual::None {
+                    Err(Error::Protocol(format!(
+                        "read returned {received} of {} bytes ({residual:?})",
+                        self.spec.io_bytes
+                    )))
+                } else {
+                    Ok(())
+                };
+                self.complete(slot, ok);
+            }
+            Rx::Other { header, .. } => {
+                let Header::ScsiResponse(r) = *header else {
+                    return;
+                };
+                let slot = r.itt.0 as usize;
+                let received = self.slots.get(slot).map_or(0, |s| s.received);
+                let ok = if r.response != ServiceResponse::COMMAND_COMPLETED || r.status != 0 {
+                    // Sense data: SenseLength, then fixed format (key at 2, ASC/ASCQ at 12).
+                    let sense = self.small.get(2..).unwrap_or_default();
+                    let key = |i: usize| sense.get(i).copied().unwrap_or(0);
+                    Err(Error::Protocol(format!(
+                        "response {:#04x} status {:#04x}, sense key {:#x} ASC/ASCQ {:02x}/{:02x}",
+                        r.response.0,
+                        r.status,
+                        key(2) & 0xf,
+                        key(12),
+                        key(13)
+                    )))
+                } else if !self.spec.pattern.write()
+                    && (received != self.spec.io_bytes || r.residual != Residual::None)
+                {
+                    Err(Error::Protocol(format!(
+                        "read returned {received} of {} bytes ({:?})",
+                        self.spec.io_bytes, r.residual
+                    )))
+                } else {
+                    Ok(())
+                };
+                self.complete(slot, ok);
+            }
+        }
+    }
+
+    /// Parse whole headers and any data from `buf[*start..end]`; leaves a partial header.
+    fn receive(&mut self, rx: &mut Rx, buf: &[u8], start: &mut usize, end: usize) -> Result<()> {
+        loop {
+            let avail = end - *start;
+            match rx {
+                Rx::Header => {
+                    if avail < BHS_LEN {
+                        return Ok(());
+                    }
+                    let mut bhs = Bhs::default();
+                    bhs.0.copy_from_slice(&buf[*start..*start + BHS_LEN]);
+                    let ahs = bhs.ahs_len();
+                    if avail < BHS_LEN + ahs {
+                        return Ok(());
+                    }
+                    *start += BHS_LEN + ahs;
+                    *rx = self.header(&bhs)?;
+                }
+                Rx::DataIn {
+                    slot, left, pad, ..
+                } => {
+                    if *left == 0 && *pad == 0 {
+                        // An empty Data-In (status only).
+                        let done = std::mem::replace(rx, Rx::Header);
+                        self.pdu_done(done);
+                        continue;
+                    }
+                    if avail == 0 {
+                        return Ok(());
+                    }
+                    let take = (*left).min(avail);
+                    if take > 0 {
+                        let chunk = &buf[*start..*start + take];
+                        let s = *slot;
+                        let off = self.slots.get(s).map_or(0, |x| x.received);
+                        if self.spec.verify {
+                            self.verify(s, off, chunk);
+                        }
+                        if let Some(x) = self.slots.get_mut(s) {
+                            x.received += take as u32;
+                        }
+                        *left -= take;
+                        *start += take;
+                    }
+                    let skip = (*pad).min(end - *start);
+                    *pad -= skip;
+                    *start += skip;
+                    if *left == 0 && *pad == 0 {
+                        let done = std::mem::replace(rx, Rx::Header);
+                        self.pdu_done(done);
+                    }
+                }
+                Rx::Other { left, pad, .. } => {
+                    if avail == 0 {
+                        return Ok(());
+                    }
+                    let take = (*left).min(avail);
+                    self.small.extend_from_slice(&buf[*start..*start + take]);
+                    *left -= take;
+                    *start += take;
+                    let skip = (*pad).min(end - *start);
+                    *pad -= skip;
+                    *start += skip;
+                    if *left == 0 && *pad == 0 {
+                        let done = std::mem::replace(rx, Rx::Header);
+                        self.pdu_done(done);
+                    }
+                }
+            }
+        }
+    }
+
+    fn idle(&self) -> bool {
+        !self.slots.iter().any(|s| s.busy)
+    }
+
+    /// Write what is queued without waiting; true if everything went.
+    fn flush(&mut self) -> Result<bool> {
+        while self.out_pos < self.out.len() {
+            match self.stream.try_write(&self.out[self.out_pos..]) {
+                Ok(n) => self.out_pos += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.out.clear();
+        self.out_pos = 0;
+        Ok(true)
+    }
+
+    async fn drive(mut self) -> Result<Report> {
+        let mut buf = vec![0u8; RX_BUF];
+        let (mut start, mut end) = (0usize, 0usize);
+        let mut rx = Rx::Header;
+        self.deadline = Instant::now() + self.spec.duration;
+        for slot in 0..self.slots.len() {
+            self.issue(slot);
+        }
+        loop {
+            // Slots parked on the CmdSN window.
+            while !self.stop && !self.cmd_sn.gt(self.max_cmd_sn) {
+                let Some(slot) = self.waiting.pop() else {
+                    break;
+                };
+                self.issue(slot);
+            }
+            if self.stop && self.idle() && !self.logout_sent {
+                self.waiting.clear();
+                let l = LogoutRequest {
+                    immediate: true,
+                    reason: LogoutReason::CLOSE_SESSION,
+                    itt: Itt(0x4c4f_4755),
+                    cid: Cid(0),
+                    cmd_sn: self.cmd_sn,
+                    exp_stat_sn: self.exp_stat_sn,
+                };
+                self.out
+                    .extend_from_slice(&Header::LogoutRequest(l).encode().0);
+                self.logout_sent = true;
+            }
+            let flushed = self.flush()?;
+            if self.logged_out {
+                break;
+            }
+            if start == end {
+                start = 0;
+                end = 0;
+            } else if matches!(rx, Rx::Header) && buf.len() - end < BHS_LEN + 1024 {
+                buf.copy_within(start..end, 0);
+                end -= start;
+                start = 0;
+            }
+            match self.stream.try_read(&mut buf[end..]) {
+                Ok(0) => return Err(Error::Protocol("the target closed the connection".into())),
+                Ok(n) => {
+                    end += n;
+                    self.receive(&mut rx, &buf, &mut start, end)?;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    let interest = if flushed {
+                        Interest::READABLE
+                    } else {
+                        Interest::READABLE | Interest::WRITABLE
+                    };
+                    self.stream.ready(interest).await?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let mut r = self.report;
+        if let (Some(a), Some(b)) = (self.started, self.last_done) {
+            r.elapsed = b - a;
+        }
+        r.block_size = self.block_size;
+        r.blocks = self.blocks;
+        Ok(r)
+    }
+}
+
+/// One Data-Out sequence's constant fields.
+struct DataOutSeq {
+    lun: Lun,
+    itt: Itt,
+    ttt: Ttt,
+    exp_stat_sn: StatSn,
+    mrdsl: u32,
+}
+
+/// Append `data[start..end]` as Data-Out PDUs (DataSN from 0, at most `mrdsl` each, F on the
+/// last; RFC 7143 §11.7).
+fn push_data_out(out: &mut Vec<u8>, seq: &DataOutSeq, data: &[u8], start: u32, end: u32) {
+    let mut off = start;
+    let mut sn = 0;
+    while off < end {
+        let len = (end - off).min(seq.mrdsl);
+        let d = DataOut {
+            final_bit: off + len == end,
+            lun: seq.lun,
+            itt: seq.itt,
+            ttt: seq.ttt,
+            exp_stat_sn: seq.exp_stat_sn,
+            data_sn: DataSn(sn),
+            buffer_offset: off,
+        };
+        let mut bhs = Header::DataOut(d).encode();
+        bhs.set_lengths(0, len);
+        out.extend_from_slice(&bhs.0);
+        push_padded(
+            out,
+            data.get(off as usize..(off + len) as usize)
+                .unwrap_or_default(),
+        );
+        off += len;
+        sn += 1;
+    }
+}
+
+fn push_padded(out: &mut Vec<u8>, data: &[u8]) {
+    out.extend_from_slice(data);
+    out.extend_from_slice(&[0u8; 3][..pad_len(data.len())]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        let u = Url::parse("iscsi://127.0.0.1:3261/iqn.2026-11.x:t/3").unwrap();
+        assert_eq!(u.addr.to_string(), "127.0.0.1:3261");
+        assert_eq!((u.target.as_str(), u.lun), ("iqn.2026-11.x:t", 3));
+        let u = Url::parse("iscsi://me%pw@127.0.0.1/iqn.x:y/0").unwrap();
+        assert_eq!(u.addr.port(), 3260);
+        assert_eq!(u.chap, Some(("me".into(), "pw".into())));
+        let u = Url::parse("iscsi://[::1]/iqn.x:y/0").unwrap();
+        assert_eq!(u.addr.to_string(), "[::1]:3260");
+        for bad in [
+            "http://x/iqn/0",
+            "iscsi://127.0.0.1/iqn.x",
+            "iscsi://127.0.0.1//0",
+            "iscsi://127.0.0.1/iqn.x/zero",
+            "iscsi://u@127.0.0.1/iqn.x/0",
+        ] {
+            assert!(Url::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn histogram_percentiles() {
+        let mut h = Histogram::default();
+        for us in 1..=100u64 {
+            h.record(Duration::from_micros(us) + Duration::from_nanos(500));
+        }
+        assert_eq!(h.percentile_us(0.5), 51.0);
+        assert_eq!(h.percentile_us(0.99), 100.0);
+        assert!((h.mean_us() - 51.0).abs() < 0.01);
+        h.record(Duration::from_secs(1));
+        assert_eq!(h.percentile_us(1.0), 1_000_000.0);
+    }
+
+    #[test]
+    fn data_out_segments_respect_mrdsl() {
+        let data = vec![7u8; 10_000];
+        let mut out = Vec::new();
+        let seq = DataOutSeq {
+            lun: Lun::from_number(0),
+            itt: Itt(5),
+            ttt: Ttt(9),
+            exp_stat_sn: StatSn(3),
+            mrdsl: 4096,
+        };
+        push_data_out(&mut out, &seq, &data, 1000, 10_000);
+        // 9000 bytes: 4096 + 4096 + 808.
+        assert_eq!(out.len(), 3 * 48 + 4096 + 4096 + 808);
+        let mut at = 0;
+        for (sn, (off, len, fin)) in [(1000, 4096, false), (5096, 4096, false), (9192, 808, true)]
+            .into_iter()
+            .enumerate()
+        {
+            let mut b = Bhs::default();
+            b.0.copy_from_slice(&out[at..at + 48]);
+            let Header::DataOut(d) = Header::decode(&b) else {
+                panic!("not Data-Out")
+            };
+            assert_eq!(
+                (d.buffer_offset, b.data_len(), d.final_bit, d.data_sn),
+                (off, len, fin, DataSn(sn as u32))
+            );
+            assert_eq!(d.ttt, Ttt(9));
+            at += 48 + len as usize;
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! `ironsan load`: the pipelined load generator of `ironsan-initiator` on the command line.
+
+use anyhow::{anyhow, bail, Result};
+use ironsan_initiator::load::{run, Pattern, Report, Spec, Url};
+use std::time::Duration;
+
+#[derive(clap::Args)]
+pub struct LoadArgs {
+    /// iscsi://[user%secret@]HOST[:PORT]/TARGET-IQN/LUN (libiscsi's URL form).
+    url: String,
+    /// randread | read | randwrite | write.
+    #[arg(long, default_value = "randread")]
+    rw: String,
+    /// Bytes per command (a multiple of the block size).
+    #[arg(long, default_value_t = 4096)]
+    bs: u32,
+    /// Commands in flight per session.
+    #[arg(long = "qd", default_value_t = 32)]
+    queue_depth: u32,
+    /// Sessions, all driven from one thread.
+    #[arg(long, default_value_t = 1)]
+    sessions: u32,
+    /// Seconds to run.
+    #[arg(short = 't', long = "time", default_value_t = 10.0)]
+    time: f64,
+    /// Stop after this many commands per session (sequential patterns wrap at the end).
+    #[arg(long)]
+    count: Option<u64>,
+    /// Stamp written blocks with their LBA; check the stamps of blocks read. Exit status 1
+    /// on any mismatch.
+    #[arg(long)]
+    verify: bool,
+    /// Seed of the random LBAs.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Initiator name to log in with.
+    #[arg(long, default_value = "iqn.2026-11.org.ironsan:load")]
+    initiator_name: String,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn main(a: LoadArgs) -> Result<()> {
+    let url = Url::parse(&a.url).map_err(|e| anyhow!(e))?;
+    let pattern = Pattern::parse(&a.rw)
+        .ok_or_else(|| anyhow!("--rw {:?}: want randread, read, randwrite or write", a.rw))?;
+    if !(a.time.is_finite() && a.time > 0.0) {
+        bail!("--time must be a positive number of seconds");
+    }
+    let mut spec = Spec::new(pattern, a.bs, a.queue_depth);
+    spec.sessions = a.sessions;
+    spec.duration = Duration::from_secs_f64(a.time);
+    spec.count = a.count;
+    spec.verify = a.verify;
+    spec.seed = a.seed;
+    spec.initiator_name = a.initiator_name;
+    // One thread: the figures mean "one client core".
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(run(&url, &spec))?;
+    print(&a.json, &spec, &r);
+    if let Some(f) = &r.first_failure {
+        bail!("{} of {} commands failed; first: {f}", r.failed, r.ios);
+    }
+    if let Some(f) = &r.first_verify_failure {
+        bail!(
+            "{} reads returned wrong data; first: {f}",
+            r.verify_failures
+        );
+    }
+    Ok(())
+}
+
+fn print(json: &bool, spec: &Spec, r: &Report) {
+    let secs = r.elapsed.as_secs_f64();
+    let cpu_us_per_io = r.cpu.as_secs_f64() * 1e6 / (r.ios.max(1) as f64);
+    if *json {
+        let v = serde_json::json!({
+            "rw": spec.pattern.name(),
+            "bs": spec.io_bytes,
+            "qd": spec.queue_depth,
+            "sessions": spec.sessions,
+            "ios": r.ios,
+            "bytes": r.bytes,
+            "seconds": secs,
+            "iops": r.iops(),
+            "mib_per_s": r.mib_per_s(),
+            "lat_mean_us": r.latency.mean_us(),
+            "lat_p50_us": r.latency.percentile_us(0.5),
+            "lat_p99_us": r.latency.percentile_us(0.99),
+            "lat_max_us": r.latency.max_us(),
+            "failed": r.failed,
+            "verify_failures": r.verify_failures,
+            "client_cpu_s": r.cpu.as_secs_f64(),
+            "block_size": r.block_size,
+            "blocks": r.blocks,
+        });
+        println!("{v}");
+        return;
+    }
+    println!(
+        "{} bs={} qd={} sessions={}: {} I/Os in {secs:.2} s = {:.0} IOPS, {:.1} MiB/s; \
+         latency mean {:.1} us, p50 {:.0} us, p99 {:.0} us, max {:.0} us; failed {}; \
+         verify failures {}; client CPU {cpu_us_per_io:.2} us/IO",
+        spec.pattern.name(),
+        spec.io_bytes,
+        spec.queue_depth,
+        spec.sessions,
+        r.ios,
+        r.iops(),
+        r.mib_per_s(),
+        r.latency.mean_us(),
+        r.latency.percentile_us(0.5),
+        r.latency.percentile_us(0.99),
+        r.latency.max_us(),
+        r.failed,
+        r.verify_failures,
+    );
+}
