@@ -902,11 +902,11 @@ fn sigterm_shuts_down_cleanly() {
     perf.wait_for_stdout("iops current", Duration::from_secs(15));
     s.assert_alive();
     let t0 = Instant::now();
-    let st = s.stop_within(Duration::from_secs(10));
+    let st = s.stop_within(Duration::from_secs(20));
     let took = t0.elapsed();
     let st = st.unwrap_or_else(|| {
         panic!(
-            "ironsan did not exit within 10 s of SIGTERM with a client connected\n{}\n{}",
+            "ironsan did not exit within 20 s of SIGTERM with a client connected\n{}\n{}",
             s.logs(),
             perf.output_text()
         )
@@ -917,9 +917,12 @@ fn sigterm_shuts_down_cleanly() {
         "ironsan exit status on SIGTERM: {st}\n{}",
         s.logs()
     );
+    // Below the 10 s default grace time: the server exits once the initiator has logged
+    // out, not when the grace time is over (with slack for a loaded machine).
     assert!(
-        took < Duration::from_secs(5),
-        "SIGTERM → exit took {took:?}"
+        took < Duration::from_secs(9),
+        "SIGTERM → exit took {took:?}\n{}",
+        s.logs()
     );
     assert!(
         std::net::TcpStream::connect(s.addr()).is_err(),
@@ -1439,11 +1442,18 @@ async fn ctl_portal_add_remove_save_and_reload() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let log = s.stderr();
-    assert!(
-        log.contains(&format!("SIGHUP: + portal {a2} (group 2)")),
-        "{log}"
-    );
+    // The line is logged once the reload is done, after the portal is bound (so possibly
+    // after it accepts).
+    let line = format!("SIGHUP: + portal {a2} (group 2)");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !s.stderr().contains(&line) {
+        assert!(
+            Instant::now() < deadline,
+            "no {line:?} logged within 10 s of the portal accepting\n{}",
+            s.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let _c2 = Client::login(addr2, &opts)
         .await
         .expect("login after SIGHUP");
@@ -1511,12 +1521,14 @@ async fn sigterm_asks_initiators_to_log_out_and_exits_within_the_grace_time() {
         polite.logout().await.expect("logout while draining"),
         ironsan_proto::pdu::LogoutResponseCode::CLOSED
     );
-    let st = s.wait_exit(Duration::from_secs(8));
+    let st = s.wait_exit(Duration::from_secs(20));
     let took = t0.elapsed();
-    let st = st.unwrap_or_else(|| panic!("no exit within 8 s of SIGTERM\n{}", s.logs()));
+    let st = st.unwrap_or_else(|| panic!("no exit within 20 s of SIGTERM\n{}", s.logs()));
     assert_eq!(st.code(), Some(0), "exit status {st}\n{}", s.logs());
+    // Below 9 s: slack for a loaded machine, yet distinguishable from the 10 s default grace
+    // time (the configured one ignored) and from no exit at all.
     assert!(
-        took >= Duration::from_millis(1900) && took < Duration::from_secs(5),
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(9),
         "SIGTERM → exit took {took:?} with a 2 s grace time and a session that does not log out\n{}",
         s.logs()
     );

@@ -509,6 +509,26 @@ async fn pr_aptpl_state_survives_sigkill() {
                 }
             }
         });
+        // Kill only once this cycle has had an acknowledged change (one PR OUT is a round
+        // trip, a temporary file and fsyncs: on a loaded machine that can take longer than
+        // the whole gap), then after a random gap: into the middle of the stream.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while log.lock().unwrap().2 == 0 {
+            if stream.is_finished() {
+                let r = stream.await;
+                panic!(
+                    "cycle {cycle}: the PR OUT stream ended before its first acknowledgement \
+                     ({r:?})\n{}",
+                    server.logs()
+                );
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "cycle {cycle}: no PR OUT acknowledged within 30 s\n{}",
+                server.logs()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
         let gap = 2 + rng.below(60);
         min_gap = min_gap.min(gap);
         max_gap = max_gap.max(gap);
@@ -608,19 +628,41 @@ fn ctl_save_leaves_the_old_or_the_new_config_after_sigkill() {
         let stream = std::thread::spawn({
             let log = std::sync::Arc::clone(&log);
             let sock = sock.clone();
+            // Ends with the error of the request that failed (the kill, normally).
             move || loop {
                 let next = 1 - log.lock().unwrap().0;
-                if control(&sock, &["lun", "resize", DEFAULT_TARGET, "0", size[next]]).is_err() {
-                    return;
+                if let Err(e) = control(&sock, &["lun", "resize", DEFAULT_TARGET, "0", size[next]])
+                {
+                    return format!("lun resize: {e}");
                 }
                 log.lock().unwrap().1 = Some(next);
-                if control(&sock, &["save"]).is_err() {
-                    return;
+                if let Err(e) = control(&sock, &["save"]) {
+                    return format!("save: {e}");
                 }
                 let mut g = log.lock().unwrap();
                 *g = (next, None, g.2 + 1);
             }
         });
+        // Kill only once this cycle has had an acknowledged save (a round trip, a temporary
+        // file and fsyncs: on a loaded machine that can take longer than the whole gap),
+        // then after a random gap: into the middle of the stream.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while log.lock().unwrap().2 == 0 {
+            if stream.is_finished() {
+                let why = stream.join().unwrap();
+                panic!(
+                    "cycle {cycle}: the save stream ended before its first acknowledged save: \
+                     {why}\n{}",
+                    server.logs()
+                );
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "cycle {cycle}: no save acknowledged within 30 s\n{}",
+                server.logs()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
         std::thread::sleep(std::time::Duration::from_millis(1 + rng.below(40)));
         server.kill9();
         stream.join().unwrap();
@@ -646,5 +688,9 @@ fn ctl_save_leaves_the_old_or_the_new_config_after_sigkill() {
          rename but before the answer; every file was whole and the target started from it",
         plan.seed, plan.cycles
     );
-    assert!(saves > 0);
+    assert!(
+        saves >= plan.cycles as u64,
+        "{saves} saves in {} cycles",
+        plan.cycles
+    );
 }

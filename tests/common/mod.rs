@@ -370,34 +370,69 @@ pub struct Server {
     addrs: Vec<SocketAddr>,
     /// Starts so far (names the log files).
     generation: u32,
+    /// The `NOTIFY_SOCKET` of the current start (readiness: `READY=1`).
+    notify: Option<std::os::unix::net::UnixDatagram>,
     dir: tempfile::TempDir,
 }
 
 impl Server {
     /// `ironsan serve --listen 127.0.0.1:PORT --data-dir TMP/data ARGS...` on a free port.
+    ///
+    /// [`free_port`] only says the port was free a moment ago: another test's outgoing
+    /// connection may take it as its source port before the server binds it. When the server
+    /// then exits at start-up because the address is in use, it is started again on another
+    /// free port (a few times).
     pub fn start(args: &[&str]) -> Server {
         let dir = tempfile::Builder::new()
             .prefix("ironsan-test-")
             .tempdir()
             .expect("tempdir");
-        let port = free_port();
-        let data = dir.path().join("data");
-        let mut full: Vec<String> = vec![
-            "serve".into(),
-            "--listen".into(),
-            format!("127.0.0.1:{port}"),
-            "--data-dir".into(),
-            data.display().to_string(),
-        ];
-        full.extend(args.iter().map(|s| s.to_string()));
         let target = args
             .iter()
             .position(|a| *a == "--target")
             .and_then(|i| args.get(i + 1))
             .map(|s| s.to_string())
             .unwrap_or_else(|| DEFAULT_TARGET.to_string());
-        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-        Server::launch(dir, full, vec![addr], target)
+        let data = dir.path().join("data");
+        let mut s = Server {
+            child: None,
+            port: 0,
+            target,
+            args: Vec::new(),
+            addrs: Vec::new(),
+            generation: 0,
+            notify: None,
+            dir,
+        };
+        const ATTEMPTS: u32 = 5;
+        for attempt in 1..=ATTEMPTS {
+            let port = free_port();
+            let mut full: Vec<String> = vec![
+                "serve".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}"),
+                "--data-dir".into(),
+                data.display().to_string(),
+            ];
+            full.extend(args.iter().map(|s| s.to_string()));
+            s.port = port;
+            s.args = full;
+            s.addrs = vec![SocketAddr::from((Ipv4Addr::LOCALHOST, port))];
+            match s.try_spawn() {
+                Ok(()) => return s,
+                Err(e)
+                    if attempt < ATTEMPTS
+                        && s.stderr().lines().any(|l| {
+                            l.contains(&format!("cannot listen on 127.0.0.1:{port}"))
+                                && l.contains("Address already in use")
+                        }) =>
+                {
+                    eprintln!("port {port} was taken before ironsan bound it; another port\n{e}");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        unreachable!()
     }
 
     /// `ironsan serve --config FILE` where the config (written by the caller into `dir`) listens
@@ -430,20 +465,52 @@ impl Server {
             args,
             addrs,
             generation: 0,
+            notify: None,
             dir,
         };
         s.spawn();
         s
     }
 
+    /// Start the server and wait until it is ready; panic if it is not.
     fn spawn(&mut self) {
+        if let Err(e) = self.try_spawn() {
+            panic!("{e}");
+        }
+    }
+
+    /// Start the server and wait until it is ready: it sent `READY=1` to `NOTIFY_SOCKET`
+    /// (main.rs sends it once every portal, the control socket and the metrics listener are
+    /// bound, the connect lines are printed and the signal handlers are installed; a
+    /// portal that accepts is not enough) and every portal accepts. Err (with its output)
+    /// when it exited during start-up; panics when it is not ready within 30 s.
+    fn try_spawn(&mut self) -> Result<(), String> {
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::net::{SocketAddr as UnixAddr, UnixDatagram};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NOTIFY_SEQ: AtomicU64 = AtomicU64::new(0);
         assert!(self.child.is_none());
         self.generation += 1;
+        // An abstract socket name (no path length limit, nothing to clean up), unique per
+        // test process and start; it lives as long as this start (STOPPING=1 arrives there).
+        let name = format!(
+            "ironsan-test-notify-{}-{}",
+            std::process::id(),
+            NOTIFY_SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        let notify =
+            UnixDatagram::bind_addr(&UnixAddr::from_abstract_name(name.as_bytes()).unwrap())
+                .unwrap_or_else(|e| panic!("cannot bind the notify socket @{name}: {e}"));
+        notify.set_nonblocking(true).unwrap();
+        self.notify = Some(notify);
         let out = File::create(self.stdout_path()).unwrap();
         let err = File::create(self.stderr_path()).unwrap();
         let child = Command::new(bin())
             .args(&self.args)
             .env_remove("IRONSAN_LOG")
+            .env_remove("WATCHDOG_USEC")
+            .env_remove("WATCHDOG_PID")
+            .env("NOTIFY_SOCKET", format!("@{name}"))
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(out)
@@ -451,29 +518,50 @@ impl Server {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin()));
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
+        const START_TIMEOUT: Duration = Duration::from_secs(30);
+        let deadline = Instant::now() + START_TIMEOUT;
+        let mut ready = false;
         let mut pending = self.addrs.clone();
         loop {
-            pending.retain(|a| !accepts(*a));
-            if pending.is_empty() {
-                return;
+            let mut buf = [0u8; 1024];
+            while !ready {
+                match self.notify.as_ref().unwrap().recv(&mut buf) {
+                    Ok(n) => {
+                        ready = String::from_utf8_lossy(&buf[..n])
+                            .lines()
+                            .any(|l| l == "READY=1")
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("reading the notify socket: {e}"),
+                }
+            }
+            if ready {
+                pending.retain(|a| !accepts(*a));
+                if pending.is_empty() {
+                    return Ok(());
+                }
             }
             if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 self.child = None;
-                panic!(
+                return Err(format!(
                     "ironsan serve {:?} exited during start-up ({st})\n{}",
                     self.args,
                     self.logs()
-                );
+                ));
             }
             if Instant::now() >= deadline {
+                let what = if ready {
+                    format!("is not accepting on {pending:?}")
+                } else {
+                    "has not sent READY=1".to_string()
+                };
                 panic!(
-                    "ironsan serve {:?} is not accepting on {pending:?} after 10 s\n{}",
+                    "ironsan serve {:?} {what} after {START_TIMEOUT:?}\n{}",
                     self.args,
                     self.logs()
                 );
             }
-            thread::sleep(Duration::from_millis(50));
+            thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -606,7 +694,7 @@ impl Server {
     }
 
     /// Stop (SIGTERM, must exit within 10 s) and start again with the same arguments, port
-    /// and data directory.
+    /// and data directory (waits until it is ready, as at the first start).
     pub fn restart(&mut self) {
         let st = self.stop_within(Duration::from_secs(10));
         assert!(
@@ -625,7 +713,8 @@ impl Server {
         }
     }
 
-    /// Start again with the same arguments after [`Server::kill9`] (waits for the portals).
+    /// Start again with the same arguments and port after [`Server::kill9`] (waits until it
+    /// is ready, as at the first start).
     pub fn start_again(&mut self) {
         self.spawn();
     }

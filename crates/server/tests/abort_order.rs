@@ -150,18 +150,15 @@ async fn wait_status(c: &mut Client, itt: Itt) -> (u8, Vec<Pdu>) {
 }
 
 /// Send a WRITE(16) of `data` at `lba` that a `hang` rule holds in the device, and ABORT TASK
-/// it: the abort completes at once (within 2 s) while the I/O stays in the device. Returns
-/// the write's ITT.
+/// it: the abort completes while the I/O stays in the device (which never finishes on its
+/// own, so an abort that waits for it times out). Returns the write's ITT.
 async fn abort_write_stuck_in_device(rig: &Rig, c: &mut Client, lba: u64, data: Bytes) -> Itt {
     let (itt, sn) = send_write(c, lba, data.len() as u32, data).await;
     wait_stuck(&rig.ctl, 1).await;
-    let code = tokio::time::timeout(
-        Duration::from_secs(2),
-        c.task_mgmt(TmfFunction::ABORT_TASK, 0, itt, sn),
-    )
-    .await
-    .expect("ABORT TASK waited for the stuck device")
-    .unwrap();
+    let code = tokio::time::timeout(WAIT, c.task_mgmt(TmfFunction::ABORT_TASK, 0, itt, sn))
+        .await
+        .expect("ABORT TASK waited for the stuck device")
+        .unwrap();
     assert_eq!(code, TmfResponseCode::COMPLETE);
     assert_eq!(rig.ctl.stuck_now(), 1, "the write is still in the device");
     itt
@@ -539,7 +536,7 @@ async fn silent_initiator_is_dropped_by_nop_timeout_and_acknowledged_writes_surv
     tokio::time::sleep(Duration::from_millis(200 + 300 + 700)).await;
     let mut pdus = std::mem::take(&mut a.unsolicited);
     let closed = loop {
-        match tokio::time::timeout(Duration::from_secs(5), a.recv()).await {
+        match tokio::time::timeout(WAIT, a.recv()).await {
             Ok(Ok(p)) => pdus.push(p),
             Ok(Err(_)) => break true,
             Err(_) => break false,
@@ -631,5 +628,9 @@ async fn silent_initiator_is_dropped_by_nop_timeout_and_acknowledged_writes_surv
         acked_late.len(),
         checked
     );
-    assert!(elapsed < Duration::from_secs(10));
+    // Generous for a loaded machine, yet far below a wait for the device or a hang.
+    assert!(
+        elapsed < Duration::from_secs(30),
+        "silent initiator scenario took {elapsed:?}"
+    );
 }

@@ -199,7 +199,20 @@ async fn live_lun_changes_do_not_disturb_another_session() {
     assert!(ctl(&path, &["lun", "remove", TARGET, "1"]).await.is_err());
     // Let A run on for a moment after the changes.
     let before = done.load(Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while done.load(Ordering::Relaxed) < before + 10 {
+        if io.is_finished() {
+            let r = io.await.map(|r| r.map(|_| ()));
+            panic!(
+                "session A's I/O ended after {} commands: {r:?}",
+                done.load(Ordering::Relaxed)
+            );
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "session A completed {} of 10 commands in 30 s after the changes",
+            done.load(Ordering::Relaxed) - before
+        );
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     stop.store(true, Ordering::Relaxed);

@@ -126,6 +126,21 @@ async fn wait_stuck(ctl: &FaultControl, n: usize) {
     }
 }
 
+/// Wait until no I/O is stuck in the device any more. An abort or reset only cancels the
+/// task; the stuck I/O is dropped when the cancelled task is next polled, which can be just
+/// after the TMF response went out.
+async fn wait_unstuck(ctl: &FaultControl, what: &str) {
+    let t0 = std::time::Instant::now();
+    while ctl.stuck_now() != 0 {
+        assert!(
+            t0.elapsed() < WAIT,
+            "{what}: {} I/Os still stuck {WAIT:?} after it",
+            ctl.stuck_now()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 /// ITTs of every final status seen in `pdus` (SCSI Response, or Data-In with status).
 fn completions(pdus: &[Pdu]) -> Vec<Itt> {
     support::completions(pdus)
@@ -251,8 +266,8 @@ async fn abort_task_completes_while_the_backend_write_is_stuck() {
         .expect("ABORT TASK hung behind stuck I/O")
         .unwrap();
     assert_eq!(code, TmfResponseCode::COMPLETE);
-    // The stuck I/O was dropped with the task.
-    assert_eq!(rig.ctl.stuck_now(), 0);
+    // The stuck I/O was dropped with the task (before the device is released below).
+    wait_unstuck(&rig.ctl, "ABORT TASK").await;
     // Releasing the device produces no late response and writes nothing.
     rig.ctl.release();
     let late = drain(&mut c, Duration::from_millis(300)).await;
@@ -303,7 +318,7 @@ async fn lun_reset_from_another_session_clears_stuck_io_and_other_luns_run_on() 
     .expect("LUN RESET hung behind stuck I/O")
     .unwrap();
     assert_eq!(code, TmfResponseCode::COMPLETE);
-    assert_eq!(rig.ctl.stuck_now(), 0, "stuck I/O outlived the LUN reset");
+    wait_unstuck(&rig.ctl, "stuck I/O outlived the LUN reset").await;
     rig.ctl.set_enabled(false);
     let late = drain(&mut a, Duration::from_millis(300)).await;
     for itt in &itts {
@@ -342,10 +357,23 @@ async fn release_racing_abort_completes_each_task_exactly_once() {
             .await
             .unwrap();
         releaser.await.unwrap();
-        let late = drain(&mut c, Duration::from_millis(50)).await;
         let mut seen: Vec<Itt> = completions(&c.unsolicited);
-        seen.extend(completions(&late));
         c.unsolicited.clear();
+        // When the task completed first, its response can still be on its way after the TMF
+        // response (the task leaves the task set before its response is sent): wait for it.
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while code == TmfResponseCode::TASK_DOES_NOT_EXIST && !seen.contains(&itt) {
+            let p = tokio::time::timeout_at(deadline, c.recv())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("round {i}: neither aborted nor answered within {WAIT:?}")
+                })
+                .unwrap();
+            seen.extend(completions(std::slice::from_ref(&p)));
+        }
+        // A second (or, after COMPLETE, any) answer that comes late.
+        let late = drain(&mut c, Duration::from_millis(50)).await;
+        seen.extend(completions(&late));
         let answered = seen.iter().filter(|&&x| x == itt).count();
         match code {
             TmfResponseCode::COMPLETE => {

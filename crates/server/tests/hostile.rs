@@ -214,6 +214,48 @@ async fn expect_reject(c: &mut Client, reason: RejectReason) -> Pdu {
     }
 }
 
+/// A Reject (`reason`) of a bad PDU of the command `itt` and the command's final status, in
+/// either order: the Reject is queued on the connection while the status is sent by the
+/// task that ends the command, so on a multi-thread runtime the status can be first (the
+/// protocol does not order them). NOP-Ins are skipped, and so are later Rejects, R2Ts and
+/// Data-Ins once the first Reject is in (as [`expect_status`] does). Returns what
+/// [`expect_status`] returns.
+async fn expect_reject_and_status(
+    c: &mut Client,
+    reason: RejectReason,
+    itt: Itt,
+) -> (u8, Option<(u8, u8, u8)>) {
+    let mut rejected = false;
+    let mut status = None;
+    while !rejected || status.is_none() {
+        let p = tokio::time::timeout(WAIT, c.recv())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("no Reject {reason:?} and final status of {itt:?} (Reject seen: {rejected}, status: {status:?})")
+            })
+            .expect("connection closed instead of Reject and SCSI Response");
+        match p.header {
+            Header::Reject(r) if !rejected => {
+                assert_eq!(r.reason, reason, "wrong Reject reason");
+                rejected = true;
+            }
+            Header::ScsiResponse(r) if r.itt == itt && status.is_none() => {
+                let s = p.data.get(2..).unwrap_or(&[]);
+                let sense = (s.len() >= 14).then(|| (s[2] & 0x0f, s[12], s[13]));
+                c.exp_stat_sn = r.sn.stat_sn.next();
+                status = Some((r.status, sense));
+            }
+            Header::DataIn(d) if d.itt == itt && d.status.is_some() && status.is_none() => {
+                status = Some((d.status.unwrap(), None));
+            }
+            Header::NopIn(_) => {}
+            Header::Reject(_) | Header::R2t(_) | Header::DataIn(_) if rejected => {}
+            h => panic!("expected Reject {reason:?} and the status of {itt:?}, got {h:?}"),
+        }
+    }
+    status.unwrap()
+}
+
 /// The SCSI Response for `itt` (Rejects are skipped): status and (key, asc, ascq).
 async fn expect_status(c: &mut Client, itt: Itt) -> (u8, Option<(u8, u8, u8)>) {
     loop {
@@ -763,8 +805,10 @@ async fn c08_data_out_abuse() {
         ..Default::default()
     };
     c.send(Header::DataOut(d), pattern(2048, 1)).await.unwrap();
-    expect_reject(&mut c, RejectReason::PROTOCOL_ERROR).await;
-    assert_eq!(expect_status(&mut c, itt).await, (2, data_phase_error));
+    assert_eq!(
+        expect_reject_and_status(&mut c, RejectReason::PROTOCOL_ERROR, itt).await,
+        (2, data_phase_error)
+    );
     assert_zeros(&mut c, 400, 4).await;
     // (b) Unknown TTT.
     let itt = send_write(&mut c, 410, 2, true).await;
@@ -778,8 +822,10 @@ async fn c08_data_out_abuse() {
         ..Default::default()
     };
     c.send(Header::DataOut(d), pattern(1024, 2)).await.unwrap();
-    expect_reject(&mut c, RejectReason::PROTOCOL_ERROR).await;
-    assert_eq!(expect_status(&mut c, itt).await, (2, data_phase_error));
+    assert_eq!(
+        expect_reject_and_status(&mut c, RejectReason::PROTOCOL_ERROR, itt).await,
+        (2, data_phase_error)
+    );
     // (c) BufferOffset beyond the R2T / the transfer.
     let itt = send_write(&mut c, 420, 2, true).await;
     let Header::R2t(r2t) = c.recv().await.unwrap().header else {
@@ -793,13 +839,17 @@ async fn c08_data_out_abuse() {
         ..Default::default()
     };
     c.send(Header::DataOut(d), pattern(1024, 3)).await.unwrap();
-    expect_reject(&mut c, RejectReason::PROTOCOL_ERROR).await;
-    assert_eq!(expect_status(&mut c, itt).await, (2, data_phase_error));
+    assert_eq!(
+        expect_reject_and_status(&mut c, RejectReason::PROTOCOL_ERROR, itt).await,
+        (2, data_phase_error)
+    );
     assert_zeros(&mut c, 410, 12).await;
     // (d) Unsolicited Data-Out with InitialR2T=Yes (the command's F=0 announces it).
     let itt = send_write(&mut c, 430, 2, false).await;
-    expect_reject(&mut c, RejectReason::PROTOCOL_ERROR).await;
-    assert_eq!(expect_status(&mut c, itt).await, (2, data_phase_error));
+    assert_eq!(
+        expect_reject_and_status(&mut c, RejectReason::PROTOCOL_ERROR, itt).await,
+        (2, data_phase_error)
+    );
     // (e) Data-Out for an unknown ITT, and for a read: Reject (invalid PDU field).
     let d = DataOut {
         final_bit: true,
@@ -842,8 +892,10 @@ async fn c08_data_out_abuse() {
         ..Default::default()
     };
     c.send(Header::DataOut(d), pattern(16384, 7)).await.unwrap();
-    expect_reject(&mut c, RejectReason::PROTOCOL_ERROR).await;
-    assert_eq!(expect_status(&mut c, itt).await, (2, data_phase_error));
+    assert_eq!(
+        expect_reject_and_status(&mut c, RejectReason::PROTOCOL_ERROR, itt).await,
+        (2, data_phase_error)
+    );
     assert_zeros(&mut c, 450, 64).await;
     assert!(by.finish().await >= 2);
 }
@@ -1111,9 +1163,8 @@ async fn c11_digest_errors() {
     raw.extend_from_slice(&pattern(1024, 1));
     raw.extend_from_slice(&[1, 2, 3, 4]);
     c.send_bytes(&raw).await.unwrap();
-    expect_reject(&mut c, RejectReason::DATA_DIGEST_ERROR).await;
     assert_eq!(
-        expect_status(&mut c, itt).await,
+        expect_reject_and_status(&mut c, RejectReason::DATA_DIGEST_ERROR, itt).await,
         (2, Some((0x0b, 0x47, 0x05)))
     );
     assert_zeros(&mut c, 900, 2).await;
@@ -1288,7 +1339,8 @@ async fn c13_slow_logins_are_cut_by_the_login_timeout() {
                 if wr.write_all(&[byte]).await.is_err() {
                     return t0.elapsed();
                 }
-                if t0.elapsed() > Duration::from_secs(6) {
+                // Well past the 1 s login timeout plus the slack below: held.
+                if t0.elapsed() > Duration::from_secs(15) {
                     break;
                 }
             }
@@ -1301,8 +1353,9 @@ async fn c13_slow_logins_are_cut_by_the_login_timeout() {
     }
     let fds_after = wait_fds_back(fd0).await;
     eprintln!("slow logins: {n}, slowest closed after {worst:?}, fds {fd0} -> {fds_after}");
+    // The login timeout is 1 s; the rest is slack for a loaded machine (200 connections).
     assert!(
-        worst < Duration::from_secs(4),
+        worst < Duration::from_secs(10),
         "a slow login was held {worst:?}"
     );
     assert!(

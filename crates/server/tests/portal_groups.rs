@@ -344,7 +344,20 @@ async fn portals_are_added_and_removed_live() {
         .await
         .unwrap_err();
     assert!(e.contains("last portal"), "{e}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while done.load(Ordering::Relaxed) < before + 10 {
+        if io.is_finished() {
+            let r = io.await.map(|r| r.map(|_| ()));
+            panic!(
+                "session A's I/O ended after {} commands: {r:?}",
+                done.load(Ordering::Relaxed)
+            );
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "session A completed {} of 10 commands in 30 s after the changes",
+            done.load(Ordering::Relaxed) - before
+        );
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     stop.store(true, Ordering::Relaxed);

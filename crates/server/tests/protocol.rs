@@ -335,23 +335,30 @@ async fn data_digest_error_rejects_and_fails_the_command_without_writing() {
     raw.extend_from_slice(&[0xee; 512]);
     raw.extend_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
     c.send_bytes(&raw).await.unwrap();
-    let mut saw_reject = false;
-    loop {
-        let p = c.recv().await.unwrap();
+    // The Reject and the SCSI Response, in either order: the Reject is queued on the
+    // connection, the response is sent by the task that ends the command, and the protocol
+    // does not order them.
+    let (mut saw_reject, mut saw_status) = (false, false);
+    while !saw_reject || !saw_status {
+        let p = tokio::time::timeout(Duration::from_secs(10), c.recv())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("Reject seen: {saw_reject}, SCSI Response seen: {saw_status}; no more within 10 s")
+            })
+            .unwrap();
         match p.header {
-            Header::Reject(r) => {
+            Header::Reject(r) if !saw_reject => {
                 assert_eq!(r.reason, RejectReason::DATA_DIGEST_ERROR);
                 saw_reject = true;
             }
-            Header::ScsiResponse(r) => {
+            Header::ScsiResponse(r) if !saw_status => {
                 assert_eq!(r.itt, itt);
                 assert_eq!(r.status, 2);
-                break;
+                saw_status = true;
             }
             h => panic!("unexpected {h:?}"),
         }
     }
-    assert!(saw_reject);
     let r = c.read16(0, 9, 1, 512).await.unwrap();
     assert!(
         r.data.iter().all(|&b| b == 0),

@@ -453,8 +453,17 @@ async fn connections_beyond_the_limit_fail_with_0302() {
     assert_eq!(tur(&mut a).await, 0);
     a.logout().await.unwrap();
     drop(a);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    Client::login(addr, &o).await.unwrap();
+    // The slot is free once the server has closed that connection: retry while it is not.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match Client::login(addr, &o).await {
+            Ok(_) => break,
+            Err(Error::Login(3, 2)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("login after a logout made room: {e}"),
+        }
+    }
 }
 
 #[tokio::test]
@@ -595,7 +604,19 @@ async fn outstanding_r2ts_per_connection_are_capped() {
         let w = write_cmd(&mut c, Itt(i), u64::from(i) * 16, 4096);
         c.send(Header::ScsiCommand(w), Bytes::new()).await.unwrap();
     }
+    // The two R2Ts that fit (generous deadline), then a short look for a third.
     let mut r2ts = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while r2ts.len() < 2 {
+        let p = tokio::time::timeout_at(deadline, c.recv())
+            .await
+            .unwrap_or_else(|_| panic!("only {} R2T(s) within 10 s: {r2ts:?}", r2ts.len()))
+            .unwrap();
+        match p.header {
+            Header::R2t(r) => r2ts.push(r),
+            h => panic!("unexpected {h:?}"),
+        }
+    }
     while let Some(p) = recv_timeout(&mut c, 300).await {
         match p.header {
             Header::R2t(r) => r2ts.push(r),
