@@ -7,7 +7,7 @@
 #   --quick        3 s per workload (default 10 s)
 #   --duration N   N s per workload
 #   --only LIST    comma-separated sections and/or targets:
-#                    sections: ram file qd1 scale idle memory
+#                    sections: ram file qd1 scale idle memory load
 #                    targets:  ironsan tgt istgt
 #                  e.g. --only ram,qd1  or  --only file,istgt,ironsan
 #   --no-save      print only, do not append to bench/results/
@@ -41,6 +41,12 @@
 #     file    the same four data workloads on one 256 MiB file on tmpfs
 #             (/dev/shm), preallocated: ironsan file LUN (--write-cache, so
 #             WCE=1 like tgt rdwr and istgt), tgt bstype rdwr, istgt.
+#     load    the data workloads, QD1 and 16 sessions x QD8 again with
+#             ironsan's own load generator (`ironsan load`, one client
+#             thread, pipelined; see docs/PERFORMANCE.md), on the RAM/null
+#             setup (ironsan, tgt) and the tmpfs file setup (all three).
+#             With a client that costs ~1.4 us/IO instead of ~4, the figures
+#             show what the targets can do rather than what iscsi-perf can.
 #   * Tools: iscsi-perf (libiscsi) keeps -m commands in flight for -t s and
 #     prints its running average; the figure used is the last "iops average".
 #     qemu-img bench runs a fixed count of requests at -d depth through
@@ -76,7 +82,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ $DURATION =~ ^[1-9][0-9]*$ ]] || die "--duration must be a positive integer"
 
-ALL_SECTIONS="ram qd1 scale idle memory file"
+ALL_SECTIONS="ram qd1 scale idle memory file load"
 ALL_TARGETS="ironsan tgt istgt"
 SECTIONS="" TARGETS=""
 for tok in ${ONLY//,/ }; do
@@ -362,8 +368,37 @@ memory() {
 
 qd1() { perf "$1" qd1-randread-4k 4096 -m 1 -b 8 -r; }
 
+# lrun SETUP WORKLOAD BYTES ironsan-load-args...: one `ironsan load` run; the row goes to
+# the table "SETUP+load".
+lrun() {
+    local setup=$1 workload=$2 bytes=$3; shift 3
+    local c0 t0 c1 t1 out iops rc=0 log=$WORK/$TARGET_NAME-$setup-load-$workload.log
+    c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
+    out=$(taskset -c "$CLIENT_CPU" timeout -k 10 $((DURATION + 60)) \
+        "$BIN" load "$TARGET_URL" -t "$DURATION" --json "$@" 2>"$log") || rc=$?
+    t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
+    iops=$(python3 -c 'import json, sys; print(round(json.load(sys.stdin)["iops"]))' <<<"$out" 2>/dev/null) || iops=0
+    if [[ $rc -ne 0 || $iops -eq 0 ]]; then
+        tail -n 3 "$log" >&2
+        note "ironsan load against $TARGET_NAME failed (exit $rc): $*"
+        iops=0
+    fi
+    row "$setup+load" "$workload" "$TARGET_NAME" "$iops" "$bytes" $((c1 - c0)) $((t1 - t0)) ironsan-load
+    note "$(printf '%-8s %-10s %-18s %8s IOPS (ironsan load)' "$TARGET_NAME" "$setup" "$workload" "$iops")"
+}
+
+load_workloads() {
+    local setup=$1
+    lrun "$setup" randread-4k-qd32 4096 --rw randread --bs 4096 --qd 32
+    lrun "$setup" seqread-512k-qd8 524288 --rw read --bs 524288 --qd 8
+    lrun "$setup" write-4k-qd32 4096 --rw write --bs 4096 --qd 32
+    lrun "$setup" write-512k-qd8 524288 --rw write --bs 524288 --qd 8
+    lrun "$setup" qd1-randread-4k 4096 --rw randread --bs 4096 --qd 1
+    lrun "$setup" 16x-randread-4k-qd8 4096 --rw randread --bs 4096 --qd 8 --sessions 16
+}
+
 T_START=$(date +%s)
-if want ram || want qd1 || want scale || want idle || want memory; then
+if want ram || want qd1 || want scale || want idle || want memory || want load; then
     for t in ironsan tgt; do
         want_target "$t" || continue
         start_target "$t" ram
@@ -372,6 +407,7 @@ if want ram || want qd1 || want scale || want idle || want memory; then
         if want ram; then data_workloads ram; fi
         if want qd1; then qd1 ram; fi
         if want scale; then scale ram; fi
+        if want load; then load_workloads ram; fi
         stop_target
         if [[ $t == ironsan ]] && want qd1; then
             start_target ironsan poll
@@ -380,7 +416,7 @@ if want ram || want qd1 || want scale || want idle || want memory; then
         fi
     done
 fi
-if want file || { want memory && want_target istgt; }; then
+if want file || want load || { want memory && want_target istgt; }; then
     SHM=$(mktemp -d /dev/shm/ironsan-bench.XXXXXX)
     fallocate -l 256M "$SHM/lun.img"
     for t in ironsan tgt istgt; do
@@ -388,6 +424,7 @@ if want file || { want memory && want_target istgt; }; then
         start_target "$t" file
         if [[ $t == istgt ]] && want memory; then memory file; fi
         if want file; then data_workloads file; fi
+        if want load; then load_workloads file; fi
         stop_target
     done
 fi
@@ -436,6 +473,8 @@ def table(setup, title, targets, base):
 
 table("ram", "RAM/null LUN: ironsan ram:1G vs tgt bstype null (target CPU 0, client CPU 1)", ["ironsan", "tgt"], "ironsan")
 table("file", "File LUN: one preallocated 256 MiB file on tmpfs (ironsan --write-cache, tgt rdwr, istgt)", ["ironsan", "tgt", "istgt"], "ironsan")
+table("ram+load", "RAM/null LUN with ironsan's load generator (ironsan load, one client thread; QD1 latency = 1/IOPS)", ["ironsan", "tgt"], "ironsan")
+table("file+load", "File LUN on tmpfs with ironsan's load generator", ["ironsan", "tgt", "istgt"], "ironsan")
 
 lat = {t: perf[("ram", "qd1-randread-4k", t)][0] for t in ("ironsan", "ironsan-poll", "tgt") if ("ram", "qd1-randread-4k", t) in perf}
 if lat:
