@@ -195,6 +195,12 @@ struct Connection {
 
 /// Bytes of data the reader keeps for the writer before handing them over.
 const OUT_BATCH_BYTES: usize = 64 * 1024;
+/// Responses the reader keeps before handing them over even though more commands are
+/// already buffered. Without it a burst of small commands (4K writes: 48-byte responses)
+/// went back as one batch after the whole burst, so the initiator and the target took turns
+/// instead of overlapping (4K QD32 writes: 170-177K IOPS with the target 30 % idle; with 8:
+/// 275-303K at less CPU per I/O). Large responses reach [`OUT_BATCH_BYTES`] first.
+const OUT_BATCH_ITEMS: usize = 8;
 
 fn reject(reason: RejectReason, bhs: &Bhs) -> OutPdu {
     OutPdu::status(
@@ -779,7 +785,7 @@ impl Connection {
                 let hd = if digests.header { 4 } else { 0 };
                 b.len() >= BHS_LEN && b.len() >= BHS_LEN + ahs + hd
             };
-            if !buffered || self.out_bytes >= OUT_BATCH_BYTES {
+            if !buffered || self.out_bytes >= OUT_BATCH_BYTES || self.out.len() >= OUT_BATCH_ITEMS {
                 // The next header needs the socket: first let the writer send what is ready
                 // (and reap finished command tasks).
                 self.flush().await;
