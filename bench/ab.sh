@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # A/B one change: two ironsan binaries, the same workload, alternated in one run.
 #
-#   bench/ab.sh [--rounds N] [--secs S] [--lun SPEC] OLD_BIN NEW_BIN [-- IOPERF_ARGS...]
+#   bench/ab.sh [--rounds N] [--secs S] [--lun SPEC] [--load] [--prefill]
+#               OLD_BIN NEW_BIN [-- CLIENT_ARGS...]
 #
 #   OLD_BIN, NEW_BIN  ironsan binaries (e.g. one built in a `git worktree` of the parent
 #                     commit, and target/release/ironsan)
 #   --rounds N        alternate N times (default 3): old, new, old, new, ...
 #   --secs S          seconds per run (default 5)
 #   --lun SPEC        the LUN both serve (default ram:1G; e.g. file:/dev/shm/x.img,wce)
-#   IOPERF_ARGS       iscsi-perf arguments (default: -m 32 -b 8 -r, 4K QD32 random read)
+#   --load            the client is `NEW_BIN load` (ironsan's load generator, the same
+#                     client for both binaries) instead of iscsi-perf; CLIENT_ARGS are its
+#                     arguments (default: --rw randread --bs 4096 --qd 32)
+#   --prefill         before measuring, write the first GiB of the LUN with 1 MiB writes
+#                     (so reads of a RAM LUN read data, not holes)
+#   CLIENT_ARGS       iscsi-perf arguments (default: -m 32 -b 8 -r, 4K QD32 random read)
 #
 # Per run it prints IOPS, target CPU % and CPU us per I/O (utime+stime from /proc/PID/stat)
 # and I/Os per write syscall (syscw from /proc/PID/io: how well responses are batched).
@@ -16,12 +22,14 @@
 # the binaries in one run is what makes a before/after figure worth quoting on a shared box.
 set -euo pipefail
 
-rounds=3 secs=5 lun=ram:1G
+rounds=3 secs=5 lun=ram:1G load=0 prefill=0
 while [[ $# -gt 0 ]]; do
     case $1 in
         --rounds) rounds=$2; shift 2 ;;
         --secs) secs=$2; shift 2 ;;
         --lun) lun=$2; shift 2 ;;
+        --load) load=1; shift ;;
+        --prefill) prefill=1; shift ;;
         -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) break ;;
     esac
@@ -31,11 +39,13 @@ old=$1 new=$2
 shift 2
 [[ ${1:-} == -- ]] && shift
 perf_args=("$@")
-[[ ${#perf_args[@]} -gt 0 ]] || perf_args=(-m 32 -b 8 -r)
+if [[ ${#perf_args[@]} -eq 0 ]]; then
+    if [[ $load -eq 1 ]]; then perf_args=(--rw randread --bs 4096 --qd 32); else perf_args=(-m 32 -b 8 -r); fi
+fi
 for b in "$old" "$new"; do
     [[ -x $b ]] || { echo "bench/ab.sh: $b is not an executable" >&2; exit 2; }
 done
-command -v iscsi-perf >/dev/null || { echo "bench/ab.sh: needs iscsi-perf (libiscsi-bin)" >&2; exit 2; }
+[[ $load -eq 1 ]] || command -v iscsi-perf >/dev/null || { echo "bench/ab.sh: needs iscsi-perf (libiscsi-bin)" >&2; exit 2; }
 
 work=$(mktemp -d)
 port=$((20000 + RANDOM % 20000))
@@ -58,13 +68,23 @@ run_one() {
         grep -q "serving" "$work/serve.log" 2>/dev/null && break
         sleep 0.1
     done
-    local w0 c0 w1 c1 iops
+    local w0 c0 w1 c1 iops url="iscsi://127.0.0.1:$port/iqn.2026-11.org.ironsan:default/0"
+    if [[ $prefill -eq 1 ]]; then
+        taskset -c 1 "$new" load "$url" --rw write --bs 1048576 --qd 4 --count 1024 >/dev/null
+    fi
     w0=$(field syscw "$pid"); c0=$(cpu_ticks "$pid")
-    taskset -c 1 iscsi-perf "${perf_args[@]}" -t "$secs" \
-        "iscsi://127.0.0.1:$port/iqn.2026-11.org.ironsan:default/0" >"$work/perf.log" 2>&1 || true
+    if [[ $load -eq 1 ]]; then
+        taskset -c 1 "$new" load "$url" "${perf_args[@]}" -t "$secs" --json >"$work/perf.log" 2>&1 || true
+    else
+        taskset -c 1 iscsi-perf "${perf_args[@]}" -t "$secs" "$url" >"$work/perf.log" 2>&1 || true
+    fi
     w1=$(field syscw "$pid"); c1=$(cpu_ticks "$pid")
     kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
-    iops=$(grep -o 'iops average [0-9]*' "$work/perf.log" | tail -n 1 | awk '{print $3}')
+    if [[ $load -eq 1 ]]; then
+        iops=$(python3 -c 'import json, sys; print(round(json.load(sys.stdin)["iops"]))' <"$work/perf.log" 2>/dev/null || echo 0)
+    else
+        iops=$(grep -o 'iops average [0-9]*' "$work/perf.log" | tail -n 1 | awk '{print $3}')
+    fi
     python3 - "$label" "${iops:-0}" $((c1 - c0)) $((w1 - w0)) "$secs" <<'EOF'
 import os, sys
 label, iops, ticks, writes, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -76,7 +96,8 @@ print(f"{label:4} {iops:>9} IOPS  CPU {100 * cpu_s / secs:5.1f} %  "
 EOF
 }
 
-echo "ab: lun $lun, iscsi-perf ${perf_args[*]}, ${secs}s x $rounds rounds; target CPU 0, client CPU 1"
+client=iscsi-perf; [[ $load -eq 1 ]] && client="ironsan load"
+echo "ab: lun $lun, $client ${perf_args[*]}, ${secs}s x $rounds rounds; target CPU 0, client CPU 1"
 echo "old: $old"
 echo "new: $new"
 for _ in $(seq "$rounds"); do

@@ -1,18 +1,37 @@
 //! RAM: a sparse in-memory device. Memory is allocated per chunk on first write, so a large
 //! RAM LUN costs only what is written; unmapping a whole chunk frees it. Volatile by nature,
 //! and says so.
+//!
+//! Reads of [`ZERO_COPY_MIN`] bytes or more that lie in one allocated chunk are not copied:
+//! the returned `Bytes` shares the chunk (Data-In goes from the store straight to the
+//! socket). Chunks are copy-on-write: a write or unmap to a chunk that a read still holds
+//! replaces the chunk with a modified copy, so the read keeps the contents it saw.
 
 use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
 use bytes::{Bytes, BytesMut};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 
 const CHUNK_SHIFT: u32 = 20; // 1 MiB chunks
 const CHUNK: u64 = 1 << CHUNK_SHIFT;
 const SHARDS: usize = 64;
 
-type Chunk = Box<[u8]>;
+/// Reads at least this long (within one allocated chunk) share the chunk instead of copying.
+/// Smaller reads copy: the copy is cheap and a shared chunk makes the next write to it copy
+/// the whole chunk.
+const ZERO_COPY_MIN: usize = 64 * 1024;
+
+type Chunk = Arc<Box<[u8]>>;
+
+/// A chunk as the owner of a `Bytes` a read returns.
+struct SharedChunk(Chunk);
+
+impl AsRef<[u8]> for SharedChunk {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
 
 /// A sparse RAM disk.
 pub struct RamBackend {
@@ -76,6 +95,16 @@ impl RamBackend {
     }
 
     fn read_sync(&self, offset: u64, len: usize) -> Bytes {
+        if len >= ZERO_COPY_MIN {
+            let mut it = pieces(offset, len as u64);
+            if let (Some((idx, within, n)), None) = (it.next(), it.next()) {
+                let shard = self.shard(idx).read().unwrap_or_else(|p| p.into_inner());
+                if let Some(chunk) = shard.get(&idx) {
+                    return Bytes::from_owner(SharedChunk(Arc::clone(chunk)))
+                        .slice(within..within + n);
+                }
+            }
+        }
         // A read that starts in a hole takes zeroed memory (calloc: fresh pages cost no
         // memset) and copies the allocated pieces over it; one that starts in data appends
         // piece by piece (allocated chunks copied, holes zero-filled, nothing written twice).
@@ -117,14 +146,15 @@ impl RamBackend {
             let mut shard = self.shard(idx).write().unwrap_or_else(|p| p.into_inner());
             let src = &data[at..at + n];
             match shard.get_mut(&idx) {
-                Some(chunk) => chunk[within..within + n].copy_from_slice(src),
+                // Copy-on-write: a read may still hold this chunk.
+                Some(chunk) => Arc::make_mut(chunk)[within..within + n].copy_from_slice(src),
                 None => {
                     if is_zero(src) {
                         // Writing zeros to an unallocated chunk changes nothing observable.
                     } else {
                         let mut chunk = vec![0u8; CHUNK as usize].into_boxed_slice();
                         chunk[within..within + n].copy_from_slice(src);
-                        shard.insert(idx, chunk);
+                        shard.insert(idx, Arc::new(chunk));
                     }
                 }
             }
@@ -138,7 +168,7 @@ impl RamBackend {
             if within == 0 && n as u64 == CHUNK {
                 shard.remove(&idx);
             } else if let Some(chunk) = shard.get_mut(&idx) {
-                chunk[within..within + n].fill(0);
+                Arc::make_mut(chunk)[within..within + n].fill(0);
             }
         }
     }
@@ -217,6 +247,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[tokio::test]
+    async fn large_reads_share_chunks_and_writes_copy_on_write() {
+        let ram = RamBackend::new(4 * CHUNK);
+        let a: Vec<u8> = (0..2 * CHUNK as usize).map(|i| (i % 251) as u8).collect();
+        ram.write(0, Bytes::from(a.clone()), WriteMode::Durable)
+            .await
+            .unwrap();
+        // 512 KiB inside chunk 0 (shared), and 512 KiB across chunks 0/1 (copied).
+        let inside = ram.read(4096, 512 * 1024).await.unwrap();
+        let across = ram.read(CHUNK - 4096, 512 * 1024).await.unwrap();
+        assert_eq!(&inside[..], &a[4096..4096 + 512 * 1024]);
+        assert_eq!(&across[..], &a[(CHUNK - 4096) as usize..][..512 * 1024]);
+        // Overwrite both ranges and unmap part of chunk 0: what was read stays as it was.
+        ram.write(0, Bytes::from(vec![0xee; 2 * CHUNK as usize]), WriteMode::Durable)
+            .await
+            .unwrap();
+        ram.unmap(8192, 4096).await.unwrap();
+        assert_eq!(&inside[..], &a[4096..4096 + 512 * 1024]);
+        assert_eq!(&across[..], &a[(CHUNK - 4096) as usize..][..512 * 1024]);
+        // And new reads see the new contents.
+        let now = ram.read(4096, 512 * 1024).await.unwrap();
+        assert!(now[..4096].iter().all(|&b| b == 0xee));
+        assert!(now[4096..8192].iter().all(|&b| b == 0));
+        assert!(now[8192..].iter().all(|&b| b == 0xee));
+        // A chunk nobody holds is written in place: still one chunk per MiB.
+        drop((inside, across, now));
+        assert_eq!(ram.allocated(), 2 * CHUNK);
     }
 
     #[tokio::test]
