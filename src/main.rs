@@ -496,6 +496,11 @@ fn main() -> Result<()> {
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::stderr().is_terminal())
                 .init();
+            // Command buffers up to 8 MiB are reused from the heap (up to 64 MiB kept free
+            // per allocator arena) instead of being fresh, page-faulting mmaps each time.
+            if !ironsan_backend::keep_io_buffers(8 << 20, 64 << 20) {
+                tracing::warn!("glibc refused the allocator settings for I/O buffers");
+            }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;

@@ -53,6 +53,7 @@ pub use fault::{Effect, FaultBackend, FaultControl, FaultRule, Ops};
 pub use file::{FileBackend, FileOptions};
 pub use null::NullBackend;
 pub use ram::RamBackend;
+pub use sys::keep_io_buffers;
 
 /// A boxed future returned by backend operations (object-safe async).
 pub type IoFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;

@@ -262,9 +262,13 @@ mod tests {
         assert_eq!(&inside[..], &a[4096..4096 + 512 * 1024]);
         assert_eq!(&across[..], &a[(CHUNK - 4096) as usize..][..512 * 1024]);
         // Overwrite both ranges and unmap part of chunk 0: what was read stays as it was.
-        ram.write(0, Bytes::from(vec![0xee; 2 * CHUNK as usize]), WriteMode::Durable)
-            .await
-            .unwrap();
+        ram.write(
+            0,
+            Bytes::from(vec![0xee; 2 * CHUNK as usize]),
+            WriteMode::Durable,
+        )
+        .await
+        .unwrap();
         ram.unmap(8192, 4096).await.unwrap();
         assert_eq!(&inside[..], &a[4096..4096 + 512 * 1024]);
         assert_eq!(&across[..], &a[(CHUNK - 4096) as usize..][..512 * 1024]);
