@@ -374,7 +374,7 @@ lrun() {
     local setup=$1 workload=$2 bytes=$3; shift 3
     local c0 t0 c1 t1 out iops rc=0 log=$WORK/$TARGET_NAME-$setup-load-$workload.log
     c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
-    out=$(taskset -c "$CLIENT_CPU" timeout -k 10 $((DURATION + 60)) \
+    out=$(RUST_BACKTRACE=0 taskset -c "$CLIENT_CPU" timeout -k 10 $((DURATION + 60)) \
         "$BIN" load "$TARGET_URL" -t "$DURATION" --json "$@" 2>"$log") || rc=$?
     t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
     iops=$(python3 -c 'import json, sys; print(round(json.load(sys.stdin)["iops"]))' <<<"$out" 2>/dev/null) || iops=0

@@ -984,7 +984,23 @@ impl Session {
                 start = 0;
             }
             match self.stream.try_read(&mut buf[end..]) {
-                Ok(0) => return Err(Error::Protocol("the target closed the connection".into())),
+                // Some targets (istgt) may close instead of answering the Logout: with every
+                // command answered, the run is complete all the same.
+                Ok(0) if self.logout_sent && self.idle() => break,
+                Ok(0) => {
+                    return Err(Error::Protocol(format!(
+                        "the target closed the connection after {} of {} commands completed \
+                         ({} in flight; {})",
+                        self.report.ios,
+                        self.issued,
+                        self.slots.iter().filter(|s| s.busy).count(),
+                        if self.logout_sent {
+                            "logout sent"
+                        } else {
+                            "before logout"
+                        }
+                    )))
+                }
                 Ok(n) => {
                     end += n;
                     self.receive(&mut rx, &buf, &mut start, end)?;
