@@ -375,8 +375,7 @@ struct Session {
     slots: Vec<Slot>,
     /// Slots whose next command waits for the CmdSN window to open.
     waiting: Vec<usize>,
-    out: Vec<u8>,
-    out_pos: usize,
+    out: Outbox,
     issued: u64,
     stop: bool,
     logout_sent: bool,
@@ -480,8 +479,7 @@ impl Session {
             initial_r2t: c.initial_r2t,
             slots,
             waiting: Vec::new(),
-            out: Vec::with_capacity(64 * 1024),
-            out_pos: 0,
+            out: Outbox::default(),
             issued: 0,
             stop: false,
             logout_sent: false,
@@ -578,8 +576,8 @@ impl Session {
         self.issued += 1;
         let mut bhs = Header::ScsiCommand(cmd).encode();
         bhs.set_lengths(0, imm);
-        self.out.extend_from_slice(&bhs.0);
-        push_padded(&mut self.out, &s.wbuf[..imm as usize]);
+        self.out.push_bytes(&bhs.0);
+        self.out.push_slot(slot, 0, imm);
         push_data_out(
             &mut self.out,
             &DataOutSeq {
@@ -589,7 +587,7 @@ impl Session {
                 exp_stat_sn: self.exp_stat_sn,
                 mrdsl: self.target_mrdsl,
             },
-            &s.wbuf,
+            slot,
             imm,
             unsolicited_end,
         );
@@ -716,21 +714,19 @@ impl Session {
                     .buffer_offset
                     .saturating_add(r.desired_data_transfer_length)
                     .min(io);
-                if let Some(s) = self.slots.get(slot) {
-                    push_data_out(
-                        &mut self.out,
-                        &DataOutSeq {
-                            lun: self.lun,
-                            itt: r.itt,
-                            ttt: r.ttt,
-                            exp_stat_sn: self.exp_stat_sn,
-                            mrdsl: self.target_mrdsl,
-                        },
-                        &s.wbuf,
-                        r.buffer_offset,
-                        end,
-                    );
-                }
+                push_data_out(
+                    &mut self.out,
+                    &DataOutSeq {
+                        lun: self.lun,
+                        itt: r.itt,
+                        ttt: r.ttt,
+                        exp_stat_sn: self.exp_stat_sn,
+                        mrdsl: self.target_mrdsl,
+                    },
+                    slot,
+                    r.buffer_offset,
+                    end,
+                );
                 self.other_data(h, len, pad)
             }
             Header::NopIn(ref n) => {
@@ -744,8 +740,7 @@ impl Session {
                         cmd_sn: self.cmd_sn,
                         exp_stat_sn: self.exp_stat_sn,
                     };
-                    self.out
-                        .extend_from_slice(&Header::NopOut(reply).encode().0);
+                    self.out.push_bytes(&Header::NopOut(reply).encode().0);
                 }
                 self.other_data(h, len, pad)
             }
@@ -927,17 +922,24 @@ impl Session {
         !self.slots.iter().any(|s| s.busy)
     }
 
-    /// Write what is queued without waiting; true if everything went.
+    /// Write what is queued without waiting (vectored: payload straight from the slots'
+    /// buffers); true if everything went.
     fn flush(&mut self) -> Result<bool> {
-        while self.out_pos < self.out.len() {
-            match self.stream.try_write(&self.out[self.out_pos..]) {
-                Ok(n) => self.out_pos += n,
+        while !self.out.is_empty() {
+            let slots = &self.slots;
+            let iov = self
+                .out
+                .slices(|slot| slots.get(slot).map_or(&[][..], |s| &s.wbuf));
+            match self.stream.try_write_vectored(&iov) {
+                Ok(n) => {
+                    drop(iov);
+                    self.out.advance(n);
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => return Err(e.into()),
             }
         }
         self.out.clear();
-        self.out_pos = 0;
         Ok(true)
     }
 
@@ -967,8 +969,7 @@ impl Session {
                     cmd_sn: self.cmd_sn,
                     exp_stat_sn: self.exp_stat_sn,
                 };
-                self.out
-                    .extend_from_slice(&Header::LogoutRequest(l).encode().0);
+                self.out.push_bytes(&Header::LogoutRequest(l).encode().0);
                 self.logout_sent = true;
             }
             let flushed = self.flush()?;
@@ -1035,9 +1036,9 @@ struct DataOutSeq {
     mrdsl: u32,
 }
 
-/// Append `data[start..end]` as Data-Out PDUs (DataSN from 0, at most `mrdsl` each, F on the
-/// last; RFC 7143 §11.7).
-fn push_data_out(out: &mut Vec<u8>, seq: &DataOutSeq, data: &[u8], start: u32, end: u32) {
+/// Append bytes `start..end` of `slot`'s write buffer as Data-Out PDUs (DataSN from 0, at most
+/// `mrdsl` each, F on the last; RFC 7143 §11.7).
+fn push_data_out(out: &mut Outbox, seq: &DataOutSeq, slot: usize, start: u32, end: u32) {
     let mut off = start;
     let mut sn = 0;
     while off < end {
@@ -1053,20 +1054,125 @@ fn push_data_out(out: &mut Vec<u8>, seq: &DataOutSeq, data: &[u8], start: u32, e
         };
         let mut bhs = Header::DataOut(d).encode();
         bhs.set_lengths(0, len);
-        out.extend_from_slice(&bhs.0);
-        push_padded(
-            out,
-            data.get(off as usize..(off + len) as usize)
-                .unwrap_or_default(),
-        );
+        out.push_bytes(&bhs.0);
+        out.push_slot(slot, off, off + len);
         off += len;
         sn += 1;
     }
 }
 
-fn push_padded(out: &mut Vec<u8>, data: &[u8]) {
-    out.extend_from_slice(data);
-    out.extend_from_slice(&[0u8; 3][..pad_len(data.len())]);
+/// A piece of what is to be sent.
+#[derive(Clone, Copy, Debug)]
+enum Seg {
+    /// `Outbox::bytes[start..end]` (headers).
+    Own { start: usize, end: usize },
+    /// Bytes `start..end` of a slot's write buffer (payload, never copied).
+    Slot {
+        slot: usize,
+        start: usize,
+        end: usize,
+    },
+    /// Zero padding to a 4-byte boundary.
+    Pad(usize),
+}
+
+impl Seg {
+    fn len(self) -> usize {
+        match self {
+            Seg::Own { start, end } | Seg::Slot { start, end, .. } => end - start,
+            Seg::Pad(n) => n,
+        }
+    }
+}
+
+/// What is queued for the socket: headers copied here, payload referenced in place.
+#[derive(Default)]
+struct Outbox {
+    bytes: Vec<u8>,
+    segs: Vec<Seg>,
+    /// The first segment not completely written, and how much of it was.
+    first: usize,
+    head: usize,
+}
+
+/// Most slices handed to one `writev` (IOV_MAX is 1024).
+const MAX_IOV: usize = 512;
+
+impl Outbox {
+    fn push_bytes(&mut self, b: &[u8]) {
+        let start = self.bytes.len();
+        self.bytes.extend_from_slice(b);
+        let end = self.bytes.len();
+        if let Some(Seg::Own { end: e, .. }) = self.segs.last_mut() {
+            if *e == start {
+                *e = end;
+                return;
+            }
+        }
+        self.segs.push(Seg::Own { start, end });
+    }
+    fn push_slot(&mut self, slot: usize, start: u32, end: u32) {
+        let (start, end) = (start as usize, end as usize);
+        if end > start {
+            self.segs.push(Seg::Slot { slot, start, end });
+            let pad = pad_len(end - start);
+            if pad > 0 {
+                self.segs.push(Seg::Pad(pad));
+            }
+        }
+    }
+    fn is_empty(&self) -> bool {
+        self.first >= self.segs.len()
+    }
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.segs.clear();
+        self.first = 0;
+        self.head = 0;
+    }
+    /// The unwritten bytes as slices; `data(slot)` is that slot's write buffer.
+    fn slices<'a>(&'a self, data: impl Fn(usize) -> &'a [u8]) -> Vec<std::io::IoSlice<'a>> {
+        let segs = self.segs.get(self.first..).unwrap_or_default();
+        segs.iter()
+            .take(MAX_IOV)
+            .enumerate()
+            .map(|(i, seg)| {
+                let b: &[u8] = match *seg {
+                    Seg::Own { start, end } => self.bytes.get(start..end).unwrap_or_default(),
+                    Seg::Slot { slot, start, end } => {
+                        data(slot).get(start..end).unwrap_or_default()
+                    }
+                    Seg::Pad(n) => &[0u8; 3][..n.min(3)],
+                };
+                let skip = if i == 0 { self.head.min(b.len()) } else { 0 };
+                std::io::IoSlice::new(&b[skip..])
+            })
+            .collect()
+    }
+    /// `n` more bytes were written.
+    fn advance(&mut self, mut n: usize) {
+        while n > 0 {
+            let Some(seg) = self.segs.get(self.first) else {
+                return;
+            };
+            let left = seg.len() - self.head;
+            if n >= left {
+                n -= left;
+                self.first += 1;
+                self.head = 0;
+            } else {
+                self.head += n;
+                n = 0;
+            }
+        }
+    }
+    #[cfg(test)]
+    fn render<'a>(&'a self, data: impl Fn(usize) -> &'a [u8]) -> Vec<u8> {
+        self.slices(data)
+            .iter()
+            .flat_map(|s| s.iter().copied())
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -1108,9 +1214,36 @@ mod tests {
     }
 
     #[test]
+    fn outbox_resumes_partial_writes_anywhere() {
+        let data: Vec<u8> = (0..1001u32).map(|i| i as u8).collect();
+        let build = || {
+            let mut o = Outbox::default();
+            o.push_bytes(b"header-1");
+            o.push_bytes(b"+more");
+            o.push_slot(0, 0, 1001); // 1001 bytes + 3 bytes of padding
+            o.push_bytes(b"header-2");
+            o
+        };
+        let whole = build().render(|_| &data);
+        assert_eq!(whole.len(), 13 + 1001 + 3 + 8);
+        assert_eq!(&whole[13..1014], &data[..]);
+        assert_eq!(&whole[1014..1017], &[0, 0, 0]);
+        for n in [0, 1, 12, 13, 500, 1014, 1015, 1017, 1024, 1025] {
+            let mut o = build();
+            o.advance(n);
+            assert_eq!(
+                o.render(|_| &data),
+                &whole[n.min(whole.len())..],
+                "after {n}"
+            );
+            assert_eq!(o.is_empty(), n >= whole.len());
+        }
+    }
+
+    #[test]
     fn data_out_segments_respect_mrdsl() {
         let data = vec![7u8; 10_000];
-        let mut out = Vec::new();
+        let mut outbox = Outbox::default();
         let seq = DataOutSeq {
             lun: Lun::from_number(0),
             itt: Itt(5),
@@ -1118,7 +1251,8 @@ mod tests {
             exp_stat_sn: StatSn(3),
             mrdsl: 4096,
         };
-        push_data_out(&mut out, &seq, &data, 1000, 10_000);
+        push_data_out(&mut outbox, &seq, 0, 1000, 10_000);
+        let out = outbox.render(|_| &data);
         // 9000 bytes: 4096 + 4096 + 808.
         assert_eq!(out.len(), 3 * 48 + 4096 + 4096 + 808);
         let mut at = 0;
