@@ -118,3 +118,29 @@ pub async fn drain(
     }
     out
 }
+
+/// Wait (up to 30 s) until a background I/O task has completed 10 more commands than `before`
+/// by its counter `done`; fail at once, with its error, if the task ended.
+pub async fn wait_for_progress<T, E: std::fmt::Debug>(
+    done: &std::sync::atomic::AtomicU64,
+    before: u64,
+    io: &mut tokio::task::JoinHandle<Result<T, E>>,
+) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while done.load(Relaxed) < before + 10 {
+        if io.is_finished() {
+            let r = io.await.map(|r| r.map(|_| ()));
+            panic!(
+                "the background I/O ended after {} commands: {r:?}",
+                done.load(Relaxed)
+            );
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the background I/O completed {} of 10 commands in 30 s",
+            done.load(Relaxed) - before
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
