@@ -120,15 +120,7 @@ async fn send_write(c: &mut Client, lba: u64, len: u32, data: Bytes) -> (Itt, Cm
 }
 
 async fn wait_stuck(ctl: &FaultControl, n: usize) {
-    let t0 = std::time::Instant::now();
-    while ctl.stuck_now() != n {
-        assert!(
-            t0.elapsed() < WAIT,
-            "{} I/Os stuck, waiting for {n}",
-            ctl.stuck_now()
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    support::wait_stuck_until(ctl, |s| s == n, &format!("waiting for {n} stuck I/Os")).await;
 }
 
 /// Receive until the final status of `itt`; returns it and everything else seen.

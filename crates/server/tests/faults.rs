@@ -115,30 +115,19 @@ async fn send_read(c: &mut Client, lun: u64, lba: u64, blocks: u32) -> (Itt, Cmd
 }
 
 async fn wait_stuck(ctl: &FaultControl, n: usize) {
-    let t0 = std::time::Instant::now();
-    while ctl.stuck_now() < n {
-        assert!(
-            t0.elapsed() < WAIT,
-            "only {} of {n} I/Os got stuck",
-            ctl.stuck_now()
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    support::wait_stuck_until(
+        ctl,
+        |s| s >= n,
+        &format!("waiting for {n} I/Os to get stuck"),
+    )
+    .await;
 }
 
 /// Wait until no I/O is stuck in the device any more. An abort or reset only cancels the
 /// task; the stuck I/O is dropped when the cancelled task is next polled, which can be just
 /// after the TMF response went out.
 async fn wait_unstuck(ctl: &FaultControl, what: &str) {
-    let t0 = std::time::Instant::now();
-    while ctl.stuck_now() != 0 {
-        assert!(
-            t0.elapsed() < WAIT,
-            "{what}: {} I/Os still stuck {WAIT:?} after it",
-            ctl.stuck_now()
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    support::wait_stuck_until(ctl, |s| s == 0, what).await;
 }
 
 /// ITTs of every final status seen in `pdus` (SCSI Response, or Data-In with status).

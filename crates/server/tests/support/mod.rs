@@ -144,3 +144,21 @@ pub async fn wait_for_progress<T, E: std::fmt::Debug>(
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
 }
+
+/// Wait (up to 10 s) until the number of I/Os stuck in a fault backend satisfies `want`;
+/// `what` says what is awaited in the failure message.
+pub async fn wait_stuck_until(
+    ctl: &ironsan_backend::FaultControl,
+    want: impl Fn(usize) -> bool,
+    what: &str,
+) {
+    let t0 = std::time::Instant::now();
+    while !want(ctl.stuck_now()) {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "{what}: {} I/Os stuck after 10 s",
+            ctl.stuck_now()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}
