@@ -45,8 +45,8 @@ pub fn main(a: LoadArgs) -> Result<()> {
     let url = Url::parse(&a.url).map_err(|e| anyhow!(e))?;
     let pattern = Pattern::parse(&a.rw)
         .ok_or_else(|| anyhow!("--rw {:?}: want randread, read, randwrite or write", a.rw))?;
-    if !(a.time.is_finite() && a.time > 0.0) {
-        bail!("--time must be a positive number of seconds");
+    if !(a.time.is_finite() && a.time > 0.0 && a.time <= 1e7) {
+        bail!("--time must be a positive number of seconds (at most 10^7)");
     }
     let mut spec = Spec::new(pattern, a.bs, a.queue_depth);
     spec.sessions = a.sessions;

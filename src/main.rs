@@ -485,6 +485,10 @@ fn start_control(
 }
 
 fn main() -> Result<()> {
+    // Before any thread exists: command buffers below 1 MiB are reused from the heap (up to
+    // 16 MiB kept free per allocator arena) instead of being fresh, page-faulting mmaps each
+    // time; RAM LUN chunks (1 MiB) keep their own mappings.
+    let tuned = ironsan_backend::keep_io_buffers(1 << 20, 16 << 20);
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Serve(args) => {
@@ -496,10 +500,8 @@ fn main() -> Result<()> {
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::stderr().is_terminal())
                 .init();
-            // Command buffers up to 8 MiB are reused from the heap (up to 64 MiB kept free
-            // per allocator arena) instead of being fresh, page-faulting mmaps each time.
-            if !ironsan_backend::keep_io_buffers(8 << 20, 64 << 20) {
-                tracing::warn!("glibc refused the allocator settings for I/O buffers");
+            if !tuned {
+                tracing::warn!("the allocator settings for I/O buffers were not applied");
             }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

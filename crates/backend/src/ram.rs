@@ -18,9 +18,10 @@ const CHUNK: u64 = 1 << CHUNK_SHIFT;
 const SHARDS: usize = 64;
 
 /// Reads at least this long (within one allocated chunk) share the chunk instead of copying.
-/// Smaller reads copy: the copy is cheap and a shared chunk makes the next write to it copy
-/// the whole chunk.
-const ZERO_COPY_MIN: usize = 64 * 1024;
+/// Smaller reads copy: the copy is cheap, a shared chunk makes the next write to it copy the
+/// whole chunk, and a read holding a chunk keeps a whole chunk alive while the transmit budget
+/// counts only the read's length (at this size at most 4x what the budget says).
+const ZERO_COPY_MIN: usize = CHUNK as usize / 4;
 
 type Chunk = Arc<Box<[u8]>>;
 

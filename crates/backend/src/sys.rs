@@ -209,18 +209,31 @@ pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Re
     Ok(Some(ret as u64))
 }
 
-/// Make glibc's allocator keep freed I/O buffers up to `max_buffer` bytes for reuse instead of
+/// Make glibc's allocator keep freed I/O buffers below `max_buffer` bytes for reuse instead of
 /// returning them to the kernel, keeping up to `retain` bytes of free memory per arena.
 ///
 /// By default glibc serves allocations above its (dynamic) mmap threshold with fresh `mmap`s
 /// and trims free memory above a few MiB, so every large command buffer (a 512 KiB write's
 /// Data-Out, a large read) came as new pages: 128 page faults and a kernel page-zeroing per
-/// 512 KiB, about a fifth of the target's CPU at 512K writes. `false` if glibc refused a value
-/// (nothing else depends on it).
+/// 512 KiB, about a fifth of the target's CPU at 512K writes. Allocations of `max_buffer` or
+/// more (the RAM backend's 1 MiB chunks) still get their own mappings, so freeing them gives
+/// the memory back.
+///
+/// glibc documents `mallopt` as unsafe to call while other threads use the allocator, so
+/// this does nothing and returns `false` unless the process has a single thread (call it
+/// first thing in `main`); `false` too if glibc refused a value. Nothing depends on it.
 pub fn keep_io_buffers(max_buffer: usize, retain: usize) -> bool {
+    let single_threaded = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .any(|l| l.split_whitespace().eq(["Threads:", "1"].iter().copied()))
+    });
+    if !single_threaded {
+        return false;
+    }
     let as_int = |v: usize| libc::c_int::try_from(v).unwrap_or(libc::c_int::MAX);
-    // SAFETY: mallopt only sets allocator parameters from two integers; it reads and writes
-    // no memory of ours and glibc takes its own locks, so it is safe at any time.
+    // SAFETY: mallopt only sets allocator parameters from two integers and reads or writes no
+    // memory of ours; the process has one thread (checked above), so no other thread is in
+    // the allocator while the parameters change.
     let mmap = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, as_int(max_buffer)) };
     // SAFETY: as above.
     let trim = unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, as_int(retain)) };

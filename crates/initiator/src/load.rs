@@ -237,6 +237,9 @@ pub struct Report {
     pub cpu: Duration,
     pub block_size: u32,
     pub blocks: u64,
+    /// When the first command was sent and the last answer came, over all sessions.
+    first_sent: Option<Instant>,
+    last_done: Option<Instant>,
 }
 
 impl Report {
@@ -253,7 +256,14 @@ impl Report {
         self.first_failure = self.first_failure.take().or(o.first_failure);
         self.verify_failures += o.verify_failures;
         self.first_verify_failure = self.first_verify_failure.take().or(o.first_verify_failure);
-        self.elapsed = self.elapsed.max(o.elapsed);
+        self.first_sent = match (self.first_sent, o.first_sent) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.last_done = self.last_done.max(o.last_done);
+        if let (Some(a), Some(b)) = (self.first_sent, self.last_done) {
+            self.elapsed = b.saturating_duration_since(a);
+        }
         self.latency.merge(&o.latency);
         self.block_size = o.block_size;
         self.blocks = o.blocks;
@@ -302,10 +312,10 @@ pub async fn run(url: &Url, spec: &Spec) -> Result<Report> {
             .map_err(|e| Error::Protocol(format!("session task: {e}")))??;
         report.merge(r);
     }
-    report.elapsed = report
-        .elapsed
-        .max(Duration::from_nanos(1))
-        .min(t0.elapsed());
+    report.elapsed = report.elapsed.clamp(
+        Duration::from_nanos(1),
+        t0.elapsed().max(Duration::from_nanos(1)),
+    );
     report.cpu = process_cpu().saturating_sub(cpu0);
     Ok(report)
 }
@@ -350,6 +360,8 @@ enum Rx {
 }
 
 const RX_BUF: usize = 256 * 1024;
+/// A session that receives nothing for this long while it waits for answers fails.
+const SILENCE_LIMIT: Duration = Duration::from_secs(30);
 /// Largest data segment kept for a PDU other than Data-In.
 const SMALL_MAX: usize = 64 * 1024;
 
@@ -398,8 +410,11 @@ impl Session {
     async fn login(url: &Url, spec: &Spec, index: u32) -> Result<Session> {
         let mut o = LoginOptions::new(Some(&url.target));
         o.initiator_name = spec.initiator_name.clone();
-        let i = index.to_be_bytes();
-        o.isid = Isid([0x80, 0x4c, i[0], i[1], i[2], i[3]]);
+        // Random-qualifier format (0x80) with this process's id and the session index, so two
+        // runs at once do not reinstate each other's sessions.
+        let pid = (std::process::id() as u16).to_be_bytes();
+        let i = (index as u16).to_be_bytes();
+        o.isid = Isid([0x80, 0x4c, pid[0], pid[1], i[0], i[1]]);
         // What libiscsi offers, so both load generators see the same limits.
         o.max_recv_data_segment_length = 262_144;
         o.first_burst_length = 262_144;
@@ -438,6 +453,11 @@ impl Session {
             return Err(Error::Protocol(format!(
                 "I/O size {} is not a multiple of the block size {block_size}",
                 spec.io_bytes
+            )));
+        }
+        if spec.verify && block_size < 16 {
+            return Err(Error::Protocol(format!(
+                "--verify needs blocks of at least 16 bytes, the LUN has {block_size}"
             )));
         }
         let bpc = u64::from(spec.io_bytes / block_size);
@@ -712,8 +732,18 @@ impl Session {
                 let io = self.spec.io_bytes;
                 let end = r
                     .buffer_offset
-                    .saturating_add(r.desired_data_transfer_length)
-                    .min(io);
+                    .saturating_add(r.desired_data_transfer_length);
+                if !self.spec.pattern.write() || r.desired_data_transfer_length == 0 || end > io {
+                    return Err(Error::Protocol(format!(
+                        "R2T for bytes {}..{end} of a {io}-byte {}",
+                        r.buffer_offset,
+                        if self.spec.pattern.write() {
+                            "write"
+                        } else {
+                            "read"
+                        }
+                    )));
+                }
                 push_data_out(
                     &mut self.out,
                     &DataOutSeq {
@@ -750,7 +780,8 @@ impl Session {
                 self.other_data(h, len, pad)
             }
             Header::AsyncMessage(ref a) => {
-                self.note_sn(&a.sn, false);
+                // An Asynchronous Message carries a StatSN of its own (RFC 7143 §11.9).
+                self.note_sn(&a.sn, true);
                 // Logout requested, connection or session dropped: stop issuing.
                 if matches!(a.async_event, 1..=3) {
                     self.stop = true;
@@ -931,6 +962,11 @@ impl Session {
                 .out
                 .slices(|slot| slots.get(slot).map_or(&[][..], |s| &s.wbuf));
             match self.stream.try_write_vectored(&iov) {
+                Ok(0) => {
+                    return Err(Error::Protocol(
+                        "the socket took no bytes of a non-empty write".into(),
+                    ))
+                }
                 Ok(n) => {
                     drop(iov);
                     self.out.advance(n);
@@ -948,6 +984,8 @@ impl Session {
         let (mut start, mut end) = (0usize, 0usize);
         let mut rx = Rx::Header;
         self.deadline = Instant::now() + self.spec.duration;
+        // However long the run, a target that stops answering ends it with an error.
+        let mut silent_since = tokio::time::Instant::now();
         for slot in 0..self.slots.len() {
             self.issue(slot);
         }
@@ -988,6 +1026,16 @@ impl Session {
                 // Some targets (istgt) may close instead of answering the Logout: with every
                 // command answered, the run is complete all the same.
                 Ok(0) if self.logout_sent && self.idle() => break,
+                Err(e)
+                    if self.logout_sent
+                        && self.idle()
+                        && matches!(
+                            e.kind(),
+                            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                        ) =>
+                {
+                    break
+                }
                 Ok(0) => {
                     return Err(Error::Protocol(format!(
                         "the target closed the connection after {} of {} commands completed \
@@ -1004,6 +1052,7 @@ impl Session {
                 }
                 Ok(n) => {
                     end += n;
+                    silent_since = tokio::time::Instant::now();
                     self.receive(&mut rx, &buf, &mut start, end)?;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -1012,14 +1061,35 @@ impl Session {
                     } else {
                         Interest::READABLE | Interest::WRITABLE
                     };
-                    self.stream.ready(interest).await?;
+                    let give_up = silent_since + SILENCE_LIMIT;
+                    match tokio::time::timeout_at(give_up, self.stream.ready(interest)).await {
+                        Ok(r) => {
+                            r?;
+                        }
+                        Err(_) => {
+                            return Err(Error::Protocol(format!(
+                                "the target sent nothing for {SILENCE_LIMIT:?} with {} commands \
+                                 in flight ({} of {} completed; {})",
+                                self.slots.iter().filter(|s| s.busy).count(),
+                                self.report.ios,
+                                self.issued,
+                                if self.logout_sent {
+                                    "waiting for the Logout response"
+                                } else {
+                                    "before logout"
+                                }
+                            )))
+                        }
+                    }
                 }
                 Err(e) => return Err(e.into()),
             }
         }
         let mut r = self.report;
+        r.first_sent = self.started;
+        r.last_done = self.last_done;
         if let (Some(a), Some(b)) = (self.started, self.last_done) {
-            r.elapsed = b - a;
+            r.elapsed = b.saturating_duration_since(a);
         }
         r.block_size = self.block_size;
         r.blocks = self.blocks;
@@ -1095,6 +1165,9 @@ struct Outbox {
     head: usize,
 }
 
+/// Written segments kept before the outbox is compacted.
+const COMPACT_AFTER: usize = 1024;
+
 /// Most slices handed to one `writev` (IOV_MAX is 1024).
 const MAX_IOV: usize = 512;
 
@@ -1132,9 +1205,16 @@ impl Outbox {
     }
     /// The unwritten bytes as slices; `data(slot)` is that slot's write buffer.
     fn slices<'a>(&'a self, data: impl Fn(usize) -> &'a [u8]) -> Vec<std::io::IoSlice<'a>> {
+        self.slices_upto(MAX_IOV, data)
+    }
+    fn slices_upto<'a>(
+        &'a self,
+        limit: usize,
+        data: impl Fn(usize) -> &'a [u8],
+    ) -> Vec<std::io::IoSlice<'a>> {
         let segs = self.segs.get(self.first..).unwrap_or_default();
         segs.iter()
-            .take(MAX_IOV)
+            .take(limit)
             .enumerate()
             .map(|(i, seg)| {
                 let b: &[u8] = match *seg {
@@ -1148,6 +1228,29 @@ impl Outbox {
                 std::io::IoSlice::new(&b[skip..])
             })
             .collect()
+    }
+    /// Drop what was written so a socket that never drains completely does not make the
+    /// outbox grow without bound.
+    fn compact(&mut self) {
+        let rest: Vec<Seg> = self.segs.drain(self.first..).collect();
+        let old = std::mem::take(&mut self.bytes);
+        self.segs.clear();
+        self.first = 0;
+        let head = std::mem::take(&mut self.head);
+        for (i, seg) in rest.into_iter().enumerate() {
+            let skip = if i == 0 { head } else { 0 };
+            match seg {
+                Seg::Own { start, end } => {
+                    self.push_bytes(old.get(start + skip..end).unwrap_or_default())
+                }
+                Seg::Slot { slot, start, end } => self.segs.push(Seg::Slot {
+                    slot,
+                    start: start + skip,
+                    end,
+                }),
+                Seg::Pad(n) => self.segs.push(Seg::Pad(n - skip)),
+            }
+        }
     }
     /// `n` more bytes were written.
     fn advance(&mut self, mut n: usize) {
@@ -1165,10 +1268,13 @@ impl Outbox {
                 n = 0;
             }
         }
+        if self.first >= COMPACT_AFTER {
+            self.compact();
+        }
     }
     #[cfg(test)]
     fn render<'a>(&'a self, data: impl Fn(usize) -> &'a [u8]) -> Vec<u8> {
-        self.slices(data)
+        self.slices_upto(usize::MAX, data)
             .iter()
             .flat_map(|s| s.iter().copied())
             .collect()
@@ -1238,6 +1344,30 @@ mod tests {
             );
             assert_eq!(o.is_empty(), n >= whole.len());
         }
+    }
+
+    #[test]
+    fn outbox_compacts_what_was_written() {
+        let data = vec![9u8; 10];
+        let mut o = Outbox::default();
+        let mut whole = Vec::new();
+        for i in 0..1500u32 {
+            o.push_bytes(&i.to_be_bytes());
+            o.push_slot(0, 0, 10);
+            whole.extend_from_slice(&i.to_be_bytes());
+            whole.extend_from_slice(&data);
+            whole.extend_from_slice(&[0, 0]);
+        }
+        // Past 1024 segments, mid-way into a header: compacted, the rest unchanged.
+        let n = 700 * 16 + 2;
+        o.advance(n);
+        assert!(o.first < COMPACT_AFTER && o.bytes.len() < 1500 * 4);
+        assert!(
+            o.render(|_| &data) == whole[n..],
+            "compaction changed the bytes"
+        );
+        o.advance(whole.len() - n);
+        assert!(o.is_empty());
     }
 
     #[test]
