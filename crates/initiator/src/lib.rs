@@ -52,6 +52,60 @@ pub fn write16_cdb(lba: u64, blocks: u32) -> [u8; 16] {
     cdb
 }
 
+/// A SCSI Command with the F bit and the simple task attribute, reading or writing `edtl`
+/// bytes; ITT and numbers are filled in by [`Client::send_command`].
+fn simple_command(lun: u64, write: bool, edtl: u32, cdb: [u8; 16]) -> ScsiCommand {
+    ScsiCommand {
+        final_bit: true,
+        read: !write,
+        write,
+        attr: TaskAttr::SIMPLE,
+        lun: Lun::from_number(lun),
+        expected_data_transfer_length: edtl,
+        cdb,
+        ..Default::default()
+    }
+}
+
+/// The fields every Data-Out PDU of one sequence shares (RFC 7143 §11.7): one R2T's, or the
+/// unsolicited data's (TTT 0xffffffff).
+pub(crate) struct DataOutSeq {
+    pub lun: Lun,
+    pub itt: Itt,
+    pub ttt: Ttt,
+    pub exp_stat_sn: StatSn,
+    /// The target's MaxRecvDataSegmentLength.
+    pub mrdsl: u32,
+}
+
+impl DataOutSeq {
+    /// Bytes `start..end` of the command's data as Data-Out headers with their data length:
+    /// DataSN from 0, at most `mrdsl` bytes each, F on the last.
+    pub fn pdus(&self, start: u32, end: u32) -> impl Iterator<Item = (DataOut, u32)> + '_ {
+        let mrdsl = self.mrdsl.max(1);
+        let mut off = start;
+        let mut sn = 0;
+        std::iter::from_fn(move || {
+            if off >= end {
+                return None;
+            }
+            let len = (end - off).min(mrdsl);
+            let d = DataOut {
+                final_bit: off + len == end,
+                lun: self.lun,
+                itt: self.itt,
+                ttt: self.ttt,
+                exp_stat_sn: self.exp_stat_sn,
+                data_sn: DataSn(sn),
+                buffer_offset: off,
+            };
+            off += len;
+            sn += 1;
+            Some((d, len))
+        })
+    }
+}
+
 /// What to offer at login.
 #[derive(Clone, Debug)]
 pub struct LoginOptions {
@@ -697,8 +751,8 @@ impl Client {
         }
     }
 
-    /// Send `out[start..end]` as one Data-Out sequence (DataSN from 0, F on the last PDU),
-    /// in PDUs of at most the target's MaxRecvDataSegmentLength.
+    /// Send `out[start..end]` as one Data-Out sequence in PDUs of at most the target's
+    /// MaxRecvDataSegmentLength ([`DataOutSeq::pdus`]).
     async fn send_data_out(
         &mut self,
         lun: u64,
@@ -708,26 +762,17 @@ impl Client {
         start: u32,
         end: u32,
     ) -> Result<()> {
-        let mut off = start;
-        let mut sn = 0;
-        while off < end {
-            let len = (end - off).min(self.target_mrdsl);
-            let d = DataOut {
-                final_bit: off + len == end,
-                lun: Lun::from_number(lun),
-                itt,
-                ttt,
-                exp_stat_sn: self.exp_stat_sn,
-                data_sn: DataSn(sn),
-                buffer_offset: off,
-            };
-            self.send(
-                Header::DataOut(d),
-                out.slice(off as usize..(off + len) as usize),
-            )
-            .await?;
-            off += len;
-            sn += 1;
+        let seq = DataOutSeq {
+            lun: Lun::from_number(lun),
+            itt,
+            ttt,
+            exp_stat_sn: self.exp_stat_sn,
+            mrdsl: self.target_mrdsl,
+        };
+        for (d, len) in seq.pdus(start, end) {
+            let off = d.buffer_offset as usize;
+            self.send(Header::DataOut(d), out.slice(off..off + len as usize))
+                .await?;
         }
         Ok(())
     }
@@ -787,15 +832,7 @@ impl Client {
         blocks: u32,
         block_size: u32,
     ) -> Result<(Itt, CmdSn)> {
-        let cmd = ScsiCommand {
-            final_bit: true,
-            read: true,
-            attr: TaskAttr::SIMPLE,
-            lun: Lun::from_number(lun),
-            expected_data_transfer_length: blocks * block_size,
-            cdb: read16_cdb(lba, blocks),
-            ..Default::default()
-        };
+        let cmd = simple_command(lun, false, blocks * block_size, read16_cdb(lba, blocks));
         self.send_command(cmd, Bytes::new()).await
     }
 
@@ -811,15 +848,7 @@ impl Client {
         block_size: u32,
         data: Bytes,
     ) -> Result<(Itt, CmdSn)> {
-        let cmd = ScsiCommand {
-            final_bit: true,
-            write: true,
-            attr: TaskAttr::SIMPLE,
-            lun: Lun::from_number(lun),
-            expected_data_transfer_length: len,
-            cdb: write16_cdb(lba, len / block_size),
-            ..Default::default()
-        };
+        let cmd = simple_command(lun, true, len, write16_cdb(lba, len / block_size));
         self.send_command(cmd, data).await
     }
 

@@ -15,9 +15,11 @@
 //! stamps of every block read, so a write pass followed by a read pass proves the data path
 //! end to end.
 
-use crate::{read16_cdb, write16_cdb, ChapOptions, Client, Error, LoginOptions, Result};
+use crate::{
+    read16_cdb, write16_cdb, ChapOptions, Client, DataOutSeq, Error, LoginOptions, Result,
+};
 use ironsan_proto::pdu::*;
-use ironsan_proto::{CmdSn, DataSn, StatSn};
+use ironsan_proto::{CmdSn, StatSn};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 use tokio::io::Interest;
@@ -261,9 +263,6 @@ impl Report {
             (a, b) => a.or(b),
         };
         self.last_done = self.last_done.max(o.last_done);
-        if let (Some(a), Some(b)) = (self.first_sent, self.last_done) {
-            self.elapsed = b.saturating_duration_since(a);
-        }
         self.latency.merge(&o.latency);
         self.block_size = o.block_size;
         self.blocks = o.blocks;
@@ -300,7 +299,6 @@ pub async fn run(url: &Url, spec: &Spec) -> Result<Report> {
         conns.push(Session::login(url, spec, i).await?);
     }
     let cpu0 = process_cpu();
-    let t0 = Instant::now();
     let mut runs = Vec::new();
     for c in conns {
         runs.push(tokio::spawn(c.drive()));
@@ -312,10 +310,10 @@ pub async fn run(url: &Url, spec: &Spec) -> Result<Report> {
             .map_err(|e| Error::Protocol(format!("session task: {e}")))??;
         report.merge(r);
     }
-    report.elapsed = report.elapsed.clamp(
-        Duration::from_nanos(1),
-        t0.elapsed().max(Duration::from_nanos(1)),
-    );
+    report.elapsed = match (report.first_sent, report.last_done) {
+        (Some(a), Some(b)) => b.saturating_duration_since(a),
+        _ => Duration::ZERO,
+    };
     report.cpu = process_cpu().saturating_sub(cpu0);
     Ok(report)
 }
@@ -343,20 +341,20 @@ struct Slot {
 enum Rx {
     /// Waiting for a header.
     Header,
-    /// Data-In for `slot`: `left` data bytes then `pad` bytes; `status` if S was set.
+    /// Receiving a data segment: `left` data bytes, then `pad` bytes of padding.
+    Data { kind: Kind, left: usize, pad: usize },
+}
+
+/// Whose data segment is being received.
+enum Kind {
+    /// Data-In for `slot` (checked in place, never copied); `status` if S was set.
     DataIn {
         slot: usize,
-        left: usize,
-        pad: usize,
         status: Option<u8>,
         residual: Residual,
     },
-    /// Another PDU with a data segment (sense, reject, ping data), collected into `small`.
-    Other {
-        header: Box<Header>,
-        left: usize,
-        pad: usize,
-    },
+    /// Any other PDU (sense, reject, ping data), its data collected into `small`.
+    Other(Box<Header>),
 }
 
 const RX_BUF: usize = 256 * 1024;
@@ -370,7 +368,6 @@ struct Session {
     spec: Spec,
     lun: Lun,
     block_size: u32,
-    blocks: u64,
     /// Blocks per command.
     bpc: u64,
     /// Command-sized positions on the LUN.
@@ -393,8 +390,6 @@ struct Session {
     logout_sent: bool,
     logged_out: bool,
     deadline: Instant,
-    started: Option<Instant>,
-    last_done: Option<Instant>,
     small: Vec<u8>,
     report: Report,
 }
@@ -484,7 +479,6 @@ impl Session {
             spec: spec.clone(),
             lun: Lun::from_number(url.lun),
             block_size,
-            blocks,
             bpc,
             span,
             // Sequential streams of several sessions start spread over the LUN.
@@ -505,10 +499,12 @@ impl Session {
             logout_sent: false,
             logged_out: false,
             deadline: Instant::now(),
-            started: None,
-            last_done: None,
             small: Vec::new(),
-            report: Report::default(),
+            report: Report {
+                block_size,
+                blocks,
+                ..Report::default()
+            },
             stream: c.into_stream()?,
         })
     }
@@ -612,8 +608,8 @@ impl Session {
             unsolicited_end,
         );
         s.start = Some(Instant::now());
-        if self.started.is_none() {
-            self.started = s.start;
+        if self.report.first_sent.is_none() {
+            self.report.first_sent = s.start;
         }
     }
 
@@ -636,7 +632,7 @@ impl Session {
             Ok(()) => self.report.bytes += io,
             Err(e) => failure(&mut self.report, || e.to_string()),
         }
-        self.last_done = Some(now);
+        self.report.last_done = Some(now);
         if now >= self.deadline {
             self.stop = true;
         }
@@ -718,12 +714,14 @@ impl Session {
                     return Err(Error::Protocol("Data-In beyond the transfer length".into()));
                 }
                 self.note_sn(&d.sn, d.status.is_some());
-                Ok(Rx::DataIn {
-                    slot,
+                Ok(Rx::Data {
+                    kind: Kind::DataIn {
+                        slot,
+                        status: d.status,
+                        residual: d.residual,
+                    },
                     left: len,
                     pad,
-                    status: d.status,
-                    residual: d.residual,
                 })
             }
             Header::R2t(ref r) => {
@@ -808,48 +806,45 @@ impl Session {
             )));
         }
         self.small.clear();
-        let rx = Rx::Other {
-            header: Box::new(h),
+        Ok(Rx::Data {
+            kind: Kind::Other(Box::new(h)),
             left: len,
             pad,
-        };
-        if len == 0 {
-            self.pdu_done(rx);
-            return Ok(Rx::Header);
+        })
+    }
+
+    /// The outcome of a read on `slot` that ended with GOOD: all its data, no residual.
+    fn read_outcome(&self, slot: usize, residual: Residual) -> Result<()> {
+        let received = self.slots.get(slot).map_or(0, |s| s.received);
+        if received == self.spec.io_bytes && residual == Residual::None {
+            return Ok(());
         }
-        Ok(rx)
+        Err(Error::Protocol(format!(
+            "read returned {received} of {} bytes ({residual:?})",
+            self.spec.io_bytes
+        )))
     }
 
     /// The PDU whose data segment ended: complete its command.
-    fn pdu_done(&mut self, rx: Rx) {
-        match rx {
-            Rx::Header => {}
-            Rx::DataIn {
+    fn pdu_done(&mut self, kind: Kind) {
+        let (slot, ok) = match kind {
+            Kind::DataIn {
                 slot,
                 status,
                 residual,
-                ..
-            } => {
-                let Some(status) = status else { return };
-                let received = self.slots.get(slot).map_or(0, |s| s.received);
-                let ok = if status != 0 {
-                    Err(Error::Protocol(format!("status {status:#04x} in Data-In")))
-                } else if received != self.spec.io_bytes || residual != Residual::None {
-                    Err(Error::Protocol(format!(
-                        "read returned {received} of {} bytes ({residual:?})",
-                        self.spec.io_bytes
-                    )))
-                } else {
-                    Ok(())
-                };
-                self.complete(slot, ok);
-            }
-            Rx::Other { header, .. } => {
+            } => match status {
+                None => return,
+                Some(0) => (slot, self.read_outcome(slot, residual)),
+                Some(status) => (
+                    slot,
+                    Err(Error::Protocol(format!("status {status:#04x} in Data-In"))),
+                ),
+            },
+            Kind::Other(header) => {
                 let Header::ScsiResponse(r) = *header else {
                     return;
                 };
                 let slot = r.itt.0 as usize;
-                let received = self.slots.get(slot).map_or(0, |s| s.received);
                 let ok = if r.response != ServiceResponse::COMMAND_COMPLETED || r.status != 0 {
                     // Sense data: SenseLength, then fixed format (key at 2, ASC/ASCQ at 12).
                     let sense = self.small.get(2..).unwrap_or_default();
@@ -862,19 +857,15 @@ impl Session {
                         key(12),
                         key(13)
                     )))
-                } else if !self.spec.pattern.write()
-                    && (received != self.spec.io_bytes || r.residual != Residual::None)
-                {
-                    Err(Error::Protocol(format!(
-                        "read returned {received} of {} bytes ({:?})",
-                        self.spec.io_bytes, r.residual
-                    )))
-                } else {
+                } else if self.spec.pattern.write() {
                     Ok(())
+                } else {
+                    self.read_outcome(slot, r.residual)
                 };
-                self.complete(slot, ok);
+                (slot, ok)
             }
-        }
+        };
+        self.complete(slot, ok);
     }
 
     /// Parse whole headers and any data from `buf[*start..end]`; leaves a partial header.
@@ -895,54 +886,34 @@ impl Session {
                     *start += BHS_LEN + ahs;
                     *rx = self.header(&bhs)?;
                 }
-                Rx::DataIn {
-                    slot, left, pad, ..
-                } => {
-                    if *left == 0 && *pad == 0 {
-                        // An empty Data-In (status only).
-                        let done = std::mem::replace(rx, Rx::Header);
-                        self.pdu_done(done);
-                        continue;
-                    }
-                    if avail == 0 {
+                Rx::Data { kind, left, pad } => {
+                    if *left + *pad > 0 && avail == 0 {
                         return Ok(());
                     }
                     let take = (*left).min(avail);
-                    if take > 0 {
-                        let chunk = &buf[*start..*start + take];
-                        let s = *slot;
-                        let off = self.slots.get(s).map_or(0, |x| x.received);
-                        if self.spec.verify {
-                            self.verify(s, off, chunk);
+                    let chunk = &buf[*start..*start + take];
+                    match kind {
+                        Kind::DataIn { slot, .. } => {
+                            let s = *slot;
+                            let off = self.slots.get(s).map_or(0, |x| x.received);
+                            if self.spec.verify {
+                                self.verify(s, off, chunk);
+                            }
+                            if let Some(x) = self.slots.get_mut(s) {
+                                x.received += take as u32;
+                            }
                         }
-                        if let Some(x) = self.slots.get_mut(s) {
-                            x.received += take as u32;
-                        }
-                        *left -= take;
-                        *start += take;
+                        Kind::Other(_) => self.small.extend_from_slice(chunk),
                     }
-                    let skip = (*pad).min(end - *start);
-                    *pad -= skip;
-                    *start += skip;
-                    if *left == 0 && *pad == 0 {
-                        let done = std::mem::replace(rx, Rx::Header);
-                        self.pdu_done(done);
-                    }
-                }
-                Rx::Other { left, pad, .. } => {
-                    if avail == 0 {
-                        return Ok(());
-                    }
-                    let take = (*left).min(avail);
-                    self.small.extend_from_slice(&buf[*start..*start + take]);
                     *left -= take;
                     *start += take;
                     let skip = (*pad).min(end - *start);
                     *pad -= skip;
                     *start += skip;
                     if *left == 0 && *pad == 0 {
-                        let done = std::mem::replace(rx, Rx::Header);
-                        self.pdu_done(done);
+                        if let Rx::Data { kind, .. } = std::mem::replace(rx, Rx::Header) {
+                            self.pdu_done(kind);
+                        }
                     }
                 }
             }
@@ -1085,49 +1056,19 @@ impl Session {
                 Err(e) => return Err(e.into()),
             }
         }
-        let mut r = self.report;
-        r.first_sent = self.started;
-        r.last_done = self.last_done;
-        if let (Some(a), Some(b)) = (self.started, self.last_done) {
-            r.elapsed = b.saturating_duration_since(a);
-        }
-        r.block_size = self.block_size;
-        r.blocks = self.blocks;
-        Ok(r)
+        Ok(self.report)
     }
 }
 
-/// One Data-Out sequence's constant fields.
-struct DataOutSeq {
-    lun: Lun,
-    itt: Itt,
-    ttt: Ttt,
-    exp_stat_sn: StatSn,
-    mrdsl: u32,
-}
-
-/// Append bytes `start..end` of `slot`'s write buffer as Data-Out PDUs (DataSN from 0, at most
-/// `mrdsl` each, F on the last; RFC 7143 §11.7).
+/// Append bytes `start..end` of `slot`'s write buffer as Data-Out PDUs
+/// ([`DataOutSeq::pdus`]): headers copied, payload referenced.
 fn push_data_out(out: &mut Outbox, seq: &DataOutSeq, slot: usize, start: u32, end: u32) {
-    let mut off = start;
-    let mut sn = 0;
-    while off < end {
-        let len = (end - off).min(seq.mrdsl);
-        let d = DataOut {
-            final_bit: off + len == end,
-            lun: seq.lun,
-            itt: seq.itt,
-            ttt: seq.ttt,
-            exp_stat_sn: seq.exp_stat_sn,
-            data_sn: DataSn(sn),
-            buffer_offset: off,
-        };
+    for (d, len) in seq.pdus(start, end) {
+        let off = d.buffer_offset;
         let mut bhs = Header::DataOut(d).encode();
         bhs.set_lengths(0, len);
         out.push_bytes(&bhs.0);
         out.push_slot(slot, off, off + len);
-        off += len;
-        sn += 1;
     }
 }
 
@@ -1284,6 +1225,7 @@ impl Outbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ironsan_proto::DataSn;
 
     #[test]
     fn urls() {

@@ -183,7 +183,7 @@ struct Connection {
     lun_metrics: HashMap<u64, Arc<LunMetrics>>,
     /// What the reader produced since it last handed work to the writer: responses of
     /// commands that completed inline, R2Ts, replies. Handed over as one [`Out::Batch`] before
-    /// the reader waits for the socket (or when it grows past [`OUT_BATCH_BYTES`]), so the
+    /// the reader waits for the socket, or once it is full (`batch_full`), so the
     /// writer wakes once and sends them all with one vectored write.
     out: Vec<Out>,
     out_bytes: usize,
@@ -696,12 +696,18 @@ impl Connection {
         self.queue(Out::Pdus(pdus)).await;
     }
 
-    /// Keep `out` for the writer; hand the batch over once it is large.
+    /// Keep `out` for the writer; hand the batch over once it is full.
     async fn queue(&mut self, out: Out) {
         self.keep(out);
-        if self.out_bytes >= OUT_BATCH_BYTES {
+        if self.batch_full() {
             self.flush().await;
         }
+    }
+
+    /// The kept batch should go now even if more commands are waiting: enough data
+    /// ([`OUT_BATCH_BYTES`]) or enough responses ([`OUT_BATCH_ITEMS`]).
+    fn batch_full(&self) -> bool {
+        self.out_bytes >= OUT_BATCH_BYTES || self.out.len() >= OUT_BATCH_ITEMS
     }
 
     /// Keep `out` for the writer's next batch.
@@ -785,7 +791,7 @@ impl Connection {
                 let hd = if digests.header { 4 } else { 0 };
                 b.len() >= BHS_LEN && b.len() >= BHS_LEN + ahs + hd
             };
-            if !buffered || self.out_bytes >= OUT_BATCH_BYTES || self.out.len() >= OUT_BATCH_ITEMS {
+            if !buffered || self.batch_full() {
                 // The next header needs the socket: first let the writer send what is ready
                 // (and reap finished command tasks).
                 self.flush().await;
