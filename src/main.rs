@@ -487,7 +487,7 @@ fn start_control(
 fn main() -> Result<()> {
     // Before any thread exists: command buffers below 1 MiB are reused from the heap (up to
     // 16 MiB kept free per allocator arena) instead of being fresh, page-faulting mmaps each
-    // time; RAM LUN chunks (1 MiB) keep their own mappings.
+    // time (RAM LUN chunks, 512 KiB, live there too and are trimmed after large unmaps).
     let tuned = ironsan_backend::keep_io_buffers(1 << 20, 16 << 20);
     let cli = Cli::parse();
     match cli.cmd {

@@ -209,6 +209,15 @@ pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Re
     Ok(Some(ret as u64))
 }
 
+/// Hand the allocator's free memory back to the kernel (glibc `malloc_trim`): used after a
+/// RAM LUN frees many chunks, which live in the heap, so the process really shrinks.
+/// Returns whether any memory was released.
+pub fn release_free_memory() -> bool {
+    // SAFETY: malloc_trim takes each arena's own lock (glibc documents it MT-Safe) and reads
+    // or writes no memory of ours; it only returns unused pages to the kernel.
+    unsafe { libc::malloc_trim(0) == 1 }
+}
+
 /// Make glibc's allocator keep freed I/O buffers below `max_buffer` bytes for reuse instead of
 /// returning them to the kernel, keeping up to `retain` bytes of free memory per arena.
 ///
@@ -216,8 +225,9 @@ pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Re
 /// and trims free memory above a few MiB, so every large command buffer (a 512 KiB write's
 /// Data-Out, a large read) came as new pages: 128 page faults and a kernel page-zeroing per
 /// 512 KiB, about a fifth of the target's CPU at 512K writes. Allocations of `max_buffer` or
-/// more (the RAM backend's 1 MiB chunks) still get their own mappings, so freeing them gives
-/// the memory back.
+/// more still get their own mappings. The RAM backend's 512 KiB chunks live in the heap too
+/// (a whole-chunk write keeps its I/O buffer as the chunk); it calls
+/// [`release_free_memory`] after unmapping many of them.
 ///
 /// glibc documents `mallopt` as unsafe to call while other threads use the allocator, so
 /// this does nothing and returns `false` unless the process has a single thread (call it

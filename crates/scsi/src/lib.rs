@@ -245,7 +245,7 @@ impl Target {
 
     /// Execute one command addressed to `lun` over `nexus`. Never panics on any CDB or data.
     pub async fn execute(&self, lun: u64, nexus: &Nexus, cmd: Command) -> Response {
-        match self.execute_inner(lun, nexus, &cmd).await {
+        match self.execute_inner(lun, nexus, cmd).await {
             Ok(r) => r,
             Err(reason) => Response::check_condition(reason),
         }
@@ -255,7 +255,7 @@ impl Target {
         &self,
         lun: u64,
         nexus: &Nexus,
-        cmd: &Command,
+        mut cmd: Command,
     ) -> Result<Response, SenseReason> {
         let cdb = Cdb(&cmd.cdb);
         if cmd.cdb.is_empty() {
@@ -325,7 +325,11 @@ impl Target {
                 _ => Err(SenseReason::cdb_bit(1, 4)),
             },
             READ_6 | READ_10 | READ_12 | READ_16 => sbc::read(lu, cdb).await,
-            WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 => sbc::write(lu, cdb, &cmd.data_out).await,
+            WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 => {
+                // The data goes down by value: a backend may keep the buffer (RAM adopts
+                // whole chunks) instead of copying it.
+                sbc::write(lu, cdb, std::mem::take(&mut cmd.data_out)).await
+            }
             WRITE_AND_VERIFY_10 | WRITE_AND_VERIFY_12 | WRITE_AND_VERIFY_16 => {
                 sbc::write_and_verify(lu, cdb, &cmd.data_out).await
             }

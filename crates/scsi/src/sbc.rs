@@ -137,7 +137,7 @@ fn writable_range(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<BlockRange, SenseRea
 pub(crate) async fn write(
     lu: &LogicalUnit,
     cdb: Cdb<'_>,
-    data_out: &Bytes,
+    mut data_out: Bytes,
 ) -> Result<Bytes, SenseReason> {
     let r = writable_range(lu, cdb)?;
     if r.blocks == 0 {
@@ -155,14 +155,8 @@ pub(crate) async fn write(
     let len = bytes_of(lu, u64::from(blocks)) as usize;
     let fua = cdb.op() != WRITE_6 && cdb.bit(1, 3);
     let g = lu.writes.lock(r.lba, r.lba + u64::from(blocks)).await;
-    write_blocks(
-        lu,
-        r.lba,
-        data_out.slice(..len),
-        write_mode(lu, fua),
-        g.keep(),
-    )
-    .await?;
+    data_out.truncate(len);
+    write_blocks(lu, r.lba, data_out, write_mode(lu, fua), g.keep()).await?;
     Ok(Bytes::new())
 }
 

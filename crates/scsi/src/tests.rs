@@ -1608,7 +1608,7 @@ async fn unmap_deallocates_and_reads_back_zeros() {
     let d = good(&run(&t, &cdb10(opcode::READ_10, 0, 2048)).await).to_vec();
     assert!(d[..2024 * 512].iter().all(|&b| b == 0));
     assert!(d[2024 * 512..].iter().all(|&b| b == 9));
-    // A descriptor covering the RAM backend's whole 1 MiB chunk frees it.
+    // A descriptor covering whole RAM backend chunks (512 KiB) frees them.
     let list = unmap_list(&[(0, 2048)]);
     good(&run_data(&t, &cdb10(opcode::UNMAP, 0, list.len() as u16), &list).await);
     assert_eq!(ram.allocated(), 0);
@@ -1684,7 +1684,14 @@ async fn get_lba_status_reports_rest_of_medium_by_allocation() {
     want.extend_from_slice(&[1, 0, 0, 0]); // never written: deallocated
     assert_eq!(good(&run(&t, &c).await), &want[..]);
     good(&run_data(&t, &cdb10(opcode::WRITE_10, 0, 1), &[1u8; 512]).await);
-    want[20] = 0; // the 1 MiB RAM chunk holding it is now allocated
+    // The 512 KiB RAM chunk holding it (blocks 0..1024) is now allocated, the rest is not.
+    let mut want = vec![0, 0, 0, 36, 0, 0, 0, 0];
+    want.extend_from_slice(&100u64.to_be_bytes());
+    want.extend_from_slice(&924u32.to_be_bytes());
+    want.extend_from_slice(&[0, 0, 0, 0]);
+    want.extend_from_slice(&1024u64.to_be_bytes());
+    want.extend_from_slice(&1024u32.to_be_bytes());
+    want.extend_from_slice(&[1, 0, 0, 0]);
     assert_eq!(good(&run(&t, &c).await), &want[..]);
     let mut c = cdb16(0x9E, 2048, 1024);
     c[1] = 0x12;
@@ -3140,7 +3147,7 @@ async fn reads_wait_for_an_aborted_task_that_is_not_yet_dropped() {
 /// LBA STATUS (which reads the allocation map) wait for it.
 #[tokio::test(flavor = "current_thread")]
 async fn get_lba_status_and_reads_wait_for_an_orphaned_unmap() {
-    // One whole RAM chunk (1 MiB = 2048 blocks), so the unmap really deallocates.
+    // Two whole RAM chunks (1 MiB = 2048 blocks), so the unmap really deallocates.
     let rule = ironsan_backend::FaultRule::parse("unmap@0-2047/count=1:hang").unwrap();
     let inner = Arc::new(RamBackend::new(2 << 20));
     let be = ironsan_backend::FaultBackend::new(inner, vec![rule], 512, 1);

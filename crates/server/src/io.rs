@@ -283,6 +283,12 @@ const RECV_BUF_MAX: usize = 64 * 1024;
 /// and halves again once it has been mostly empty for a while, so an idle session holds
 /// 4 KiB instead of a zeroed 64 KiB buffer. A read at least as large as the buffer, with
 /// nothing buffered, goes straight into the caller's memory (large Data-Out payloads).
+///
+/// After a read of [`RECV_BUF_MAX`] or more the next few small reads (the next PDU's header, digests) also go
+/// straight to the caller instead of filling the buffer: a fill there would take up to 64 KiB
+/// of the next large payload with it, and that part would then be copied a second time, from
+/// this buffer into the payload's destination (11 % of the target's CPU at 512 KiB writes).
+/// A stream of small PDUs goes back to buffered fills after [`DIRECT_AFTER_LARGE`] reads.
 pub struct RecvBuf<R> {
     inner: R,
     buf: Vec<u8>,
@@ -290,7 +296,13 @@ pub struct RecvBuf<R> {
     filled: usize,
     /// Consecutive fills that used less than an eighth of the buffer.
     sparse_fills: u32,
+    /// Small reads still to be done straight into the caller's memory (see above).
+    direct_left: u8,
 }
+
+/// How many small reads after a large one skip the buffer: header, header digest, data
+/// digest and the next header cover a Data-Out PDU with both digests on.
+const DIRECT_AFTER_LARGE: u8 = 4;
 
 impl<R: AsyncRead + Unpin> RecvBuf<R> {
     pub fn new(inner: R) -> Self {
@@ -300,6 +312,7 @@ impl<R: AsyncRead + Unpin> RecvBuf<R> {
             pos: 0,
             filled: 0,
             sparse_fills: 0,
+            direct_left: 0,
         }
     }
 
@@ -369,8 +382,15 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecvBuf<R> {
     ) -> std::task::Poll<std::io::Result<()>> {
         let me = self.get_mut();
         if me.pos == me.filled {
-            if dst.remaining() >= me.buf.len() {
-                return std::pin::Pin::new(&mut me.inner).poll_read(cx, dst);
+            let want = dst.remaining();
+            if want >= me.buf.len() || me.direct_left > 0 {
+                std::task::ready!(std::pin::Pin::new(&mut me.inner).poll_read(cx, dst))?;
+                me.direct_left = if want >= RECV_BUF_MAX {
+                    DIRECT_AFTER_LARGE
+                } else {
+                    me.direct_left.saturating_sub(1)
+                };
+                return std::task::Poll::Ready(Ok(()));
             }
             std::task::ready!(me.poll_fill(cx))?;
         }
@@ -406,6 +426,13 @@ mod tests {
             i += 1;
         }
         assert_eq!(got, data);
+        // A stream of small reads that fills the buffer grows it.
+        tx.write_all(&vec![3u8; 4 * RECV_BUF_MAX]).await.unwrap();
+        let mut piece = [0u8; 1024];
+        for _ in 0..4 * RECV_BUF_MAX / 1024 {
+            rb.read_exact(&mut piece).await.unwrap();
+            assert_eq!(piece, [3u8; 1024]);
+        }
         assert_eq!(
             rb.capacity(),
             RECV_BUF_MAX,
@@ -424,5 +451,58 @@ mod tests {
             rb.capacity()
         );
         assert!(rb.capacity() >= RECV_BUF_MIN);
+    }
+
+    /// After a large payload the next header is read on its own: the following large
+    /// payload is not pulled into the buffer (and copied twice), it goes straight to its
+    /// destination. Small PDUs go back to buffered reads afterwards.
+    #[tokio::test]
+    async fn after_a_large_payload_the_next_header_is_not_over_read() {
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        let mut rb = RecvBuf::new(rx);
+        let payload = |seed: u8| -> Vec<u8> { (0..200_000u32).map(|i| (i as u8) ^ seed).collect() };
+        // Grow the buffer to its largest with a stream that fills it.
+        tx.write_all(&vec![7u8; 4 * RECV_BUF_MAX]).await.unwrap();
+        let mut sink = vec![0u8; 1000];
+        for _ in 0..(4 * RECV_BUF_MAX / 1000) {
+            rb.read_exact(&mut sink).await.unwrap();
+        }
+        let mut rest = vec![0u8; 4 * RECV_BUF_MAX % 1000];
+        rb.read_exact(&mut rest).await.unwrap();
+        assert_eq!(rb.capacity(), RECV_BUF_MAX);
+        for seed in [1u8, 2, 3] {
+            tx.write_all(&[seed; 48]).await.unwrap();
+            tx.write_all(&payload(seed)).await.unwrap();
+        }
+        let mut got = Vec::new();
+        for seed in [1u8, 2, 3] {
+            let mut hdr = [0u8; 48];
+            rb.read_exact(&mut hdr).await.unwrap();
+            assert_eq!(hdr, [seed; 48]);
+            if seed > 1 {
+                assert!(
+                    rb.buffer().is_empty(),
+                    "header {seed} read alone, {} payload bytes buffered",
+                    rb.buffer().len()
+                );
+            }
+            let mut p = vec![0u8; 200_000];
+            rb.read_exact(&mut p).await.unwrap();
+            got.push(p == payload(seed));
+        }
+        assert_eq!(got, [true, true, true]);
+        // A run of small PDUs returns to filling the buffer: several headers per read.
+        for i in 0..20u8 {
+            tx.write_all(&[i; 48]).await.unwrap();
+        }
+        for i in 0..20u8 {
+            let mut hdr = [0u8; 48];
+            rb.read_exact(&mut hdr).await.unwrap();
+            assert_eq!(hdr, [i; 48]);
+        }
+        let mut hdr = [0u8; 48];
+        tx.write_all(&[1u8; 96]).await.unwrap();
+        rb.read_exact(&mut hdr).await.unwrap();
+        assert_eq!(rb.buffer().len(), 48, "small reads are buffered again");
     }
 }
