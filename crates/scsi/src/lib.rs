@@ -64,6 +64,7 @@
 //!   level, because its copy targets are other LUs of the same target (named by their NAA).
 
 pub mod cdb;
+pub mod int_map;
 mod lu;
 mod mode;
 mod pr;
@@ -80,6 +81,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 pub use cdb::{data_out_len, opcode, MAX_TRANSFER_BYTES};
+pub use int_map::IntMap;
 pub use lu::{local_naa, LogicalUnit, LuConfig};
 pub use pr::PR_STATE_FILE;
 pub use sense::{FieldPointer, SenseFields, SenseKey, SenseReason, UnitAttention};
@@ -284,7 +286,12 @@ impl Target {
             }
         }
         // SPC-4 persistent reservations: the opcode table says how each command behaves.
-        if lock(&lu.pr).conflicts(&pr::PortPair::of(nexus), spc::pr_access(cdb)) {
+        // (Only when a reservation exists: most commands meet none.)
+        let conflict = {
+            let pr = lock(&lu.pr);
+            pr.reserved() && pr.conflicts(&pr::PortPair::of(nexus), spc::pr_access(cdb))
+        };
+        if conflict {
             return Ok(Response::status_only(Status::RESERVATION_CONFLICT));
         }
 

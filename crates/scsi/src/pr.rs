@@ -135,6 +135,11 @@ impl PrState {
     }
 
     /// Whether a command of class `access` from `who` conflicts with the reservation.
+    /// Whether a persistent reservation exists (without one nothing conflicts).
+    pub fn reserved(&self) -> bool {
+        self.res.is_some()
+    }
+
     pub fn conflicts(&self, who: &PortPair, access: PrAccess) -> bool {
         let Some(res) = &self.res else {
             return false;

@@ -22,8 +22,8 @@ use ironsan_proto::pdu::*;
 use ironsan_proto::task::{data_in_segments, DataOutError, WriteParams, WriteTransfer};
 use ironsan_proto::window::CmdWindow;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
+use ironsan_scsi::IntMap;
 use ironsan_scsi::{Command, Response, SenseReason};
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -165,7 +165,7 @@ struct Connection {
     cid: u16,
     local: SocketAddr,
     peer: SocketAddr,
-    pending: HashMap<Itt, PendingWrite>,
+    pending: IntMap<Itt, PendingWrite>,
     /// Writes that want R2Ts but hit `max_r2ts_per_connection`, oldest first.
     starved: std::collections::VecDeque<Itt>,
     /// Bytes of read data allowed between the backend and the socket.
@@ -180,7 +180,7 @@ struct Connection {
     stats: Arc<ConnStats>,
     /// The latency counters of the LUNs this connection used (a private cache of the target's
     /// map, so a command takes no lock to find them).
-    lun_metrics: HashMap<u64, Arc<LunMetrics>>,
+    lun_metrics: IntMap<u64, Arc<LunMetrics>>,
     /// What the reader produced since it last handed work to the writer: responses of
     /// commands that completed inline, R2Ts, replies. Handed over as one [`Out::Batch`] before
     /// the reader waits for the socket, or once it is full (`batch_full`), so the
@@ -274,7 +274,7 @@ pub async fn run(
         cid,
         local,
         peer,
-        pending: HashMap::new(),
+        pending: IntMap::default(),
         starved: std::collections::VecDeque::new(),
         tx_budget: Arc::new(Semaphore::new(tx_budget_bytes(&shared))),
         text_pending: None,
@@ -283,7 +283,7 @@ pub async fn run(
         last_rx: Arc::clone(&last_rx),
         epoch: Instant::now(),
         stats: conn_stats,
-        lun_metrics: HashMap::new(),
+        lun_metrics: IntMap::default(),
         out: Vec::new(),
         out_bytes: 0,
         writer: direct_writer,
@@ -875,11 +875,14 @@ impl Connection {
             }
         };
         self.stats.received(48 + ahs.len() + plan.data_len);
-        self.last_rx
-            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        // One clock read per PDU: the NOP-Out timer's last receive and a command's first stage.
+        let t_header = Instant::now();
+        self.last_rx.store(
+            t_header.saturating_duration_since(self.epoch).as_millis() as u64,
+            Ordering::Relaxed,
+        );
         let result = match Header::decode(&bhs) {
             Header::ScsiCommand(cmd) => {
-                let t_header = Instant::now();
                 self.on_scsi_command(rd, &bhs, ahs, &plan, cmd, t_header)
                     .await
             }
@@ -1312,16 +1315,23 @@ impl Connection {
         let body = {
             let session = Arc::clone(&session);
             async move {
-                let permit = match budget {
-                    Some((b, n)) => Some(b.acquire_many_owned(n).await.ok()?),
-                    None => None,
+                // Execution starts when the budget is had: no second clock read when it was
+                // there at once (the usual case).
+                let (permit, t_exec) = match budget {
+                    Some((b, n)) => match Arc::clone(&b).try_acquire_many_owned(n) {
+                        Ok(p) => (Some(p), t_data),
+                        Err(_) => {
+                            let p = b.acquire_many_owned(n).await.ok()?;
+                            (Some(p), Instant::now())
+                        }
+                    },
+                    None => (None, t_data),
                 };
                 let scmd = Command {
                     cdb,
                     data_out,
                     expected_in_len: cmd.expected_data_transfer_length,
                 };
-                let t_exec = Instant::now();
                 let resp = scsi.execute(lun, &session.nexus, scmd).await;
                 let t_done = Instant::now();
                 // Whoever removes the entry owns the completion: TMF or us, never both.
@@ -1838,10 +1848,10 @@ fn response_pdus(
     let produced = resp.data_in.len() as u32;
     let (data, residual) = if cmd.read {
         let send = produced.min(edtl);
-        (
-            resp.data_in.slice(..send as usize),
-            Residual::of(edtl, produced),
-        )
+        // Moved, not cloned: a clone of a freshly frozen buffer allocates its shared header.
+        let mut data = resp.data_in;
+        data.truncate(send as usize);
+        (data, Residual::of(edtl, produced))
     } else if let Some(needed) = write_needed {
         (Bytes::new(), Residual::of(edtl, needed))
     } else {
@@ -1859,9 +1869,11 @@ fn response_pdus(
     let collapse = resp.sense.is_none() && !data.is_empty();
     let mut data_sn = exp_data_sn;
     if !data.is_empty() {
-        let segs: Vec<_> = data_in_segments(data.len() as u32, max_xmit, max_burst).collect();
         data_sn = DataSn(0);
-        for s in segs {
+        // Each segment is split off the front; the last (usually the only) one takes what is
+        // left without a clone.
+        let mut rest = data;
+        for s in data_in_segments(rest.len() as u32, max_xmit, max_burst) {
             let last = s.last && collapse;
             out.push(OutPdu {
                 header: Header::DataIn(DataIn {
@@ -1875,7 +1887,7 @@ fn response_pdus(
                     residual: if last { residual } else { Residual::None },
                     ..Default::default()
                 }),
-                data: data.slice(s.offset as usize..(s.offset + s.len) as usize),
+                data: rest.split_to((s.len as usize).min(rest.len())),
                 mode: if last {
                     writer::SnMode::Status
                 } else {

@@ -9,6 +9,7 @@ use ironsan_proto::negotiate::{ConnParams, SessionParams};
 use ironsan_proto::pdu::{Isid, Itt, Tsih};
 use ironsan_proto::window::CmdWindow;
 use ironsan_proto::CmdSn;
+use ironsan_scsi::IntMap;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,7 +63,7 @@ pub struct Session {
     pub params: SessionParams,
     pub nexus: ironsan_scsi::Nexus,
     window: Mutex<CmdWindow<()>>,
-    running: Mutex<HashMap<Itt, Running>>,
+    running: Mutex<IntMap<Itt, Running>>,
     conns: Mutex<Vec<ConnInfo>>,
     pub commands: AtomicU64,
     /// Bytes of write data buffered for this session's writes (the write quota).
@@ -87,7 +88,7 @@ impl Session {
             params,
             nexus,
             window: Mutex::new(window),
-            running: Mutex::new(HashMap::new()),
+            running: Mutex::new(IntMap::default()),
             conns: Mutex::new(Vec::new()),
             commands: AtomicU64::new(0),
             buffered_writes: AtomicU64::new(0),
@@ -104,7 +105,7 @@ impl Session {
         lock(&self.window)
     }
 
-    pub fn running(&self) -> MutexGuard<'_, HashMap<Itt, Running>> {
+    pub fn running(&self) -> MutexGuard<'_, IntMap<Itt, Running>> {
         lock(&self.running)
     }
 
