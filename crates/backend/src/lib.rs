@@ -44,6 +44,7 @@ use std::pin::Pin;
 
 pub mod fault;
 pub mod file;
+pub mod int_map;
 pub mod null;
 pub mod pool;
 pub mod ram;
@@ -51,6 +52,7 @@ mod sys;
 
 pub use fault::{Effect, FaultBackend, FaultControl, FaultRule, Ops};
 pub use file::{FileBackend, FileOptions};
+pub use int_map::IntMap;
 pub use null::NullBackend;
 pub use ram::RamBackend;
 pub use sys::keep_io_buffers;

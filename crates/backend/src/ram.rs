@@ -11,9 +11,9 @@
 //! socket). Chunks are copy-on-write: a write or unmap to a chunk that a read still holds
 //! replaces the chunk with a modified copy, so the read keeps the contents it saw.
 
+use crate::IntMap;
 use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
 use bytes::{Bytes, BytesMut};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -43,7 +43,7 @@ impl AsRef<[u8]> for SharedChunk {
 /// A sparse RAM disk.
 pub struct RamBackend {
     size: AtomicU64,
-    shards: Vec<RwLock<HashMap<u64, Chunk>>>,
+    shards: Vec<RwLock<IntMap<u64, Chunk>>>,
     /// Bytes of chunks unmapped since free memory was last given back to the kernel.
     freed_since_trim: AtomicU64,
 }
@@ -87,12 +87,14 @@ impl RamBackend {
     pub fn new(size: u64) -> Self {
         RamBackend {
             size: AtomicU64::new(size),
-            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| RwLock::new(IntMap::default()))
+                .collect(),
             freed_since_trim: AtomicU64::new(0),
         }
     }
 
-    fn shard(&self, idx: u64) -> &RwLock<HashMap<u64, Chunk>> {
+    fn shard(&self, idx: u64) -> &RwLock<IntMap<u64, Chunk>> {
         &self.shards[(idx as usize) % SHARDS]
     }
 
@@ -105,15 +107,20 @@ impl RamBackend {
     }
 
     fn read_sync(&self, offset: u64, len: usize) -> Bytes {
-        if len >= ZERO_COPY_MIN {
-            let mut it = pieces(offset, len as u64);
-            if let (Some((idx, within, n)), None) = (it.next(), it.next()) {
-                let shard = self.shard(idx).read().unwrap_or_else(|p| p.into_inner());
-                if let Some(chunk) = shard.get(&idx) {
-                    return Bytes::from_owner(SharedChunk(Arc::clone(chunk)))
-                        .slice(within..within + n);
+        let mut it = pieces(offset, len as u64);
+        if let (Some((idx, within, n)), None) = (it.next(), it.next()) {
+            // Within one chunk (the usual case): one lookup.
+            let shard = self.shard(idx).read().unwrap_or_else(|p| p.into_inner());
+            return match shard.get(&idx) {
+                Some(chunk) if len >= ZERO_COPY_MIN => {
+                    Bytes::from_owner(SharedChunk(Arc::clone(chunk))).slice(within..within + n)
                 }
-            }
+                Some(chunk) => Bytes::copy_from_slice(&chunk[within..within + n]),
+                None => {
+                    drop(shard);
+                    BytesMut::zeroed(len).freeze()
+                }
+            };
         }
         // A read that starts in a hole takes zeroed memory (calloc: fresh pages cost no
         // memset) and copies the allocated pieces over it; one that starts in data appends

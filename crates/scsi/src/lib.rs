@@ -64,7 +64,6 @@
 //!   level, because its copy targets are other LUs of the same target (named by their NAA).
 
 pub mod cdb;
-pub mod int_map;
 mod lu;
 mod mode;
 mod pr;
@@ -81,7 +80,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 pub use cdb::{data_out_len, opcode, MAX_TRANSFER_BYTES};
-pub use int_map::IntMap;
+pub use ironsan_backend::IntMap;
 pub use lu::{local_naa, LogicalUnit, LuConfig};
 pub use pr::PR_STATE_FILE;
 pub use sense::{FieldPointer, SenseFields, SenseKey, SenseReason, UnitAttention};
@@ -267,14 +266,11 @@ impl Target {
         let Some(lu) = self.luns.get(&lun) else {
             return self.execute_without_lu(cdb).map(Response::good);
         };
-        lu.register_nexus(nexus);
-
         // SAM-5 unit attention condition: a pending unit attention terminates the next command,
         // except INQUIRY, REPORT LUNS and REQUEST SENSE (which reports it as data).
-        if !matches!(op, INQUIRY | REPORT_LUNS | REQUEST_SENSE) {
-            if let Some(ua) = lu.take_unit_attention(nexus.id) {
-                return Err(SenseReason::UnitAttention(ua));
-            }
+        let reports_ua = !matches!(op, INQUIRY | REPORT_LUNS | REQUEST_SENSE);
+        if let Some(ua) = lu.register_nexus(nexus, reports_ua) {
+            return Err(SenseReason::UnitAttention(ua));
         }
         validate_cdb(cdb)?;
 

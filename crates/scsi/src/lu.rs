@@ -96,7 +96,7 @@ pub struct LogicalUnit {
     swp: AtomicBool,
     /// Serialises MODE SELECT so validation and update are one step.
     pub(crate) mode_select: Mutex<()>,
-    ua: Mutex<crate::IntMap<u64, NexusUa>>,
+    ua: Mutex<ironsan_backend::IntMap<u64, NexusUa>>,
     pub(crate) writes: RangeLock,
     /// SPC-2 RESERVE(6/10) holder, by I_T nexus id.
     pub(crate) reservation: Mutex<Option<u64>>,
@@ -159,7 +159,7 @@ impl LogicalUnit {
             capacity: AtomicU64::new(capacity),
             cfg,
             mode_select: Mutex::new(()),
-            ua: Mutex::new(crate::IntMap::default()),
+            ua: Mutex::new(ironsan_backend::IntMap::default()),
             writes: RangeLock::default(),
             reservation: Mutex::new(None),
             prevent: Mutex::new(HashSet::new()),
@@ -295,12 +295,19 @@ impl LogicalUnit {
         }
     }
 
-    /// Make `nexus` known (lazily creating its queue).
-    pub(crate) fn register_nexus(&self, nexus: &Nexus) {
-        lock(&self.ua).entry(nexus.id).or_insert_with(|| NexusUa {
+    /// Make `nexus` known (lazily creating its queue) and, with `take`, pop its oldest
+    /// pending unit attention: one lock per command for both.
+    pub(crate) fn register_nexus(&self, nexus: &Nexus, take: bool) -> Option<UnitAttention> {
+        let mut ua = lock(&self.ua);
+        let e = ua.entry(nexus.id).or_insert_with(|| NexusUa {
             who: PortPair::of(nexus),
             q: VecDeque::new(),
         });
+        if take {
+            e.q.pop_front()
+        } else {
+            None
+        }
     }
 
     /// Pop the oldest pending unit attention of `nexus_id`.

@@ -1,4 +1,5 @@
-//! A hash map for small integer keys on the per-command path (ITTs, LUNs, nexus ids).
+//! A hash map for small integer keys on the per-command path (ITTs, LUNs, nexus ids, RAM
+//! chunk numbers).
 //!
 //! The standard map hashes with SipHash-1-3, built to resist crafted keys: 500-650
 //! instructions per 4K command went into it (callgrind), for maps that the command path
