@@ -2,7 +2,7 @@
 //! write, so a large RAM LUN costs only what is written; unmapping a whole chunk frees it.
 //! Volatile by nature, and says so.
 //!
-//! A write of exactly one aligned chunk keeps the buffer the data arrived in as the chunk
+//! A write piece that covers a whole chunk keeps the buffer the data arrived in as the chunk
 //! instead of copying it (copying a 512 KiB write into a cold store cost a third of the
 //! target's CPU).
 //!
@@ -158,53 +158,40 @@ impl RamBackend {
     }
 
     fn write_sync(&self, offset: u64, data: Bytes) {
-        if offset & (CHUNK - 1) == 0 && data.len() as u64 == CHUNK {
-            return self.adopt(offset >> CHUNK_SHIFT, data);
-        }
-        let mut at = 0usize;
-        for (idx, within, n) in pieces(offset, data.len() as u64) {
-            self.put(idx, within, &data[at..at + n]);
-            at += n;
+        // Each piece is split off the front; the last (usually the only) one is the caller's
+        // buffer itself, so a write of exactly one aligned chunk arrives at `put` whole.
+        let mut rest = data;
+        for (idx, within, n) in pieces(offset, rest.len() as u64) {
+            self.put(idx, within, rest.split_to(n));
         }
     }
 
-    /// Write `src` at `within` in chunk `idx`.
-    fn put(&self, idx: u64, within: usize, src: &[u8]) {
+    /// Write `src` at `within` in chunk `idx`. A piece that is a whole chunk becomes the
+    /// chunk: its buffer is kept instead of copied when this is the only reference to it (the
+    /// server's Data-Out buffer of a 512 KiB write), copied once when it is shared, and shrunk
+    /// to the chunk when it is part of a larger buffer. The chunk it replaces is dropped, or
+    /// lives on in a read that still holds it. A smaller piece is copied into the chunk.
+    fn put(&self, idx: u64, within: usize, src: Bytes) {
         let mut shard = self.shard(idx).write().unwrap_or_else(|p| p.into_inner());
         let whole = src.len() as u64 == CHUNK;
         if !whole {
             if let Some(chunk) = shard.get_mut(&idx) {
                 // Copy-on-write: a read may still hold this chunk.
-                Arc::make_mut(chunk)[within..within + src.len()].copy_from_slice(src);
+                Arc::make_mut(chunk)[within..within + src.len()].copy_from_slice(&src);
                 return;
             }
         }
-        if !shard.contains_key(&idx) && is_zero(src) {
+        if !shard.contains_key(&idx) && is_zero(&src) {
             return; // zeros over a hole change nothing observable
         }
-        // A whole chunk is replaced by a copy of `src` (not zeroed first, and a chunk a read
-        // still holds is not copied just to be overwritten); a new partial one starts zeroed.
         let chunk: Box<[u8]> = if whole {
-            Box::from(src)
+            Vec::from(src).into_boxed_slice()
         } else {
             let mut c = vec![0u8; CHUNK as usize].into_boxed_slice();
-            c[within..within + src.len()].copy_from_slice(src);
+            c[within..within + src.len()].copy_from_slice(&src);
             c
         };
         shard.insert(idx, Arc::new(chunk));
-    }
-
-    /// A write of exactly one whole chunk becomes the chunk: the buffer the data arrived in is
-    /// kept instead of copied. No copy at all when the caller passed the only reference to a
-    /// buffer of exactly this size (the server's Data-Out buffer of a 512 KiB write); a shared
-    /// buffer is copied once, a larger one shrunk to the chunk. The chunk it replaces is
-    /// dropped, or lives on in a read that still holds it.
-    fn adopt(&self, idx: u64, data: Bytes) {
-        let mut shard = self.shard(idx).write().unwrap_or_else(|p| p.into_inner());
-        if !shard.contains_key(&idx) && is_zero(&data) {
-            return; // zeros over a hole change nothing observable
-        }
-        shard.insert(idx, Arc::new(Vec::from(data).into_boxed_slice()));
     }
 
     fn unmap_sync(&self, offset: u64, len: u64) {
@@ -489,9 +476,9 @@ mod tests {
     /// memory back to the kernel instead of leaving it in the allocator's free lists.
     #[tokio::test]
     async fn unmapping_many_chunks_shrinks_the_process() {
-        const N: u64 = 512; // 256 MiB
-                            // Freeing one large mapped buffer raises glibc's dynamic mmap threshold above the
-                            // chunk size, so the chunks come from the heap as they do in the server.
+        // 256 MiB. Freeing one large mapped buffer first raises glibc's dynamic mmap
+        // threshold above the chunk size, so the chunks come from the heap as in the server.
+        const N: u64 = 512;
         drop(std::hint::black_box(vec![1u8; 4 << 20]));
         let ram = RamBackend::new(N * CHUNK);
         // Small allocations kept alive between the chunks, as a busy server has them: the

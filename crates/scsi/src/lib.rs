@@ -80,7 +80,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 pub use cdb::{data_out_len, opcode, MAX_TRANSFER_BYTES};
-pub use ironsan_backend::IntMap;
 pub use lu::{local_naa, LogicalUnit, LuConfig};
 pub use pr::PR_STATE_FILE;
 pub use sense::{FieldPointer, SenseFields, SenseKey, SenseReason, UnitAttention};

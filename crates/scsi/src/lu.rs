@@ -5,6 +5,7 @@ use crate::pr::{PortPair, PrState};
 use crate::sense::UnitAttention;
 use crate::Nexus;
 use ironsan_backend::BlockDevice;
+use ironsan_backend::IntMap;
 use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::path::PathBuf;
@@ -96,7 +97,7 @@ pub struct LogicalUnit {
     swp: AtomicBool,
     /// Serialises MODE SELECT so validation and update are one step.
     pub(crate) mode_select: Mutex<()>,
-    ua: Mutex<ironsan_backend::IntMap<u64, NexusUa>>,
+    ua: Mutex<IntMap<u64, NexusUa>>,
     pub(crate) writes: RangeLock,
     /// SPC-2 RESERVE(6/10) holder, by I_T nexus id.
     pub(crate) reservation: Mutex<Option<u64>>,
@@ -159,7 +160,7 @@ impl LogicalUnit {
             capacity: AtomicU64::new(capacity),
             cfg,
             mode_select: Mutex::new(()),
-            ua: Mutex::new(ironsan_backend::IntMap::default()),
+            ua: Mutex::new(IntMap::default()),
             writes: RangeLock::default(),
             reservation: Mutex::new(None),
             prevent: Mutex::new(HashSet::new()),

@@ -13,6 +13,7 @@ use crate::session::{ConnInfo, Running, Session};
 use crate::writer::{self, Out, OutPdu, TxStats};
 use crate::{LiveTarget, Portal, Runtime, Shared};
 use bytes::{Bytes, BytesMut};
+use ironsan_backend::IntMap;
 use ironsan_proto::chap::ChapCredentials;
 use ironsan_proto::login::{
     Login, LoginPolicy, LoginStatus, LoginStep, TargetLookup, CHAP_RANDOM_LEN,
@@ -22,7 +23,6 @@ use ironsan_proto::pdu::*;
 use ironsan_proto::task::{data_in_segments, DataOutError, WriteParams, WriteTransfer};
 use ironsan_proto::window::CmdWindow;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
-use ironsan_scsi::IntMap;
 use ironsan_scsi::{Command, Response, SenseReason};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};

@@ -284,10 +284,11 @@ const RECV_BUF_MAX: usize = 64 * 1024;
 /// 4 KiB instead of a zeroed 64 KiB buffer. A read at least as large as the buffer, with
 /// nothing buffered, goes straight into the caller's memory (large Data-Out payloads).
 ///
-/// After a read of [`RECV_BUF_MAX`] or more the next few small reads (the next PDU's header, digests) also go
-/// straight to the caller instead of filling the buffer: a fill there would take up to 64 KiB
-/// of the next large payload with it, and that part would then be copied a second time, from
-/// this buffer into the payload's destination (11 % of the target's CPU at 512 KiB writes).
+/// After a read of [`RECV_BUF_MAX`] or more, the next few small reads (the next PDU's header,
+/// digests) also go straight to the caller instead of filling the buffer: a fill there would
+/// take up to 64 KiB of the next large payload with it, and that part would then be copied a
+/// second time, from this buffer into the payload's destination (11 % of the target's CPU at
+/// 512 KiB writes).
 /// A stream of small PDUs goes back to buffered fills after [`DIRECT_AFTER_LARGE`] reads.
 pub struct RecvBuf<R> {
     inner: R,
@@ -406,6 +407,20 @@ mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
 
+    /// Stream 256 KiB through `rb` in 1 KiB reads (each checked): enough fills of a full
+    /// buffer to grow it to its largest.
+    async fn grow_to_max(
+        tx: &mut tokio::io::DuplexStream,
+        rb: &mut RecvBuf<tokio::io::DuplexStream>,
+    ) {
+        tx.write_all(&vec![3u8; 4 * RECV_BUF_MAX]).await.unwrap();
+        let mut piece = [0u8; 1024];
+        for _ in 0..4 * RECV_BUF_MAX / 1024 {
+            rb.read_exact(&mut piece).await.unwrap();
+            assert_eq!(piece, [3u8; 1024]);
+        }
+    }
+
     /// Bytes come out exactly as written whatever the mix of small and large reads; the buffer
     /// grows to 64 KiB under a stream that fills it, and shrinks back once reads are sparse.
     #[tokio::test]
@@ -427,12 +442,7 @@ mod tests {
         }
         assert_eq!(got, data);
         // A stream of small reads that fills the buffer grows it.
-        tx.write_all(&vec![3u8; 4 * RECV_BUF_MAX]).await.unwrap();
-        let mut piece = [0u8; 1024];
-        for _ in 0..4 * RECV_BUF_MAX / 1024 {
-            rb.read_exact(&mut piece).await.unwrap();
-            assert_eq!(piece, [3u8; 1024]);
-        }
+        grow_to_max(&mut tx, &mut rb).await;
         assert_eq!(
             rb.capacity(),
             RECV_BUF_MAX,
@@ -461,14 +471,7 @@ mod tests {
         let (mut tx, rx) = tokio::io::duplex(1 << 20);
         let mut rb = RecvBuf::new(rx);
         let payload = |seed: u8| -> Vec<u8> { (0..200_000u32).map(|i| (i as u8) ^ seed).collect() };
-        // Grow the buffer to its largest with a stream that fills it.
-        tx.write_all(&vec![7u8; 4 * RECV_BUF_MAX]).await.unwrap();
-        let mut sink = vec![0u8; 1000];
-        for _ in 0..(4 * RECV_BUF_MAX / 1000) {
-            rb.read_exact(&mut sink).await.unwrap();
-        }
-        let mut rest = vec![0u8; 4 * RECV_BUF_MAX % 1000];
-        rb.read_exact(&mut rest).await.unwrap();
+        grow_to_max(&mut tx, &mut rb).await;
         assert_eq!(rb.capacity(), RECV_BUF_MAX);
         for seed in [1u8, 2, 3] {
             tx.write_all(&[seed; 48]).await.unwrap();

@@ -5,11 +5,11 @@
 //! ErrorRecoveryLevel 0). Nothing here assumes one connection per session.
 
 use crate::LiveTarget;
+use ironsan_backend::IntMap;
 use ironsan_proto::negotiate::{ConnParams, SessionParams};
 use ironsan_proto::pdu::{Isid, Itt, Tsih};
 use ironsan_proto::window::CmdWindow;
 use ironsan_proto::CmdSn;
-use ironsan_scsi::IntMap;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
