@@ -12,6 +12,7 @@
 #                                          DESTRUCTIVE: --dataloss writes to that LUN.
 #   --suites FILE / --waivers FILE         override conformance/{suites,waivers}.txt
 #   --lun SPEC                             LUN 0 of the server this script starts
+#   --serve-arg ARG                        one more argument for `ironsan serve` (repeatable)
 #                                          (default ram:256M; e.g. file:lun0.img:256M)
 #
 # Env: IRONSAN_BIN (default target/release/ironsan), CONFORMANCE_TIMEOUT
@@ -34,6 +35,7 @@ URLS=()
 SUITES=conformance/suites.txt
 WAIVERS=conformance/waivers.txt
 LUN=ram:256M
+SERVE_ARGS=()
 while [[ $# -gt 0 ]]; do
     case $1 in
         --all) ALL=1; shift ;;
@@ -41,6 +43,7 @@ while [[ $# -gt 0 ]]; do
         --suites) SUITES=${2:?}; shift 2 ;;
         --waivers) WAIVERS=${2:?}; shift 2 ;;
         --lun) LUN=${2:?}; shift 2 ;;
+        --serve-arg) SERVE_ARGS+=("${2:?}"); shift 2 ;;
         -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
@@ -123,7 +126,7 @@ if [[ ${#URLS[@]} -eq 0 ]]; then
         PORT2=$(free_port)
         LISTEN+=(--listen "127.0.0.1:$PORT2")
     fi
-    NO_COLOR=1 "$BIN" serve "${LISTEN[@]}" --target "$IQN" --lun "$LUN" \
+    NO_COLOR=1 "$BIN" serve "${LISTEN[@]}" --target "$IQN" --lun "$LUN" "${SERVE_ARGS[@]}" \
         --data-dir "$WORK/data" </dev/null >"$SERVER_LOG" 2>&1 &
     SERVER_PID=$!
     # Wait until the port is listening (checked with ss, so no probe

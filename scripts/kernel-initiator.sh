@@ -177,7 +177,8 @@ trap 'exit 130' INT TERM
 PORT=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 mkdir -p "$WORK/data"
 "$BIN" serve --listen "127.0.0.1:$PORT" --target "$TARGET_IQN" \
-    --lun "file:lun0.img:${LUN_SIZE_MIB}M" --data-dir "$WORK/data" --log "${IRONSAN_LOG:-info}" \
+    --lun "file:lun0.img:${LUN_SIZE_MIB}M" --zero-copy-reads on \
+    --data-dir "$WORK/data" --log "${IRONSAN_LOG:-info}" \
     "${AUTH_ARGS[@]}" \
     >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!

@@ -40,6 +40,7 @@
 //! # max_connections = 1024
 //! # shutdown_grace = "10s"   # SIGTERM: how long initiators get to log out
 //! # busy_poll_us = 0         # opt-in: spin up to N us per connection before sleeping
+//! # zero_copy_reads = "auto" # file LUNs: large reads sendfile'd from the page cache (auto|on|off)
 //!
 //! # Top-level keys (before any [table]); the --metrics / --control flags override them.
 //! # metrics = "127.0.0.1:9360"
@@ -220,6 +221,8 @@ pub struct Limits {
     pub shutdown_grace: std::time::Duration,
     /// Opt-in busy polling per connection, in microseconds (0: off).
     pub busy_poll_us: u64,
+    /// Large reads of file LUNs sent from the page cache with `sendfile`.
+    pub zero_copy_reads: ironsan_server::ZeroCopyReads,
 }
 
 #[cfg(test)]
@@ -248,6 +251,7 @@ impl Default for Limits {
             tx_buffer_per_connection: d.tx_buffer_per_connection,
             shutdown_grace: d.shutdown_grace,
             busy_poll_us: d.busy_poll.as_micros() as u64,
+            zero_copy_reads: d.zero_copy_reads,
         }
     }
 }
@@ -521,6 +525,7 @@ struct FileLimits {
     tx_buffer_per_connection: Option<Spanned<String>>,
     shutdown_grace: Option<Spanned<String>>,
     busy_poll_us: Option<Spanned<u64>>,
+    zero_copy_reads: Option<Spanned<String>>,
 }
 
 type At<'a> = &'a dyn Fn(std::ops::Range<usize>, String) -> String;
@@ -692,6 +697,12 @@ fn limits_from_file(l: Option<FileLimits>, at: At) -> Result<Limits, String> {
         max_io,
         &mut out.tx_buffer_per_connection,
     )?;
+    if let Some(z) = &l.zero_copy_reads {
+        out.zero_copy_reads = z
+            .get_ref()
+            .parse()
+            .map_err(|e| at(z.span(), format!("zero_copy_reads: {e}")))?;
+    }
     if let Some(g) = &l.shutdown_grace {
         out.shutdown_grace = parse_duration(g.get_ref())
             .filter(|d| d.as_secs() <= 3600)
@@ -1499,6 +1510,21 @@ spec = "ram:1M"
         assert_eq!(
             plan.limits.shutdown_grace,
             std::time::Duration::from_millis(2500)
+        );
+        let text = format!("{base}[limits]\nzero_copy_reads = \"off\"\n");
+        let plan = parse_file(&text, Path::new("t.toml")).unwrap();
+        assert_eq!(
+            plan.limits.zero_copy_reads,
+            ironsan_server::ZeroCopyReads::Off
+        );
+        let err = parse_file(
+            &format!("{base}[limits]\nzero_copy_reads = \"always\"\n"),
+            Path::new("t.toml"),
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("t.toml:6") && err.contains("'always' is not one of auto, on, off"),
+            "{err}"
         );
         let text = format!("control = \"none\"\n{base}");
         let plan = parse_file(&text, Path::new("t.toml")).unwrap();

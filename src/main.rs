@@ -113,6 +113,12 @@ struct ServeArgs {
     /// while initiators are active. Overrides `busy_poll_us` in [limits]. Default: 0 (off).
     #[arg(long, value_name = "US", value_parser = clap::value_parser!(u64).range(0..=10_000))]
     busy_poll_us: Option<u64>,
+    /// Large reads (64 KiB and more) of file LUNs go from the page cache to the socket with
+    /// sendfile, no copy through ironsan, on connections without a data digest: auto (on
+    /// unless the connection's TCP congestion control is BBR, which paces each chunk), on,
+    /// off. Overrides `zero_copy_reads` in [limits]. Default: auto.
+    #[arg(long, value_name = "MODE")]
+    zero_copy_reads: Option<ironsan_server::ZeroCopyReads>,
 }
 
 fn build_lu(
@@ -256,6 +262,7 @@ fn server_config(plan: &Plan, targets: Vec<TargetDef>) -> ServerConfig {
     cfg.tx_buffer_per_connection = l.tx_buffer_per_connection;
     cfg.shutdown_grace = l.shutdown_grace;
     cfg.busy_poll = std::time::Duration::from_micros(l.busy_poll_us);
+    cfg.zero_copy_reads = l.zero_copy_reads;
     cfg
 }
 
@@ -298,6 +305,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
     };
     if let Some(us) = args.busy_poll_us {
         plan.limits.busy_poll_us = us;
+    }
+    if let Some(z) = args.zero_copy_reads {
+        plan.limits.zero_copy_reads = z;
     }
     let mut targets = Vec::new();
     let mut summary = Vec::new();

@@ -295,7 +295,20 @@ fn qemu_img_round_trip_is_byte_exact() {
     if !require_qemu_iscsi() {
         return;
     }
-    let mut s = Server::start(&["--lun", "file:lun.img:64M", "--lun", "ram:64M"]);
+    // Zero-copy reads forced on (whatever the host's congestion control): the file LUN's
+    // reads go to qemu's libiscsi by sendfile.
+    let ctl_dir = tempfile::tempdir().unwrap();
+    let sock = ctl_dir.path().join("control.sock").display().to_string();
+    let mut s = Server::start(&[
+        "--lun",
+        "file:lun.img:64M",
+        "--lun",
+        "ram:64M",
+        "--zero-copy-reads",
+        "on",
+        "--control",
+        &sock,
+    ]);
     let tmp = tempfile::tempdir().unwrap();
     let data = random_bytes(32 * MIB, 4);
     let img = tmp.path().join("in.raw");
@@ -327,6 +340,15 @@ fn qemu_img_round_trip_is_byte_exact() {
         "backing file after qemu-img wrote the LUN",
         &file[..32 * MIB],
         &data,
+    );
+    // The file LUN's 64 MiB (read back in large requests, every page cached after the
+    // writes) went by sendfile.
+    let out = run_stdout(bin(), &["ctl", "--control", &sock, "--json", "counters"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let zc = v["zero_copy_read_bytes"].as_u64().unwrap_or(0);
+    assert!(
+        zc >= 32 * MIB as u64,
+        "file LUN reads did not go by sendfile: {out}"
     );
     s.assert_alive();
 }

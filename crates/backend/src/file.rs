@@ -10,7 +10,7 @@
 //! device's volatile cache via FUA/flush); `flush()` is `fdatasync`.
 
 use crate::pool::IoPool;
-use crate::{sys, BackendError, BlockDevice, Capabilities, IoFuture, Keep, WriteMode};
+use crate::{sys, BackendError, BlockDevice, Capabilities, FileRange, IoFuture, Keep, WriteMode};
 use bytes::Bytes;
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
@@ -98,6 +98,8 @@ pub struct FileBackend {
     /// `preadv2(RWF_NOWAIT)` works here (cleared the first time it reports EOPNOTSUPP, so a
     /// file system without it does not pay a failing syscall per read).
     nowait_reads: std::sync::atomic::AtomicBool,
+    /// `cachestat` works here (cleared when it fails: an older kernel).
+    cachestat: std::sync::atomic::AtomicBool,
     pool: IoPool,
 }
 
@@ -169,6 +171,7 @@ impl FileBackend {
             dsync_by_fdatasync,
             in_memory,
             nowait_reads: std::sync::atomic::AtomicBool::new(true),
+            cachestat: std::sync::atomic::AtomicBool::new(true),
             pool,
         })
     }
@@ -269,6 +272,30 @@ impl BlockDevice for FileBackend {
                     Ok(Bytes::from(buf))
                 })
                 .await
+        })
+    }
+
+    /// Buffered files only: always on tmpfs/ramfs, elsewhere when `cachestat` reports every
+    /// page of the range cached (a page evicted between this check and the send makes that
+    /// send wait for the read, as a `pread` would have).
+    fn read_in_place(&self, offset: u64, len: usize) -> Option<FileRange> {
+        if self.direct {
+            return None;
+        }
+        let cached = self.in_memory
+            || (self.cachestat.load(std::sync::atomic::Ordering::Relaxed)
+                && match sys::fully_cached(&*self.file, offset, len as u64) {
+                    Some(c) => c,
+                    None => {
+                        self.cachestat
+                            .store(false, std::sync::atomic::Ordering::Relaxed);
+                        false
+                    }
+                });
+        cached.then(|| FileRange {
+            file: Arc::clone(&self.file),
+            offset,
+            len,
         })
     }
 

@@ -41,6 +41,7 @@
 use bytes::Bytes;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 pub mod fault;
 pub mod file;
@@ -56,6 +57,50 @@ pub use int_map::IntMap;
 pub use null::NullBackend;
 pub use ram::RamBackend;
 pub use sys::keep_io_buffers;
+
+/// Data that stays in a file until it is sent: `len` bytes at `offset` of `file`. A backend
+/// returns one from [`BlockDevice::read_in_place`] when the kernel can send the range straight
+/// from the page cache (`sendfile`) without waiting for a device, so the transport sends it
+/// with no copy through user space. The bytes are those in the file when they are sent.
+#[derive(Clone, Debug)]
+pub struct FileRange {
+    pub file: Arc<std::fs::File>,
+    pub offset: u64,
+    pub len: usize,
+}
+
+impl PartialEq for FileRange {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.file, &other.file) && self.offset == other.offset && self.len == other.len
+    }
+}
+impl Eq for FileRange {}
+
+impl FileRange {
+    /// Split off the first `n` bytes (at most `len`) and return them; `self` keeps the rest.
+    pub fn split_to(&mut self, n: usize) -> FileRange {
+        let n = n.min(self.len);
+        let head = FileRange {
+            file: Arc::clone(&self.file),
+            offset: self.offset,
+            len: n,
+        };
+        self.offset += n as u64;
+        self.len -= n;
+        head
+    }
+    /// Keep only the first `n` bytes.
+    pub fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+    }
+    /// Read the range into memory (where the bytes are needed in user space after all, e.g.
+    /// to compute a data digest). A file that has become shorter is an error.
+    pub fn to_bytes(&self) -> std::io::Result<Bytes> {
+        let mut v = vec![0u8; self.len];
+        sys::read_exact_at(&*self.file, &mut v, self.offset)?;
+        Ok(Bytes::from(v))
+    }
+}
 
 /// A boxed future returned by backend operations (object-safe async).
 pub type IoFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;
@@ -133,6 +178,14 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn capabilities(&self) -> Capabilities;
     /// Read `len` bytes at `offset`.
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes>;
+    /// `len` bytes at `offset` as a [`FileRange`] the transport can send from the page cache,
+    /// if the backend is a buffered file and the kernel would not wait for a device to send
+    /// it (tmpfs, or every page cached). `None` (the default): use [`read`](Self::read).
+    /// Called on the network side: must not block.
+    fn read_in_place(&self, offset: u64, len: usize) -> Option<FileRange> {
+        let _ = (offset, len);
+        None
+    }
     /// Write `data` at `offset`.
     fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()>;
     /// [`write`](Self::write), dropping `keep` only when the write can no longer change the

@@ -249,3 +249,52 @@ pub fn keep_io_buffers(max_buffer: usize, retain: usize) -> bool {
     let trim = unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, as_int(retain)) };
     mmap == 1 && trim == 1
 }
+
+/// `cachestat(2)` (Linux 6.5): how many pages of `[offset, offset + len)` are in the page
+/// cache. The syscall number is the same on every architecture (new syscalls share one table).
+const SYS_CACHESTAT: libc::c_long = 451;
+
+/// Whether every page of `[offset, offset + len)` of `file` is in the page cache now;
+/// `None` when the kernel has no `cachestat` (ENOSYS) or the file does not support it.
+pub fn fully_cached(file: &impl AsRawFd, offset: u64, len: u64) -> Option<bool> {
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct Stat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    if len == 0 {
+        return Some(true);
+    }
+    let range = Range { off: offset, len };
+    let mut stat = Stat::default();
+    // SAFETY: both pointers refer to live, properly laid out (`repr(C)`, the kernel's
+    // `struct cachestat_range` / `struct cachestat`) locals borrowed for the call; the kernel
+    // reads `range` and writes at most `size_of::<Stat>()` bytes into `stat`. A bad fd or an
+    // unknown syscall only makes the call fail.
+    let ret = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &range as *const Range,
+            &mut stat as *mut Stat,
+            0 as libc::c_uint,
+        )
+    };
+    if ret != 0 {
+        return None;
+    }
+    // 4 KiB pages; with larger ones the count comes out too high and the answer is "no", the
+    // safe side (the caller then copies).
+    let page = 4096u64;
+    let pages = (offset + len - 1) / page - offset / page + 1;
+    Some(stat.nr_cache >= pages)
+}

@@ -22,6 +22,9 @@
 //!   the first `data_out_len` bytes.
 //! * EXTENDED COPY (83h) is executed by [`Target::execute`] itself: its copy targets are the
 //!   LUs of this `Target` (named by their NAA designator), so a `Target` is the copy domain.
+//! * Data-In is in memory unless [`Command::in_place_min`] allows a READ to answer with a
+//!   range of its file LUN's backing file ([`DataIn::File`]), which the transport sends from the
+//!   page cache itself.
 //! * `data_in` is never longer than the CDB's ALLOCATION LENGTH or TRANSFER LENGTH. It may be
 //!   longer than the task's EDTL; the transport truncates and reports the overflow residual
 //!   (RFC 7143 SCSI Response residual count).
@@ -110,6 +113,58 @@ pub struct Command {
     pub data_out: Bytes,
     /// iSCSI Expected Data Transfer Length for reads (informational; see the crate docs).
     pub expected_in_len: u32,
+    /// The transport can send Data-In of at least this many bytes straight from a file
+    /// ([`DataIn::File`]); `None`: Data-In is always in memory. (iSCSI allows it when no data
+    /// digest is computed over the bytes and segments are large enough to pay for a syscall
+    /// each.)
+    pub in_place_min: Option<u32>,
+}
+
+/// A command's Data-In: bytes in memory, or a range of the backing file that the transport
+/// sends from the page cache with no copy through user space (READ only, and only when the
+/// [`Command`] allowed it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataIn {
+    Memory(Bytes),
+    File(ironsan_backend::FileRange),
+}
+
+impl Default for DataIn {
+    fn default() -> Self {
+        DataIn::Memory(Bytes::new())
+    }
+}
+
+impl DataIn {
+    pub fn len(&self) -> usize {
+        match self {
+            DataIn::Memory(b) => b.len(),
+            DataIn::File(f) => f.len,
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Keep only the first `n` bytes.
+    pub fn truncate(&mut self, n: usize) {
+        match self {
+            DataIn::Memory(b) => b.truncate(n),
+            DataIn::File(f) => f.truncate(n),
+        }
+    }
+    /// Split off the first `n` bytes (at most all) and return them; `self` keeps the rest.
+    pub fn split_to(&mut self, n: usize) -> DataIn {
+        match self {
+            DataIn::Memory(b) => DataIn::Memory(b.split_to(n.min(b.len()))),
+            DataIn::File(f) => DataIn::File(f.split_to(n)),
+        }
+    }
+}
+
+impl From<Bytes> for DataIn {
+    fn from(b: Bytes) -> Self {
+        DataIn::Memory(b)
+    }
 }
 
 /// SCSI status byte (SAM-5 status codes).
@@ -132,7 +187,7 @@ impl Status {
 pub struct Response {
     pub status: Status,
     /// Data-In, never longer than the CDB's allocation or transfer length.
-    pub data_in: Bytes,
+    pub data_in: DataIn,
     /// Fixed-format sense data (>= 18 bytes), present iff status is CHECK CONDITION.
     pub sense: Option<Bytes>,
 }
@@ -142,7 +197,7 @@ impl Response {
     pub fn good(data_in: Bytes) -> Self {
         Response {
             status: Status::GOOD,
-            data_in,
+            data_in: DataIn::Memory(data_in),
             sense: None,
         }
     }
@@ -150,7 +205,7 @@ impl Response {
     pub fn check_condition(reason: SenseReason) -> Self {
         Response {
             status: Status::CHECK_CONDITION,
-            data_in: Bytes::new(),
+            data_in: DataIn::default(),
             sense: Some(reason.to_fixed_sense()),
         }
     }
@@ -158,7 +213,7 @@ impl Response {
     pub fn status_only(status: Status) -> Self {
         Response {
             status,
-            data_in: Bytes::new(),
+            data_in: DataIn::default(),
             sense: None,
         }
     }
@@ -326,7 +381,14 @@ impl Target {
                 SAI_GET_LBA_STATUS => sbc::get_lba_status(lu, cdb).await,
                 _ => Err(SenseReason::cdb_bit(1, 4)),
             },
-            READ_6 | READ_10 | READ_12 | READ_16 => sbc::read(lu, cdb).await,
+            READ_6 | READ_10 | READ_12 | READ_16 => {
+                let data_in = sbc::read(lu, cdb, cmd.in_place_min).await?;
+                return Ok(Response {
+                    status: Status::GOOD,
+                    data_in,
+                    sense: None,
+                });
+            }
             WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 => {
                 // The data goes down by value: a backend may keep the buffer (RAM adopts
                 // whole chunks) instead of copying it.

@@ -10,7 +10,7 @@ use crate::cdb::{block_range, opcode::*, verify_bytchk, BlockRange, Cdb};
 use crate::lu::{lock, Kept, RangeGuard};
 use crate::sense::SenseReason;
 use crate::spc::truncate;
-use crate::LogicalUnit;
+use crate::{DataIn, LogicalUnit};
 use bytes::{Bytes, BytesMut};
 use ironsan_backend::{BackendError, WriteMode};
 use std::sync::Arc;
@@ -96,15 +96,32 @@ async fn read_blocks(lu: &LogicalUnit, lba: u64, blocks: u32) -> Result<Bytes, S
 
 /// SBC-3 READ (6), READ (10), READ (12), READ (16). DPO and FUA are accepted;
 /// FUA on a read is satisfied trivially because every backend reads what it last wrote.
-pub(crate) async fn read(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+/// With `in_place_min` (the transport can send from a file), a read of at least that many
+/// bytes that the backend can leave in the page cache answers with the file range; it waits
+/// for orphaned writes first, like every read.
+pub(crate) async fn read(
+    lu: &LogicalUnit,
+    cdb: Cdb<'_>,
+    in_place_min: Option<u32>,
+) -> Result<DataIn, SenseReason> {
     check_no_protection(cdb)?;
     let r = block_range(cdb);
     check_transfer(lu, &r)?;
     check_range(lu, r.lba, u64::from(r.blocks))?;
     if r.blocks == 0 {
-        return Ok(Bytes::new());
+        return Ok(DataIn::default());
     }
-    read_blocks(lu, r.lba, r.blocks).await
+    let len = bytes_of(lu, u64::from(r.blocks));
+    if in_place_min.is_some_and(|min| len >= u64::from(min)) {
+        lu.writes.settled(r.lba, r.lba + u64::from(r.blocks)).await;
+        if let Some(range) = lu
+            .backend()
+            .read_in_place(bytes_of(lu, r.lba), len as usize)
+        {
+            return Ok(DataIn::File(range));
+        }
+    }
+    read_blocks(lu, r.lba, r.blocks).await.map(DataIn::Memory)
 }
 
 /// Write whole blocks at `lba`, handing the range-lock keep to the backend so the range stays

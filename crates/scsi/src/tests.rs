@@ -64,6 +64,7 @@ async fn run_on(t: &Target, lun: u64, n: &Nexus, cdb: &[u8], data: &[u8]) -> Res
             cdb: Bytes::copy_from_slice(cdb),
             data_out: Bytes::copy_from_slice(data),
             expected_in_len: 0,
+            in_place_min: None,
         },
     )
     .await
@@ -81,7 +82,10 @@ async fn run_data(t: &Target, cdb: &[u8], data: &[u8]) -> Response {
 fn good(r: &Response) -> &[u8] {
     assert_eq!(r.status, Status::GOOD, "sense: {:02x?}", r.sense);
     assert!(r.sense.is_none());
-    &r.data_in
+    match &r.data_in {
+        DataIn::Memory(b) => b,
+        DataIn::File(f) => panic!("data in a file: {f:?}"),
+    }
 }
 
 /// (key, asc, ascq) of a CHECK CONDITION.
@@ -3104,6 +3108,7 @@ async fn reads_wait_for_an_aborted_task_that_is_not_yet_dropped() {
             cdb: Bytes::copy_from_slice(&cdb),
             data_out: data,
             expected_in_len: 0,
+            in_place_min: None,
         },
     ));
     let noop = std::task::Waker::noop();

@@ -70,6 +70,8 @@ pub struct ServerStats {
     /// Failed logins by reason (a status name); rare, so a mutex is fine.
     pub login_failures: Mutex<BTreeMap<String, u64>>,
     pub digest_errors: AtomicU64,
+    /// Data-In bytes sent straight from file LUNs' page cache, every connection ever.
+    pub zero_copy_bytes: Arc<AtomicU64>,
 }
 
 impl ServerStats {
@@ -112,6 +114,7 @@ pub struct Gauges {
     pub logins: u64,
     pub login_failures: BTreeMap<String, u64>,
     pub digest_errors: u64,
+    pub zero_copy_bytes: u64,
 }
 
 /// (LUN, the LU, the spec it was made from) as [`Control::lun_list`] returns them.
@@ -326,6 +329,7 @@ impl Control {
             "logins": st.logins.load(Relaxed),
             "login_failures": lock(&st.login_failures).clone(),
             "digest_errors": st.digest_errors.load(Relaxed),
+            "zero_copy_read_bytes": st.zero_copy_bytes.load(Relaxed),
         })
     }
 
@@ -356,6 +360,7 @@ impl Control {
             logins: st.logins.load(Relaxed),
             login_failures: lock(&st.login_failures).clone(),
             digest_errors: st.digest_errors.load(Relaxed),
+            zero_copy_bytes: st.zero_copy_bytes.load(Relaxed),
         }
     }
 
@@ -710,6 +715,7 @@ fn session_view(s: &Arc<Session>) -> Value {
                         "retransmits": t.total_retrans,
                         "delivery_rate": t.delivery_rate,
                         "mss": t.snd_mss,
+                        "congestion": crate::sys::tcp_congestion(c.fd).ok(),
                     })
                 });
                 let since = c
@@ -727,6 +733,7 @@ fn session_view(s: &Arc<Session>) -> Value {
                     "rx_bytes": st.rx_bytes.load(Relaxed),
                     "tx_pdus": c.tx.pdus.load(Relaxed),
                     "tx_bytes": c.tx.bytes.load(Relaxed),
+                    "tx_zero_copy_bytes": c.tx.zero_copy_bytes.load(Relaxed),
                     "reads": st.reads.load(Relaxed),
                     "read_bytes": st.read_bytes.load(Relaxed),
                     "writes": st.writes.load(Relaxed),
@@ -967,11 +974,12 @@ fn render_sessions(v: &Value) -> String {
         for c in sess["connections"].as_array().unwrap_or(&empty) {
             let u = |k: &str| c[k].as_u64().unwrap_or(0);
             out.push_str(&format!(
-                "  connection CID {} from {} on {}: in flight {}, reads {} ({}), writes {} ({}), other {}, rx {} ({}), tx {} ({}), digest errors {}\n",
+                "  connection CID {} from {} on {}: in flight {}, reads {} ({}), writes {} ({}), other {}, rx {} ({}), tx {} ({}, {} zero-copy), digest errors {}\n",
                 s(&c["cid"]), s(&c["peer"]), s(&c["portal"]), u("in_flight"),
                 u("reads"), human_bytes(u("read_bytes")), u("writes"), human_bytes(u("write_bytes")),
                 u("other_commands"), u("rx_pdus"), human_bytes(u("rx_bytes")),
-                u("tx_pdus"), human_bytes(u("tx_bytes")), u("digest_errors"),
+                u("tx_pdus"), human_bytes(u("tx_bytes")), human_bytes(u("tx_zero_copy_bytes")),
+                u("digest_errors"),
             ));
             let t = &c["tcp"];
             if t.is_object() {

@@ -173,6 +173,9 @@ struct Connection {
     /// Continuations of long Text responses: (ITT, TTT) → remaining segments.
     text_pending: Option<(Itt, Ttt, Vec<Bytes>)>,
     tasks: tokio::task::JoinSet<()>,
+    /// Reads of at least this many bytes may answer from a file LUN's page cache
+    /// ([`in_place_min`]).
+    in_place_min: Option<u32>,
     next_ttt: u32,
     last_rx: Arc<AtomicU64>,
     epoch: Instant,
@@ -228,7 +231,10 @@ pub async fn run(
     let (rd, wr) = stream.into_split();
     let mut rd = io::RecvBuf::new(rd);
     let (tx, rx) = writer::Queue::new(WRITER_QUEUE);
-    let stats = Arc::new(TxStats::default());
+    let stats = Arc::new(TxStats {
+        server_zero_copy_bytes: Arc::clone(&shared.stats.zero_copy_bytes),
+        ..TxStats::default()
+    });
     let mut writer = LazyWriter {
         writer: writer::Writer::new(wr, Arc::clone(&stats)),
         rx: Some(rx),
@@ -288,6 +294,10 @@ pub async fn run(
         out_bytes: 0,
         writer: direct_writer,
         polling: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        in_place_min: in_place_min(shared.cfg.zero_copy_reads, &params, {
+            use std::os::fd::AsRawFd;
+            rd.get_ref().as_ref().as_raw_fd()
+        }),
     };
     let keepalive = tokio::spawn(keepalive(
         conn.tx.clone(),
@@ -1272,6 +1282,7 @@ impl Connection {
         let scmd_op = cdb.first().copied().unwrap_or(0);
         let max_xmit = self.params.max_xmit_data_segment_length;
         let max_burst = session.params.max_burst_length;
+        let in_place_min = self.in_place_min;
         let lun = cmd.lun.number().unwrap_or(u64::MAX);
         let itt = cmd.itt;
         // The LUN map as of this command: a LUN removed meanwhile still finishes this command.
@@ -1331,6 +1342,7 @@ impl Connection {
                     cdb,
                     data_out,
                     expected_in_len: cmd.expected_data_transfer_length,
+                    in_place_min,
                 };
                 let resp = scsi.execute(lun, &session.nexus, scmd).await;
                 let t_done = Instant::now();
@@ -1832,6 +1844,33 @@ fn extended_cdb(cdb16: &[u8; 16], ahs: &Bytes) -> Option<Bytes> {
     Some(Bytes::from(cdb))
 }
 
+/// The smallest read sent straight from a file LUN's page cache, and the smallest
+/// MaxRecvDataSegmentLength for which that is done: each Data-In segment then costs a
+/// `sendfile` (and a `sendmsg` for its header) instead of two copies; below this, copying
+/// into one batched vectored write is cheaper (docs/PERFORMANCE.md).
+const IN_PLACE_MIN: u32 = 64 * 1024;
+
+/// The smallest read a connection sends straight from a file LUN's page cache, if it does
+/// ([`crate::ZeroCopyReads`]): never with a data digest (it needs the bytes) or with segments
+/// under [`IN_PLACE_MIN`].
+fn in_place_min(
+    mode: crate::ZeroCopyReads,
+    params: &ConnParams,
+    fd: std::os::fd::RawFd,
+) -> Option<u32> {
+    if params.data_digest || params.max_xmit_data_segment_length < IN_PLACE_MIN {
+        return None;
+    }
+    let on = match mode {
+        crate::ZeroCopyReads::On => true,
+        crate::ZeroCopyReads::Off => false,
+        crate::ZeroCopyReads::Auto => {
+            !crate::sys::tcp_congestion(fd).is_ok_and(|cc| cc.starts_with("bbr"))
+        }
+    };
+    on.then_some(IN_PLACE_MIN)
+}
+
 /// Turn a SCSI response into iSCSI PDUs: Data-In (with the status collapsed into the last
 /// one when there is no sense data) and/or a SCSI Response, with residuals against the
 /// Expected Data Transfer Length (RFC 7143 §11.4.5, §11.7).
@@ -1853,12 +1892,12 @@ fn response_pdus(
         data.truncate(send as usize);
         (data, Residual::of(edtl, produced))
     } else if let Some(needed) = write_needed {
-        (Bytes::new(), Residual::of(edtl, needed))
+        (ironsan_scsi::DataIn::default(), Residual::of(edtl, needed))
     } else {
         // No data direction, or data the initiator did not ask for: send none (the R bit
         // was off), and report what would have come as overflow.
         (
-            Bytes::new(),
+            ironsan_scsi::DataIn::default(),
             if produced > 0 || edtl > 0 {
                 Residual::of(edtl, produced)
             } else {
@@ -1887,7 +1926,7 @@ fn response_pdus(
                     residual: if last { residual } else { Residual::None },
                     ..Default::default()
                 }),
-                data: rest.split_to((s.len as usize).min(rest.len())),
+                data: rest.split_to(s.len as usize),
                 mode: if last {
                     writer::SnMode::Status
                 } else {

@@ -3,9 +3,11 @@
 //! digests are checked and computed here (CRC32C over header and data, padding included).
 
 use bytes::{Bytes, BytesMut};
+use ironsan_backend::FileRange;
 use ironsan_proto::digest;
 use ironsan_proto::pdu::{pad_len, Bhs, Header, Pdu, ReceivePlan, BHS_LEN};
 use std::io::IoSlice;
+use std::os::fd::AsRawFd;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// Digest settings of a connection, one per direction as negotiated.
@@ -171,23 +173,38 @@ pub struct WriteBatch {
     /// Headers, digests and padding live here; data segments are referenced, not copied.
     parts: Vec<Part>,
     bytes: usize,
+    /// Of `bytes`, those in file ranges.
+    file_bytes: usize,
     /// Write progress: the first part not yet fully written and how much of it was.
     part: usize,
     off: usize,
+    /// A data segment could not be made (its file range could not be read for the digest):
+    /// the next write fails with this and the connection closes.
+    failed: Option<std::io::Error>,
 }
 
 enum Part {
     Small([u8; BHS_LEN + 4], usize),
     Tail([u8; 8], usize),
     Data(Bytes),
+    /// Sent with `sendfile` (zero-copy Data-In from the page cache).
+    File(FileRange),
 }
 
 impl Part {
+    /// The bytes of an in-memory part (empty for a file range).
     fn as_slice(&self) -> &[u8] {
         match self {
             Part::Small(b, n) => &b[..*n],
             Part::Tail(b, n) => &b[..*n],
             Part::Data(d) => d,
+            Part::File(_) => &[],
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Part::File(r) => r.len,
+            p => p.as_slice().len(),
         }
     }
 }
@@ -200,9 +217,13 @@ impl WriteBatch {
     pub fn is_empty(&self) -> bool {
         self.bytes == 0
     }
+    /// Bytes queued in file ranges (sent with `sendfile`).
+    pub fn file_len(&self) -> usize {
+        self.file_bytes
+    }
 
-    /// Append one PDU (BHS already encoded with lengths; no AHS is ever sent by the target).
-    pub fn push(&mut self, bhs: &Bhs, data: Bytes, digests: Digests) {
+    /// The header (and header digest) of a PDU.
+    fn push_header(&mut self, bhs: &Bhs, digests: Digests) {
         let mut head = [0u8; BHS_LEN + 4];
         head[..BHS_LEN].copy_from_slice(&bhs.0);
         let mut n = BHS_LEN;
@@ -212,6 +233,34 @@ impl WriteBatch {
         }
         self.bytes += n;
         self.parts.push(Part::Small(head, n));
+    }
+
+    /// Append one PDU whose data segment is `range` of a file, sent with `sendfile` (no data
+    /// digest: the caller reads the range into memory when one is on).
+    pub fn push_file(&mut self, bhs: &Bhs, range: FileRange, digests: Digests) {
+        debug_assert!(!digests.data);
+        self.push_header(bhs, digests);
+        let pad = pad_len(range.len);
+        if range.len == 0 {
+            return;
+        }
+        self.bytes += range.len + pad;
+        self.file_bytes += range.len;
+        self.parts.push(Part::File(range));
+        if pad > 0 {
+            self.parts.push(Part::Tail([0u8; 8], pad));
+        }
+    }
+
+    /// Make the next [`try_write`](Self::try_write) fail with `e` (a data segment that could
+    /// not be produced: nothing after it may be sent).
+    pub fn fail(&mut self, e: std::io::Error) {
+        self.failed.get_or_insert(e);
+    }
+
+    /// Append one PDU (BHS already encoded with lengths; no AHS is ever sent by the target).
+    pub fn push(&mut self, bhs: &Bhs, data: Bytes, digests: Digests) {
+        self.push_header(bhs, digests);
         if data.is_empty() {
             return;
         }
@@ -232,13 +281,55 @@ impl WriteBatch {
     /// Write as much as the socket takes without waiting; `Ok(true)` once everything queued
     /// is written (the batch is then empty), `Ok(false)` when the socket is full (call again
     /// when it is writable: progress is kept).
+    ///
+    /// In-memory parts go out in one vectored write; a file range with `sendfile`, the parts
+    /// before it with MSG_MORE so its header does not leave as a packet of its own.
     pub fn try_write(&mut self, sock: &tokio::net::tcp::OwnedWriteHalf) -> std::io::Result<bool> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        let stream: &tokio::net::TcpStream = sock.as_ref();
+        let fd = stream.as_raw_fd();
         while self.part < self.parts.len() {
             let (part, off) = (self.part, self.off);
+            if let Part::File(r) = &self.parts[part] {
+                let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                    crate::sys::sendfile(fd, &r.file, r.offset + off as u64, r.len - off)
+                });
+                let n = match sent {
+                    Ok(0) => {
+                        tracing::warn!(
+                            offset = r.offset + off as u64,
+                            "backing file ended before the Data-In it was to send (cut short \
+                             behind the target's back?); closing the connection"
+                        );
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "backing file ended before the Data-In it was to send",
+                        ));
+                    }
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                };
+                if off + n >= r.len {
+                    self.part += 1;
+                    self.off = 0;
+                } else {
+                    self.off += n;
+                }
+                continue;
+            }
+            let mut file_follows = false;
             let slices: Vec<IoSlice<'_>> = self.parts[part..]
                 .iter()
-                .enumerate()
                 .take(1024)
+                .take_while(|p| {
+                    file_follows = matches!(p, Part::File(_));
+                    !file_follows
+                })
+                .enumerate()
                 .map(|(i, p)| {
                     if i == 0 {
                         IoSlice::new(&p.as_slice()[off..])
@@ -247,7 +338,14 @@ impl WriteBatch {
                     }
                 })
                 .collect();
-            let mut n = match sock.try_write_vectored(&slices) {
+            let sent = if file_follows {
+                stream.try_io(tokio::io::Interest::WRITABLE, || {
+                    crate::sys::send_more(fd, &slices)
+                })
+            } else {
+                sock.try_write_vectored(&slices)
+            };
+            let mut n = match sent {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
@@ -255,7 +353,7 @@ impl WriteBatch {
                 Err(e) => return Err(e),
             };
             while n > 0 && self.part < self.parts.len() {
-                let left = self.parts[self.part].as_slice().len() - self.off;
+                let left = self.parts[self.part].len() - self.off;
                 if n >= left {
                     n -= left;
                     self.part += 1;
@@ -268,6 +366,7 @@ impl WriteBatch {
         }
         self.parts.clear();
         self.bytes = 0;
+        self.file_bytes = 0;
         self.part = 0;
         self.off = 0;
         Ok(true)

@@ -122,6 +122,45 @@ pub struct ServerConfig {
     /// latency by avoiding the sleep and wake-up per command, at the price of a core spinning
     /// while initiators are active. Zero (the default): never poll.
     pub busy_poll: Duration,
+    /// Whether large reads of file LUNs go from the page cache to the socket with `sendfile`
+    /// (no copy through user space) when a connection has no data digest.
+    pub zero_copy_reads: ZeroCopyReads,
+}
+
+/// When a connection sends large file-LUN reads straight from the page cache (`sendfile`).
+/// Only ever without a data digest (the digest needs the bytes) and for reads and segments of
+/// at least 64 KiB (below that one batched copy is cheaper than a syscall per segment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ZeroCopyReads {
+    /// On, unless the connection's TCP congestion control paces inside TCP (BBR without an
+    /// fq qdisc): there each 64 KiB splice chunk is paced on its own, which measured 1.4-1.7x
+    /// the CPU of copying (docs/PERFORMANCE.md).
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl std::str::FromStr for ZeroCopyReads {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ZeroCopyReads::Auto),
+            "on" => Ok(ZeroCopyReads::On),
+            "off" => Ok(ZeroCopyReads::Off),
+            _ => Err(format!("'{s}' is not one of auto, on, off")),
+        }
+    }
+}
+
+impl std::fmt::Display for ZeroCopyReads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ZeroCopyReads::Auto => "auto",
+            ZeroCopyReads::On => "on",
+            ZeroCopyReads::Off => "off",
+        })
+    }
 }
 
 impl ServerConfig {
@@ -147,6 +186,7 @@ impl ServerConfig {
             tx_buffer_per_connection: 64 << 20,
             shutdown_grace: Duration::from_secs(10),
             busy_poll: Duration::ZERO,
+            zero_copy_reads: ZeroCopyReads::Auto,
         }
     }
 }

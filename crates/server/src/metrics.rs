@@ -469,6 +469,17 @@ pub fn prometheus(control: &Control) -> String {
         "Header and data digest (CRC32C) errors.",
     );
     let _ = writeln!(o, "ironsan_digest_errors_total {}", g.digest_errors);
+    head(
+        &mut o,
+        "ironsan_zero_copy_read_bytes_total",
+        "counter",
+        "Data-In bytes sent straight from file LUNs' page cache (sendfile, zero_copy_reads).",
+    );
+    let _ = writeln!(
+        o,
+        "ironsan_zero_copy_read_bytes_total {}",
+        g.zero_copy_bytes
+    );
 
     let (cpu, rss) = process_stats();
     if let Some(cpu) = cpu {

@@ -1,9 +1,83 @@
-//! The server crate's only `unsafe`: getsockopt(TCP_INFO) for the admin view. Kept thin:
-//! one call, a plain-old-data struct, no pointers kept.
+//! The server crate's only `unsafe`: getsockopt(TCP_INFO) for the admin view, and the two
+//! sends of zero-copy Data-In (`sendmsg` with MSG_MORE for the headers before a file range,
+//! `sendfile` for the range). Kept thin: one call each, no pointers kept.
 
 #![allow(unsafe_code)]
 
-use std::os::fd::RawFd;
+use std::io::IoSlice;
+use std::os::fd::{AsRawFd, RawFd};
+
+fn check(ret: isize) -> std::io::Result<usize> {
+    if ret < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// `sendmsg(fd, slices, MSG_MORE | MSG_DONTWAIT | MSG_NOSIGNAL)`: queue bytes that more will
+/// follow (the kernel holds a partial segment back for what comes next, here a `sendfile`).
+pub fn send_more(fd: RawFd, slices: &[IoSlice<'_>]) -> std::io::Result<usize> {
+    // SAFETY: all-zero is a valid `msghdr` (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSlice` is ABI compatible with `iovec` on Unix (std's documented guarantee); the
+    // kernel only reads through these pointers.
+    msg.msg_iov = slices.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = slices.len().min(libc::UIO_MAXIOV as usize) as _;
+    let flags = libc::MSG_MORE | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+    // SAFETY: `msg` points at `slices`, borrowed (alive, unmoved) for the call, whose buffers
+    // are borrowed too; a bad fd only makes the call fail.
+    let ret = unsafe { libc::sendmsg(fd, &msg, flags) };
+    check(ret)
+}
+
+/// `sendfile(sock, file, offset, count)` on a non-blocking socket: bytes of `file` from
+/// `offset` go to the socket from the page cache; returns how many (0: the file ends before
+/// `offset`).
+pub fn sendfile(
+    sock: RawFd,
+    file: &std::fs::File,
+    offset: u64,
+    count: usize,
+) -> std::io::Result<usize> {
+    let mut off = offset as libc::off_t;
+    // SAFETY: `off` is a live local the kernel reads and updates; both descriptors are open
+    // for the call (`file` is borrowed; the caller holds the socket). No memory of ours is
+    // read or written besides `off`.
+    let ret = unsafe { libc::sendfile(sock, file.as_raw_fd(), &mut off, count) };
+    check(ret)
+}
+
+/// shutdown(fd, SHUT_RDWR): end both directions of a connection whose socket stays open
+/// (its reader then sees end of file). Errors (already closed) are of no interest.
+pub fn shutdown(fd: RawFd) {
+    // SAFETY: no memory is passed; a bad or closed fd only makes the call fail.
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+}
+
+/// getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION): the socket's congestion control ("cubic",
+/// "bbr", ...).
+pub fn tcp_congestion(fd: RawFd) -> std::io::Result<String> {
+    let mut name = [0u8; 32];
+    let mut len = name.len() as libc::socklen_t;
+    // SAFETY: the pointer and length describe `name`, which lives across the call; the kernel
+    // writes at most `len` bytes and updates `len`. A bad fd only makes the call fail.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_CONGESTION,
+            name.as_mut_ptr().cast::<libc::c_void>(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let got = name.get(..len as usize).unwrap_or(&name);
+    let end = got.iter().position(|&b| b == 0).unwrap_or(got.len());
+    Ok(String::from_utf8_lossy(&got[..end]).into_owned())
+}
 
 /// What `ironsan ctl sessions` shows of a connection's TCP state (Linux `struct tcp_info`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

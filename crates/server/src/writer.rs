@@ -10,6 +10,7 @@ use crate::session::Session;
 use bytes::Bytes;
 use ironsan_proto::pdu::{Header, Pdu, TargetSn};
 use ironsan_proto::StatSn;
+use ironsan_scsi::DataIn;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::mpsc;
@@ -24,11 +25,12 @@ pub enum SnMode {
     Current,
 }
 
-/// One PDU for the writer.
+/// One PDU for the writer. Its data segment is in memory, or (a read's Data-In with no data
+/// digest) a range of a file LUN's backing file that the batch sends with `sendfile`.
 #[derive(Debug)]
 pub struct OutPdu {
     pub header: Header,
-    pub data: Bytes,
+    pub data: DataIn,
     pub mode: SnMode,
 }
 
@@ -36,14 +38,14 @@ impl OutPdu {
     pub fn status(header: Header, data: Bytes) -> Self {
         OutPdu {
             header,
-            data,
+            data: DataIn::Memory(data),
             mode: SnMode::Status,
         }
     }
     pub fn current(header: Header, data: Bytes) -> Self {
         OutPdu {
             header,
-            data,
+            data: DataIn::Memory(data),
             mode: SnMode::Current,
         }
     }
@@ -109,6 +111,10 @@ fn target_sn(h: &mut Header) -> Option<&mut TargetSn> {
 pub struct TxStats {
     pub pdus: std::sync::atomic::AtomicU64,
     pub bytes: std::sync::atomic::AtomicU64,
+    /// Of `bytes`, those sent straight from a file LUN's page cache (`sendfile`).
+    pub zero_copy_bytes: std::sync::atomic::AtomicU64,
+    /// The server-wide total of `zero_copy_bytes` (for the metrics).
+    pub server_zero_copy_bytes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Stamp sequence numbers on `pdus` and add them to the batch.
@@ -132,9 +138,27 @@ fn push(
         if p.mode == SnMode::Status {
             *stat_sn = stat_sn.next();
         }
-        let pdu = Pdu::new(p.header, p.data);
-        let bhs = pdu.bhs();
-        batch.push(&bhs, pdu.data, digests);
+        match p.data {
+            DataIn::Memory(data) => {
+                let pdu = Pdu::new(p.header, data);
+                let bhs = pdu.bhs();
+                batch.push(&bhs, pdu.data, digests);
+            }
+            DataIn::File(range) => {
+                let mut bhs = p.header.encode();
+                bhs.set_lengths(0, range.len as u32);
+                if digests.data {
+                    // The digest needs the bytes in memory (the connection does not ask for
+                    // file ranges with a data digest; this keeps the writer right regardless).
+                    match range.to_bytes() {
+                        Ok(data) => batch.push(&bhs, data, digests),
+                        Err(e) => batch.fail(e),
+                    }
+                } else {
+                    batch.push_file(&bhs, range, digests);
+                }
+            }
+        }
         stats
             .pdus
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -186,13 +210,18 @@ impl Core {
     /// Write what the socket takes now; `true` once the batch is all written (its read
     /// budget returned and its commands' stages recorded).
     fn try_write(&mut self, sock: &OwnedWriteHalf, stats: &TxStats) -> std::io::Result<bool> {
-        let len = self.batch.len();
+        let (len, file_len) = (self.batch.len(), self.batch.file_len());
         if !self.batch.try_write(sock)? {
             return Ok(false);
         }
         stats
             .bytes
             .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+        if file_len > 0 {
+            for counter in [&stats.zero_copy_bytes, &*stats.server_zero_copy_bytes] {
+                counter.fetch_add(file_len as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         self.held.clear();
         if !self.timed.is_empty() {
             let now = std::time::Instant::now();
@@ -332,6 +361,24 @@ pub enum DirectOutcome {
 /// Run the writer task until the queue closes, a `Close` arrives, or the socket fails.
 pub async fn run(
     w: Arc<Writer>,
+    rx: mpsc::Receiver<Out>,
+    pending: Arc<std::sync::atomic::AtomicUsize>,
+    first_stat_sn: StatSn,
+) -> std::io::Result<()> {
+    let res = serve(&w, rx, pending, first_stat_sn).await;
+    if res.is_err() {
+        // Nothing more can be sent in order (a peer gone, or a Data-In whose file range
+        // could not be read after its header left): close both directions, so the reader
+        // ends the connection and the initiator sees it at once rather than wait for bytes
+        // that will never come.
+        use std::os::fd::AsRawFd;
+        crate::sys::shutdown(w.sock.as_ref().as_raw_fd());
+    }
+    res
+}
+
+async fn serve(
+    w: &Arc<Writer>,
     mut rx: mpsc::Receiver<Out>,
     pending: Arc<std::sync::atomic::AtomicUsize>,
     first_stat_sn: StatSn,
@@ -343,7 +390,7 @@ pub async fn run(
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
         while let Some(msg) = next.take() {
-            handle(&w, msg, &mut close).await?;
+            handle(w, msg, &mut close).await?;
             // Encoded: a direct write may now follow it.
             pending.fetch_sub(1, SeqCst);
             if close || lock(&w.core).batch.len() >= BATCH_BYTES {
