@@ -11,6 +11,10 @@
 #                    targets:  ironsan tgt istgt
 #                  e.g. --only ram,qd1  or  --only file,istgt,ironsan
 #   --no-save      print only, do not append to bench/results/
+#   --tcp-cc NAME  run everything with this TCP congestion control (the
+#                  net.ipv4.tcp_congestion_control sysctl, restored at exit),
+#                  e.g. cubic on a host whose default is bbr: every target's
+#                  connections then use it
 #
 # Builds nothing: it uses target/release/ironsan (or $IRONSAN_BIN).
 # Needs root (tgtd), tgt, istgt, libiscsi-bin (iscsi-perf), qemu-utils +
@@ -70,12 +74,14 @@ POLL_US=100   # ironsan-poll: the QD1 row of the opt-in busy-polling mode
 SESSIONS=100
 ONLY=""
 SAVE=1
+TCP_CC=""
 while [[ $# -gt 0 ]]; do
     case $1 in
         --quick) DURATION=3; shift ;;
         --duration) DURATION=${2:?}; shift 2 ;;
         --only) ONLY=${2:?}; shift 2 ;;
         --no-save) SAVE=0; shift ;;
+        --tcp-cc) TCP_CC=${2:?}; shift 2 ;;
         -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
@@ -141,15 +147,22 @@ release_sessions() {
     HOLD_PID=""
 }
 
+CC_SYSCTL=/proc/sys/net/ipv4/tcp_congestion_control
+CC_BEFORE=$(cat "$CC_SYSCTL")
 cleanup() {
     release_sessions
     stop_target
+    [[ $(cat "$CC_SYSCTL") == "$CC_BEFORE" ]] || echo "$CC_BEFORE" >"$CC_SYSCTL" || true
     rm -rf "$WORK"
     [[ -z $SHM ]] || rm -rf "$SHM"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+
+if [[ -n $TCP_CC ]]; then
+    echo "$TCP_CC" >"$CC_SYSCTL" 2>/dev/null || die "cannot set congestion control '$TCP_CC' (available: $(cat /proc/sys/net/ipv4/tcp_available_congestion_control))"
+fi
 
 free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
@@ -513,7 +526,7 @@ REPORT=$(
     echo "nproc: $NCPU   cpu: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)   mem: $(awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo) MiB"
     echo "targets pinned to CPU $TARGET_CPU, clients to CPU $CLIENT_CPU; ${DURATION}s per workload; took $((T_END - T_START))s; loadavg before: $LOAD_BEFORE, after: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "ironsan binary: $(date -d "@$(stat -c %Y "$BIN")" -Is); tgt $(tgtd -V 2>/dev/null | head -n 1 || echo '?'); $(dpkg-query -W -f='istgt ${Version}, libiscsi-bin ${Version}' istgt 2>/dev/null | sed 's/libiscsi-bin [^,]*$//')$(dpkg-query -W -f='libiscsi-bin ${Version}' libiscsi-bin 2>/dev/null); $(qemu-img --version | head -n 1)"
-    echo "sections: $SECTIONS; targets: $TARGETS"
+    echo "sections: $SECTIONS; targets: $TARGETS; TCP congestion control: $(cat "$CC_SYSCTL")$([[ -n $TCP_CC ]] && echo " (--tcp-cc; host default $CC_BEFORE)")"
     echo "$TABLE"
 )
 echo "$REPORT"
