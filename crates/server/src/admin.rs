@@ -985,7 +985,7 @@ fn render_sessions(v: &Value) -> String {
             if t.is_object() {
                 let g = |k: &str| t[k].as_u64().unwrap_or(0);
                 out.push_str(&format!(
-                    "    tcp: rtt {:.3} ms ± {:.3}, cwnd {}, ssthresh {}, retransmits {}, delivery rate {}/s, mss {}\n",
+                    "    tcp: rtt {:.3} ms ± {:.3}, cwnd {}, ssthresh {}, retransmits {}, delivery rate {}/s, mss {}, congestion control {}\n",
                     g("rtt_us") as f64 / 1000.0,
                     g("rttvar_us") as f64 / 1000.0,
                     g("cwnd"),
@@ -993,6 +993,7 @@ fn render_sessions(v: &Value) -> String {
                     g("retransmits"),
                     human_bytes(g("delivery_rate")),
                     g("mss"),
+                    t["congestion"].as_str().unwrap_or("?"),
                 ));
             }
         }
