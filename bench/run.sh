@@ -526,7 +526,7 @@ REPORT=$(
     echo "nproc: $NCPU   cpu: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)   mem: $(awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo) MiB"
     echo "targets pinned to CPU $TARGET_CPU, clients to CPU $CLIENT_CPU; ${DURATION}s per workload; took $((T_END - T_START))s; loadavg before: $LOAD_BEFORE, after: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "ironsan binary: $(date -d "@$(stat -c %Y "$BIN")" -Is); tgt $(tgtd -V 2>/dev/null | head -n 1 || echo '?'); $(dpkg-query -W -f='istgt ${Version}, libiscsi-bin ${Version}' istgt 2>/dev/null | sed 's/libiscsi-bin [^,]*$//')$(dpkg-query -W -f='libiscsi-bin ${Version}' libiscsi-bin 2>/dev/null); $(qemu-img --version | head -n 1)"
-    echo "sections: $SECTIONS; targets: $TARGETS; TCP congestion control: $(cat "$CC_SYSCTL")$([[ -n $TCP_CC ]] && echo " (--tcp-cc; host default $CC_BEFORE)")"
+    echo "sections: $SECTIONS; targets: $TARGETS; TCP congestion control: $(cat "$CC_SYSCTL")$([[ -n $TCP_CC ]] && echo " (--tcp-cc; host default $CC_BEFORE)")$([[ -n $TCP_CC && $(cat "$CC_SYSCTL") != "$TCP_CC" ]] && echo " WARNING: changed by someone else during the run, figures invalid")"
     echo "$TABLE"
 )
 echo "$REPORT"
