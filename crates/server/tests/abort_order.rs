@@ -26,8 +26,7 @@ use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBac
 use ironsan_initiator::{Client, CommandResult, LoginOptions};
 use ironsan_proto::pdu::*;
 use ironsan_proto::{CmdSn, DataSn};
-use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::{Server, ServerConfig, TargetDef};
+use ironsan_server::{Server, ServerConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,18 +52,7 @@ async fn start_cfg(rules: &[&str], tune: impl FnOnce(&mut ServerConfig)) -> Rig 
     let rules = rules.iter().map(|r| FaultRule::parse(r).unwrap()).collect();
     let fault = FaultBackend::new(Arc::clone(&inner), rules, BS, 1);
     let ctl = fault.control();
-    let mut scsi = ironsan_scsi::Target::new();
-    let cfg = LuConfig {
-        naa: 0x3000_0000_0000_0020,
-        ..Default::default()
-    };
-    scsi.add_lun(0, Arc::new(LogicalUnit::new(Arc::new(fault), cfg)));
-    let t = TargetDef {
-        name: TARGET.into(),
-        alias: None,
-        tpgt: 1,
-        scsi: Arc::new(scsi),
-    };
+    let t = support::target_on(TARGET, Arc::new(fault), 0x3000_0000_0000_0020);
     let mut cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
     tune(&mut cfg);
     let server = Server::bind(cfg).await.unwrap();

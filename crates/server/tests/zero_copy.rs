@@ -8,8 +8,7 @@ use bytes::Bytes;
 use ironsan_backend::{FileBackend, FileOptions};
 use ironsan_initiator::{Client, LoginOptions};
 use ironsan_proto::pdu::Header;
-use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::{Server, ServerConfig, TargetDef, ZeroCopyReads};
+use ironsan_server::{Server, ServerConfig, ZeroCopyReads};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -57,23 +56,11 @@ async fn start(file: &Path, mode: ZeroCopyReads) -> Rig {
         },
     )
     .unwrap();
-    let mut scsi = ironsan_scsi::Target::new();
-    scsi.add_lun(
-        0,
-        Arc::new(LogicalUnit::new(
-            Arc::new(backend),
-            LuConfig {
-                naa: ironsan_scsi::local_naa("zero-copy"),
-                ..Default::default()
-            },
-        )),
+    let t = support::target_on(
+        TARGET,
+        Arc::new(backend),
+        ironsan_scsi::local_naa("zero-copy"),
     );
-    let t = TargetDef {
-        name: TARGET.into(),
-        alias: None,
-        tpgt: 1,
-        scsi: Arc::new(scsi),
-    };
     let mut cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
     cfg.zero_copy_reads = mode;
     let server = Server::bind(cfg).await.unwrap();

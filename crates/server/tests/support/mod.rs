@@ -4,7 +4,7 @@
 #![allow(dead_code)] // each test crate uses a different part
 
 use bytes::Bytes;
-use ironsan_backend::RamBackend;
+use ironsan_backend::{BlockDevice, RamBackend};
 use ironsan_initiator::LoginOptions;
 use ironsan_scsi::{LogicalUnit, LuConfig};
 use ironsan_server::{admin, Server, ServerConfig, TargetDef};
@@ -16,13 +16,13 @@ use std::sync::Arc;
 /// The target name most tests use.
 pub const TARGET: &str = "iqn.2026-11.org.ironsan:test";
 
-/// A target called `name` with LUN 0 on a 64 MiB RAM disk.
-pub fn ram_target(name: &str) -> TargetDef {
+/// A target called `name` with LUN 0 on `backend` (NAA designator `naa`), portal group 1.
+pub fn target_on(name: &str, backend: Arc<dyn BlockDevice>, naa: u64) -> TargetDef {
     let mut scsi = ironsan_scsi::Target::new();
     let lu = LogicalUnit::new(
-        Arc::new(RamBackend::new(64 << 20)),
+        backend,
         LuConfig {
-            naa: 0x3000_0000_0000_0001,
+            naa,
             ..Default::default()
         },
     );
@@ -33,6 +33,15 @@ pub fn ram_target(name: &str) -> TargetDef {
         tpgt: 1,
         scsi: Arc::new(scsi),
     }
+}
+
+/// A target called `name` with LUN 0 on a 64 MiB RAM disk.
+pub fn ram_target(name: &str) -> TargetDef {
+    target_on(
+        name,
+        Arc::new(RamBackend::new(64 << 20)),
+        0x3000_0000_0000_0001,
+    )
 }
 
 /// Run a bound server in the background; it stops when the sender is dropped.
