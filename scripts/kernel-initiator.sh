@@ -177,7 +177,7 @@ trap 'exit 130' INT TERM
 PORT=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 mkdir -p "$WORK/data"
 "$BIN" serve --listen "127.0.0.1:$PORT" --target "$TARGET_IQN" \
-    --lun "file:lun0.img:${LUN_SIZE_MIB}M" --zero-copy-reads on \
+    --lun "file:lun0.img:${LUN_SIZE_MIB}M" --zero-copy-reads on --control "$WORK/control.sock" \
     --data-dir "$WORK/data" --log "${IRONSAN_LOG:-info}" \
     "${AUTH_ARGS[@]}" \
     >"$WORK/server.log" 2>&1 &
@@ -248,6 +248,10 @@ qemu_rc=0
 wait "$QEMU_PID" || qemu_rc=$?
 QEMU_PID=""
 GUEST_SECS=$(($(date +%s) - T_QEMU))
+# Data-In bytes the target sent from the page cache (sendfile): zero-copy reads are forced on,
+# so with DataDigest=None the guest's large reads go that way, and with CRC32C none may.
+ZERO_COPY=$("$BIN" ctl --control "$WORK/control.sock" --json counters 2>/dev/null |
+    /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["zero_copy_read_bytes"])' 2>/dev/null || echo "?")
 stop_server
 rm -f "$WORK/initrd.cpio"
 
@@ -318,6 +322,14 @@ if [[ $warns -gt 0 ]]; then
 fi
 
 TOTAL=$(($(date +%s) - START))
+log "target: $ZERO_COPY Data-In bytes sent from the page cache (digests $DIGEST)"
+case $DIGEST/$ZERO_COPY in
+    */\?) failures+=("could not read the target's zero-copy counter") ;;
+    None/0) failures+=("DataDigest=None with --zero-copy-reads on, yet no read went by sendfile") ;;
+    CRC32C/0) ;;
+    CRC32C/*) failures+=("DataDigest=CRC32C, yet $ZERO_COPY bytes went by sendfile (the digest needs them in memory)") ;;
+esac
+
 if [[ ${#failures[@]} -eq 0 ]]; then
     OK=1
     log "$result"

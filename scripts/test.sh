@@ -108,3 +108,5 @@ bash scripts/conformance.sh --suites conformance/suites-readonly.txt --waivers c
 
 section "linux kernel initiator (open-iscsi in a QEMU guest)"
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
+# Again without digests: the guest's reads then come by sendfile (zero-copy reads forced on).
+IRONSAN_REQUIRE_TOOLS=1 IRONSAN_KERNEL_DIGEST=None IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
