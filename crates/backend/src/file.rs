@@ -276,8 +276,10 @@ impl BlockDevice for FileBackend {
     }
 
     /// Buffered files only: always on tmpfs/ramfs, elsewhere when `cachestat` reports every
-    /// page of the range cached (a page evicted between this check and the send makes that
-    /// send wait for the read, as a `pread` would have).
+    /// page of the range cached. A page evicted between this check and the send (moments
+    /// later, under memory pressure) makes that `sendfile` read it from the device on the
+    /// connection's thread, where a copied read would have gone to an I/O thread: rare, and
+    /// the price of not copying.
     fn read_in_place(&self, offset: u64, len: usize) -> Option<FileRange> {
         if self.direct {
             return None;
