@@ -194,10 +194,10 @@ pub struct Response {
 
 impl Response {
     /// GOOD with `data_in`.
-    pub fn good(data_in: Bytes) -> Self {
+    pub fn good(data_in: impl Into<DataIn>) -> Self {
         Response {
             status: Status::GOOD,
-            data_in: DataIn::Memory(data_in),
+            data_in: data_in.into(),
             sense: None,
         }
     }
@@ -382,12 +382,9 @@ impl Target {
                 _ => Err(SenseReason::cdb_bit(1, 4)),
             },
             READ_6 | READ_10 | READ_12 | READ_16 => {
-                let data_in = sbc::read(lu, cdb, cmd.in_place_min).await?;
-                return Ok(Response {
-                    status: Status::GOOD,
-                    data_in,
-                    sense: None,
-                });
+                return sbc::read(lu, cdb, cmd.in_place_min)
+                    .await
+                    .map(Response::good);
             }
             WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 => {
                 // The data goes down by value: a backend may keep the buffer (RAM adopts

@@ -82,6 +82,11 @@ pub(crate) fn write_mode(lu: &LogicalUnit, fua: bool) -> WriteMode {
 /// atomic load when there is none).
 async fn read_blocks(lu: &LogicalUnit, lba: u64, blocks: u32) -> Result<Bytes, SenseReason> {
     lu.writes.settled(lba, lba + u64::from(blocks)).await;
+    read_settled(lu, lba, blocks).await
+}
+
+/// [`read_blocks`] once the blocks' orphaned writes are known to be done.
+async fn read_settled(lu: &LogicalUnit, lba: u64, blocks: u32) -> Result<Bytes, SenseReason> {
     let len = bytes_of(lu, u64::from(blocks)) as usize;
     let data = lu
         .backend()
@@ -111,9 +116,9 @@ pub(crate) async fn read(
     if r.blocks == 0 {
         return Ok(DataIn::default());
     }
+    lu.writes.settled(r.lba, r.lba + u64::from(r.blocks)).await;
     let len = bytes_of(lu, u64::from(r.blocks));
     if in_place_min.is_some_and(|min| len >= u64::from(min)) {
-        lu.writes.settled(r.lba, r.lba + u64::from(r.blocks)).await;
         if let Some(range) = lu
             .backend()
             .read_in_place(bytes_of(lu, r.lba), len as usize)
@@ -121,7 +126,7 @@ pub(crate) async fn read(
             return Ok(DataIn::File(range));
         }
     }
-    read_blocks(lu, r.lba, r.blocks).await.map(DataIn::Memory)
+    read_settled(lu, r.lba, r.blocks).await.map(DataIn::Memory)
 }
 
 /// Write whole blocks at `lba`, handing the range-lock keep to the backend so the range stays

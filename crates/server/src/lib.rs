@@ -141,25 +141,31 @@ pub enum ZeroCopyReads {
     Off,
 }
 
+impl ZeroCopyReads {
+    const ALL: [ZeroCopyReads; 3] = [ZeroCopyReads::Auto, ZeroCopyReads::On, ZeroCopyReads::Off];
+    /// The name in the configuration and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ZeroCopyReads::Auto => "auto",
+            ZeroCopyReads::On => "on",
+            ZeroCopyReads::Off => "off",
+        }
+    }
+}
+
 impl std::str::FromStr for ZeroCopyReads {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(ZeroCopyReads::Auto),
-            "on" => Ok(ZeroCopyReads::On),
-            "off" => Ok(ZeroCopyReads::Off),
-            _ => Err(format!("'{s}' is not one of auto, on, off")),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("'{s}' is not one of auto, on, off"))
     }
 }
 
 impl std::fmt::Display for ZeroCopyReads {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            ZeroCopyReads::Auto => "auto",
-            ZeroCopyReads::On => "on",
-            ZeroCopyReads::Off => "off",
-        })
+        f.write_str(self.name())
     }
 }
 
