@@ -27,14 +27,9 @@ impl Drop for TempFile {
     }
 }
 
-fn temp_file(dir: &Path, name: &str) -> TempFile {
-    TempFile(dir.join(format!(
-        "ironsan-zero-copy-{}-{name}.img",
-        std::process::id()
-    )))
-}
-
 struct Rig {
+    /// The backing file (removed with the rig).
+    file: TempFile,
     addr: SocketAddr,
     control: ironsan_server::admin::Control,
     _stop: tokio::sync::oneshot::Sender<()>,
@@ -46,9 +41,14 @@ impl Rig {
     }
 }
 
-async fn start(file: &Path, mode: ZeroCopyReads) -> Rig {
+/// A server whose LUN 0 is a new file `name` in `dir`.
+async fn start(dir: &Path, name: &str, mode: ZeroCopyReads) -> Rig {
+    let file = TempFile(dir.join(format!(
+        "ironsan-zero-copy-{}-{name}.img",
+        std::process::id()
+    )));
     let backend = FileBackend::open(
-        file,
+        &file.0,
         &FileOptions {
             size: Some(LUN_BYTES),
             io_threads: 2,
@@ -67,6 +67,7 @@ async fn start(file: &Path, mode: ZeroCopyReads) -> Rig {
     let addr = server.local_addrs()[0];
     let control = server.control();
     Rig {
+        file,
         addr,
         control,
         _stop: support::run_in_background(server),
@@ -124,8 +125,7 @@ async fn read_and_check(c: &mut Client, data: &Bytes) -> u64 {
 
 #[tokio::test]
 async fn large_reads_of_a_tmpfs_file_lun_are_sent_from_the_page_cache() {
-    let f = temp_file(Path::new("/dev/shm"), "tmpfs");
-    let rig = start(&f.0, ZeroCopyReads::On).await;
+    let rig = start(Path::new("/dev/shm"), "tmpfs", ZeroCopyReads::On).await;
     let mut c = login(rig.addr, |_| {}).await;
     let data = fill(&mut c).await;
     let before = rig.zero_copy_bytes();
@@ -156,8 +156,7 @@ async fn cached_pages_of_a_disk_file_lun_are_sent_from_the_page_cache() {
     // The test's own directory is on a disk file system here (not tmpfs): reads go by
     // sendfile only when `cachestat` says every page is cached, as it is right after the
     // writes.
-    let f = temp_file(&std::env::temp_dir(), "disk");
-    let rig = start(&f.0, ZeroCopyReads::On).await;
+    let rig = start(&std::env::temp_dir(), "disk", ZeroCopyReads::On).await;
     let mut c = login(rig.addr, |_| {}).await;
     let data = fill(&mut c).await;
     let before = rig.zero_copy_bytes();
@@ -171,8 +170,7 @@ async fn cached_pages_of_a_disk_file_lun_are_sent_from_the_page_cache() {
 
 #[tokio::test]
 async fn data_digest_or_mode_off_copies_and_reads_the_same_bytes() {
-    let f = temp_file(Path::new("/dev/shm"), "digest");
-    let rig = start(&f.0, ZeroCopyReads::On).await;
+    let rig = start(Path::new("/dev/shm"), "digest", ZeroCopyReads::On).await;
     let mut c = login(rig.addr, |o| o.data_digest = true).await;
     assert!(c.data_digest);
     let data = fill(&mut c).await;
@@ -196,8 +194,7 @@ async fn data_digest_or_mode_off_copies_and_reads_the_same_bytes() {
         "MaxRecvDataSegmentLength 8 KiB copies"
     );
 
-    let f = temp_file(Path::new("/dev/shm"), "off");
-    let rig = start(&f.0, ZeroCopyReads::Off).await;
+    let rig = start(Path::new("/dev/shm"), "off", ZeroCopyReads::Off).await;
     let mut c = login(rig.addr, |_| {}).await;
     let data = fill(&mut c).await;
     read_and_check(&mut c, &data).await;
@@ -208,8 +205,7 @@ async fn data_digest_or_mode_off_copies_and_reads_the_same_bytes() {
 async fn many_large_reads_in_flight_fill_the_socket_and_arrive_whole() {
     // 16 reads of 2 MiB sent at once and read back slowly: the target's socket fills, so
     // `sendfile` stops part way through segments and the writer resumes when it drains.
-    let f = temp_file(Path::new("/dev/shm"), "inflight");
-    let rig = start(&f.0, ZeroCopyReads::On).await;
+    let rig = start(Path::new("/dev/shm"), "inflight", ZeroCopyReads::On).await;
     let mut c = login(rig.addr, |_| {}).await;
     let data = fill(&mut c).await;
     let before = rig.zero_copy_bytes();
@@ -257,13 +253,12 @@ async fn a_backing_file_cut_short_under_a_read_closes_the_connection() {
     // with a CHECK CONDITION; a read whose header is already on the wire cannot, so the
     // connection closes (the initiator retries elsewhere) rather than send bytes that are
     // not the file's. Nothing hangs, and a new session works.
-    let f = temp_file(Path::new("/dev/shm"), "cut");
-    let rig = start(&f.0, ZeroCopyReads::On).await;
+    let rig = start(Path::new("/dev/shm"), "cut", ZeroCopyReads::On).await;
     let mut c = login(rig.addr, |_| {}).await;
     fill(&mut c).await;
     std::fs::OpenOptions::new()
         .write(true)
-        .open(&f.0)
+        .open(&rig.file.0)
         .unwrap()
         .set_len(LUN_BYTES / 2)
         .unwrap();
