@@ -43,6 +43,21 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+/// Largest read of zeros served from [`ZEROS`] without allocating.
+const ZERO_LEN: usize = 1 << 20;
+/// Shared zeros, in the binary's read-only data: no heap, no zeroing per read, and the first
+/// pages, which every small read sends, stay in cache.
+static ZEROS: [u8; ZERO_LEN] = [0; ZERO_LEN];
+
+/// `len` zero bytes for a read of nothing stored (a NULL LUN, a hole in a RAM LUN): a slice of
+/// [`ZEROS`] up to 1 MiB, zeroed memory beyond.
+pub(crate) fn zeros(len: usize) -> Bytes {
+    match ZEROS.get(..len) {
+        Some(z) => Bytes::from_static(z),
+        None => bytes::BytesMut::zeroed(len).freeze(),
+    }
+}
+
 pub mod fault;
 pub mod file;
 pub mod int_map;

@@ -4,10 +4,6 @@ use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
 use bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Largest read served from the shared zero buffer without allocating.
-const ZERO_LEN: usize = 1 << 20;
-static ZEROS: [u8; ZERO_LEN] = [0; ZERO_LEN];
-
 /// A device of a given size that stores nothing.
 #[derive(Debug)]
 pub struct NullBackend {
@@ -42,11 +38,7 @@ impl BlockDevice for NullBackend {
         }
     }
     fn read(&self, _offset: u64, len: usize) -> IoFuture<'_, Bytes> {
-        let data = if len <= ZERO_LEN {
-            Bytes::from_static(&ZEROS[..len])
-        } else {
-            Bytes::from(vec![0u8; len])
-        };
+        let data = crate::zeros(len);
         Box::pin(async move { Ok(data) })
     }
     fn write(&self, _offset: u64, _data: Bytes, _mode: WriteMode) -> IoFuture<'_, ()> {

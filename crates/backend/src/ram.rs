@@ -118,7 +118,7 @@ impl RamBackend {
                 Some(chunk) => Bytes::copy_from_slice(&chunk[within..within + n]),
                 None => {
                     drop(shard);
-                    BytesMut::zeroed(len).freeze()
+                    crate::zeros(len)
                 }
             };
         }
@@ -291,6 +291,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[tokio::test]
+    async fn hole_reads_are_zeros_from_the_shared_buffer_and_see_later_writes() {
+        let ram = RamBackend::new(4 * CHUNK);
+        for (offset, len) in [
+            (0u64, 512usize),
+            (4096, 4096),
+            (CHUNK - 4096, 4096),
+            (0, CHUNK as usize),
+        ] {
+            let got = ram.read(offset, len).await.unwrap();
+            assert_eq!(got.len(), len);
+            assert!(is_zero(&got), "hole read at {offset}+{len}");
+            // Within one chunk a hole read allocates nothing: it is the shared zeros.
+            assert_eq!(got.as_ptr(), crate::zeros(1).as_ptr(), "at {offset}+{len}");
+        }
+        // Reads spanning chunks and holes still assemble zeros and data.
+        ram.write(CHUNK, Bytes::from(vec![7u8; 4096]), WriteMode::Durable)
+            .await
+            .unwrap();
+        let got = ram.read(CHUNK - 4096, 3 * 4096).await.unwrap();
+        assert!(is_zero(&got[..4096]));
+        assert!(got[4096..8192].iter().all(|&b| b == 7));
+        assert!(is_zero(&got[8192..]));
+        // The shared zeros are never written through: a hole read after a write is still zero.
+        assert!(is_zero(&ram.read(2 * CHUNK, 4096).await.unwrap()));
     }
 
     #[tokio::test]
