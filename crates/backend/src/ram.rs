@@ -316,7 +316,7 @@ mod tests {
         assert!(is_zero(&got[..4096]));
         assert!(got[4096..8192].iter().all(|&b| b == 7));
         assert!(is_zero(&got[8192..]));
-        // The shared zeros are never written through: a hole read after a write is still zero.
+        // A hole elsewhere still reads as zeros after chunk 1 was written.
         assert!(is_zero(&ram.read(2 * CHUNK, 4096).await.unwrap()));
     }
 
