@@ -159,7 +159,10 @@ impl std::str::FromStr for ZeroCopyReads {
         Self::ALL
             .into_iter()
             .find(|m| m.name() == s)
-            .ok_or_else(|| format!("'{s}' is not one of auto, on, off"))
+            .ok_or_else(|| {
+                let names: Vec<_> = Self::ALL.iter().map(|m| m.name()).collect();
+                format!("'{s}' is not one of {}", names.join(", "))
+            })
     }
 }
 
