@@ -494,15 +494,10 @@ fn start_control(
     ))))
 }
 
-/// glibc's allocator, with 512 KiB blocks (RAM LUN chunks and the buffers of 512 KiB writes,
-/// which become chunks) in 2 MiB pages: docs/PERFORMANCE.md, "RAM store in huge pages".
-#[global_allocator]
-static ALLOCATOR: ironsan_backend::ChunkAlloc = ironsan_backend::ChunkAlloc;
-
 fn main() -> Result<()> {
     // Before any thread exists: command buffers below 1 MiB are reused from the heap (up to
     // 16 MiB kept free per allocator arena) instead of being fresh, page-faulting mmaps each
-    // time (512 KiB ones, RAM LUN chunks among them, come from `ALLOCATOR`'s slab instead).
+    // time (RAM LUN chunks, 512 KiB, live there too and are trimmed after large unmaps).
     let tuned = ironsan_backend::keep_io_buffers(1 << 20, 16 << 20);
     let cli = Cli::parse();
     match cli.cmd {

@@ -64,7 +64,6 @@ pub mod int_map;
 pub mod null;
 pub mod pool;
 pub mod ram;
-mod slab;
 mod sys;
 
 pub use fault::{Effect, FaultBackend, FaultControl, FaultRule, Ops};
@@ -72,7 +71,7 @@ pub use file::{FileBackend, FileOptions};
 pub use int_map::IntMap;
 pub use null::NullBackend;
 pub use ram::RamBackend;
-pub use sys::{keep_io_buffers, ChunkAlloc};
+pub use sys::keep_io_buffers;
 
 /// Data that stays in a file until it is sent: `len` bytes at `offset` of `file`. A backend
 /// returns one from [`BlockDevice::read_in_place`] when the kernel can send the range straight

@@ -6,12 +6,6 @@
 //! instead of copying it (copying a 512 KiB write into a cold store cost a third of the
 //! target's CPU).
 //!
-//! A chunk is exactly one slot of the huge-page slab that `ironsan` installs as its allocator
-//! ([`crate::ChunkAlloc`]), and so is the server's buffer of a 512 KiB write: the store sits in
-//! 2 MiB pages, where a random 4 KiB read seldom misses the TLB (3.3 -> 2.2 us of target CPU
-//! per 4K read, docs/PERFORMANCE.md), and a kept write buffer is already there. Under another
-//! allocator the chunks are ordinary heap blocks and everything works the same, slower.
-//!
 //! Reads of [`ZERO_COPY_MIN`] bytes or more that lie in one allocated chunk are not copied:
 //! the returned `Bytes` shares the chunk (Data-In goes from the store straight to the
 //! socket). Chunks are copy-on-write: a write or unmap to a chunk that a read still holds
@@ -212,9 +206,9 @@ impl RamBackend {
                 Arc::make_mut(chunk)[within..within + n].fill(0);
             }
         }
-        // Freed chunks stay with the allocator for reuse (slab slots, or glibc's heap): once
-        // enough has been freed, hand the free pages back to the kernel so unmapping a RAM
-        // LUN really shrinks the process.
+        // Chunks live in the allocator's heap (they may be adopted I/O buffers), and glibc
+        // keeps freed heap memory for reuse: once enough has been freed, hand the free pages
+        // back to the kernel so unmapping a RAM LUN really shrinks the process.
         if freed > 0
             && self.freed_since_trim.fetch_add(freed, Ordering::Relaxed) + freed >= TRIM_AFTER
         {

@@ -209,16 +209,13 @@ pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Re
     Ok(Some(ret as u64))
 }
 
-/// Hand the allocator's free memory back to the kernel (the slab's wholly free huge pages and
-/// glibc's `malloc_trim`): used after a RAM LUN frees many chunks, so the process really
-/// shrinks.
+/// Hand the allocator's free memory back to the kernel (glibc `malloc_trim`): used after a
+/// RAM LUN frees many chunks, which live in the heap, so the process really shrinks.
 /// Returns whether any memory was released.
 pub fn release_free_memory() -> bool {
-    let slab = slab().release(&mut Kernel) > 0;
     // SAFETY: malloc_trim takes each arena's own lock (glibc documents it MT-Safe) and reads
     // or writes no memory of ours; it only returns unused pages to the kernel.
-    let heap = unsafe { libc::malloc_trim(0) == 1 };
-    slab || heap
+    unsafe { libc::malloc_trim(0) == 1 }
 }
 
 /// Make glibc's allocator keep freed I/O buffers below `max_buffer` bytes for reuse instead of
@@ -228,9 +225,9 @@ pub fn release_free_memory() -> bool {
 /// and trims free memory above a few MiB, so every large command buffer (a 512 KiB write's
 /// Data-Out, a large read) came as new pages: 128 page faults and a kernel page-zeroing per
 /// 512 KiB, about a fifth of the target's CPU at 512K writes. Allocations of `max_buffer` or
-/// more still get their own mappings. Blocks of exactly 512 KiB (RAM LUN chunks, the buffers
-/// of 512 KiB writes) come from [`ChunkAlloc`]'s slab instead when it is the process
-/// allocator; the RAM backend calls [`release_free_memory`] after unmapping many chunks.
+/// more still get their own mappings. The RAM backend's 512 KiB chunks live in the heap too
+/// (a whole-chunk write keeps its I/O buffer as the chunk); it calls
+/// [`release_free_memory`] after unmapping many of them.
 ///
 /// glibc documents `mallopt` as unsafe to call while other threads use the allocator, so
 /// this does nothing and returns `false` unless the process has a single thread (call it
@@ -300,155 +297,4 @@ pub fn fully_cached(file: &impl AsRawFd, offset: u64, len: u64) -> Option<bool> 
     let page = 4096u64;
     let pages = (offset + len - 1) / page - offset / page + 1;
     Some(stat.nr_cache >= pages)
-}
-
-/// The process's huge-page slab (see `slab.rs`): 512 KiB slots, empty until the first one is
-/// asked for.
-static SLAB: std::sync::Mutex<crate::slab::Slab<{ crate::slab::MAX_SLOTS }>> =
-    std::sync::Mutex::new(crate::slab::Slab::new());
-
-/// The slab's memory: one anonymous mapping the kernel backs with huge pages where it can.
-struct Kernel;
-
-impl crate::slab::Memory for Kernel {
-    /// At most the machine's physical memory: a store larger than that could not be in RAM.
-    fn reserve(&mut self, max: usize) -> Option<(usize, usize)> {
-        use crate::slab::HUGE_PAGE;
-        let len = max.min(physical_memory()) / HUGE_PAGE * HUGE_PAGE;
-        if len == 0 {
-            return None;
-        }
-        let span = len.checked_add(HUGE_PAGE)?;
-        // SAFETY: a new private anonymous mapping at an address of the kernel's choosing; it
-        // aliases nothing of ours. MAP_NORESERVE: only pages written to are backed (and count).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                span,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return None;
-        }
-        let start = p as usize;
-        let base = start.next_multiple_of(HUGE_PAGE);
-        let (head, tail) = (base - start, HUGE_PAGE - (base - start));
-        // SAFETY: the two ranges are the unaligned ends of the mapping just made, which nothing
-        // has seen yet; unmapping them leaves `[base, base + len)` mapped.
-        unsafe {
-            if head > 0 {
-                libc::munmap(p, head);
-            }
-            libc::munmap((base + len) as *mut libc::c_void, tail);
-        }
-        // SAFETY: advice on our own fresh mapping; MADV_HUGEPAGE changes only how the kernel
-        // backs it (and is refused harmlessly where transparent huge pages are off).
-        unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
-        Some((base, len))
-    }
-
-    fn discard(&mut self, addr: usize, len: usize) {
-        // SAFETY: `[addr, addr + len)` is whole free slots of the slab's mapping (the slab
-        // checked that no slot in it is in use), so no live allocation reads it; afterwards
-        // it reads as zeros.
-        unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED) };
-    }
-}
-
-/// The physical memory of the machine: the slab reserves no more address space than that.
-fn physical_memory() -> usize {
-    // SAFETY: `sysinfo` fills the zeroed struct we pass and touches nothing else.
-    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; a pointer to a live, writable `struct sysinfo`.
-    if unsafe { libc::sysinfo(&mut info) } != 0 {
-        return 0;
-    }
-    (info.totalram as usize).saturating_mul(info.mem_unit.max(1) as usize)
-}
-
-fn slab() -> std::sync::MutexGuard<'static, crate::slab::Slab<{ crate::slab::MAX_SLOTS }>> {
-    SLAB.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Whether an allocation is served by the slab: exactly one slot (the RAM backend's chunks and
-/// the receive buffers of 512 KiB writes, which become chunks).
-fn slab_sized(layout: std::alloc::Layout) -> bool {
-    layout.size() == crate::slab::SLOT && layout.align() <= 4096
-}
-
-/// The process allocator ironsan installs (`#[global_allocator]` in the binary): the system
-/// allocator (glibc), except that 512 KiB allocations come from a slab of 2 MiB pages (see
-/// `slab.rs` and docs/PERFORMANCE.md, "RAM store in huge pages"). When the slab cannot be
-/// reserved or is full, those come from glibc too.
-pub struct ChunkAlloc;
-
-impl ChunkAlloc {
-    /// Slab slots in use and free (free ones are kept for reuse until
-    /// [`release_free_memory`] gives whole huge pages of them back).
-    pub fn slots() -> (usize, usize) {
-        slab().counts()
-    }
-}
-
-// SAFETY: every block handed out is either a slab slot (SLOT bytes, 512 KiB-aligned within a
-// 2 MiB-aligned mapping, so aligned to any `align <= 4096`, used by no one else until given
-// back) or comes from `System`; `dealloc` and `realloc` send a block back to where it came
-// from, told apart by the layout (only slab-sized layouts can be slots) and then by address.
-unsafe impl std::alloc::GlobalAlloc for ChunkAlloc {
-    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
-        if slab_sized(layout) {
-            if let Some((addr, _)) = slab().take(&mut Kernel) {
-                return addr as *mut u8;
-            }
-        }
-        // SAFETY: the caller's contract (non-zero size) is passed on unchanged.
-        unsafe { std::alloc::System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
-        if slab_sized(layout) {
-            if let Some((addr, zeroed)) = slab().take(&mut Kernel) {
-                let p = addr as *mut u8;
-                if !zeroed {
-                    // SAFETY: `p` is a slot of SLOT bytes now owned by this allocation alone.
-                    unsafe { std::ptr::write_bytes(p, 0, crate::slab::SLOT) };
-                }
-                return p;
-            }
-        }
-        // SAFETY: as in `alloc`.
-        unsafe { std::alloc::System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
-        if slab_sized(layout) && slab().give(ptr as usize) {
-            return;
-        }
-        // SAFETY: not a slot, so `System` allocated it with this layout (caller's contract).
-        unsafe { std::alloc::System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
-        let Ok(new_layout) = std::alloc::Layout::from_size_align(new_size, layout.align()) else {
-            return std::ptr::null_mut();
-        };
-        if !slab_sized(layout) && !slab_sized(new_layout) {
-            // SAFETY: neither block is a slot, so this is `System`'s own realloc.
-            return unsafe { std::alloc::System.realloc(ptr, layout, new_size) };
-        }
-        // SAFETY: `new_layout` has a non-zero size (the caller's contract for `new_size`).
-        let new = unsafe { self.alloc(new_layout) };
-        if !new.is_null() {
-            // SAFETY: both blocks are live and distinct, each at least `min` bytes long.
-            unsafe {
-                std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
-                self.dealloc(ptr, layout);
-            }
-        }
-        new
-    }
 }
