@@ -53,8 +53,9 @@ apt_install() {
 # Plain packages: any version will do.
 # ---------------------------------------------------------------------------
 # qemu-system-x86, linux-image-amd64, busybox-static, open-iscsi and e2fsprogs run the real
-# kernel initiator in an emulated guest (scripts/kernel-initiator.sh).
-PLAIN=(libiscsi-bin tgt istgt iproute2 procps python3 shellcheck
+# kernel initiator in an emulated guest (scripts/kernel-initiator.sh). gcc links every Rust
+# binary and compiles mimalloc, the allocator (crates/backend/src/sys.rs).
+PLAIN=(gcc libiscsi-bin tgt istgt iproute2 procps python3 shellcheck
     qemu-system-x86 linux-image-amd64 busybox-static open-iscsi e2fsprogs)
 missing=()
 for pkg in "${PLAIN[@]}"; do

@@ -494,11 +494,12 @@ fn start_control(
     ))))
 }
 
+/// The allocator the RAM store and the I/O buffers are tuned for (`backend::sys::Allocator`).
+#[global_allocator]
+static ALLOCATOR: ironsan_backend::Allocator = ironsan_backend::Allocator {};
+
 fn main() -> Result<()> {
-    // Before any thread exists: command buffers below 1 MiB are reused from the heap (up to
-    // 16 MiB kept free per allocator arena) instead of being fresh, page-faulting mmaps each
-    // time (RAM LUN chunks, 512 KiB, live there too and are trimmed after large unmaps).
-    let tuned = ironsan_backend::keep_io_buffers(1 << 20, 16 << 20);
+    let small_pages = ironsan_backend::no_transparent_huge_pages();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Serve(args) => {
@@ -510,8 +511,8 @@ fn main() -> Result<()> {
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::stderr().is_terminal())
                 .init();
-            if !tuned {
-                tracing::warn!("the allocator settings for I/O buffers were not applied");
+            if !small_pages {
+                tracing::warn!("could not turn transparent huge pages off for this process");
             }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

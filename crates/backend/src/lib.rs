@@ -71,7 +71,7 @@ pub use file::{FileBackend, FileOptions};
 pub use int_map::IntMap;
 pub use null::NullBackend;
 pub use ram::RamBackend;
-pub use sys::keep_io_buffers;
+pub use sys::{no_transparent_huge_pages, Allocator};
 
 /// Data that stays in a file until it is sent: `len` bytes at `offset` of `file`. A backend
 /// returns one from [`BlockDevice::read_in_place`] when the kernel can send the range straight

@@ -160,18 +160,21 @@ impl RamBackend {
     fn write_sync(&self, offset: u64, data: Bytes) {
         // Each piece is split off the front; the last (usually the only) one is the caller's
         // buffer itself, so a write of exactly one aligned chunk arrives at `put` whole.
+        let alone = data.len() as u64 == CHUNK;
         let mut rest = data;
         for (idx, within, n) in pieces(offset, rest.len() as u64) {
-            self.put(idx, within, rest.split_to(n));
+            self.put(idx, within, rest.split_to(n), alone);
         }
     }
 
     /// Write `src` at `within` in chunk `idx`. A piece that is a whole chunk becomes the
-    /// chunk: its buffer is kept instead of copied when this is the only reference to it (the
-    /// server's Data-Out buffer of a 512 KiB write), copied once when it is shared, and shrunk
-    /// to the chunk when it is part of a larger buffer. The chunk it replaces is dropped, or
-    /// lives on in a read that still holds it. A smaller piece is copied into the chunk.
-    fn put(&self, idx: u64, within: usize, src: Bytes) {
+    /// chunk: when it is the whole write (`alone`) and this is the only reference to its
+    /// buffer (the server's Data-Out buffer of a 512 KiB write), that buffer is kept instead
+    /// of copied; otherwise it is copied once into a chunk-sized block (a piece of a larger
+    /// buffer is not kept: shrinking that buffer in place is up to the allocator, and
+    /// mimalloc keeps the whole block). The chunk it replaces is dropped, or lives on in a
+    /// read that still holds it. A smaller piece is copied into the chunk.
+    fn put(&self, idx: u64, within: usize, src: Bytes, alone: bool) {
         let mut shard = self.shard(idx).write().unwrap_or_else(|p| p.into_inner());
         let whole = src.len() as u64 == CHUNK;
         if !whole {
@@ -184,8 +187,15 @@ impl RamBackend {
         if !shard.contains_key(&idx) && is_zero(&src) {
             return; // zeros over a hole change nothing observable
         }
-        let chunk: Box<[u8]> = if whole {
-            Vec::from(src).into_boxed_slice()
+        let chunk: Box<[u8]> = if whole && alone {
+            let v = Vec::from(src);
+            if v.capacity() == v.len() {
+                v.into_boxed_slice()
+            } else {
+                Box::from(&v[..])
+            }
+        } else if whole {
+            Box::from(&src[..])
         } else {
             let mut c = vec![0u8; CHUNK as usize].into_boxed_slice();
             c[within..within + src.len()].copy_from_slice(&src);
@@ -488,6 +498,25 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(ram.allocated(), before);
+    }
+
+    #[tokio::test]
+    async fn pieces_of_a_larger_write_are_copied_into_blocks_of_their_own() {
+        // A 2 MiB write is four whole chunks; none may keep (a part of) the 2 MiB buffer, or a
+        // chunk would pin the whole block in an allocator that does not shrink in place.
+        let ram = RamBackend::new(4 * CHUNK);
+        let data = Bytes::from(pattern(4 * CHUNK as usize, 4));
+        let span = data.as_ptr() as usize..data.as_ptr() as usize + data.len();
+        ram.write(0, data, WriteMode::Durable).await.unwrap();
+        for i in 0..4 {
+            let back = ram.read(i * CHUNK, CHUNK as usize).await.unwrap();
+            assert!(
+                !span.contains(&(back.as_ptr() as usize)),
+                "chunk {i} lives in the written buffer"
+            );
+            let want = pattern(4 * CHUNK as usize, 4);
+            assert!(back[..] == want[(i * CHUNK) as usize..][..CHUNK as usize]);
+        }
     }
 
     fn rss_kib() -> u64 {

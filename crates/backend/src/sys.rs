@@ -209,45 +209,43 @@ pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Re
     Ok(Some(ret as u64))
 }
 
-/// Hand the allocator's free memory back to the kernel (glibc `malloc_trim`): used after a
-/// RAM LUN frees many chunks, which live in the heap, so the process really shrinks.
-/// Returns whether any memory was released.
-pub fn release_free_memory() -> bool {
+/// The process allocator the `ironsan` binary installs (`#[global_allocator]`): mimalloc
+/// (<https://github.com/microsoft/mimalloc>, MIT), run without transparent huge pages (see
+/// [`no_transparent_huge_pages`]).
+///
+/// Why (docs/PERFORMANCE.md, "mimalloc"): a command still allocates a few buffers (a read's
+/// Data-In, a write's Data-Out, the RAM store's 512 KiB chunks); against glibc's allocator
+/// the same binary took about a tenth less CPU per 4K read or write and per 512K read, with
+/// the same memory per idle session. glibc kept no freed 512 KiB buffer for reuse unless
+/// told to (`mallopt`, which is unsafe once threads run); mimalloc does by itself.
+pub type Allocator = mimalloc::MiMalloc;
+
+/// Hand the allocator's free memory back to the kernel: used after a RAM LUN frees many
+/// chunks, so the process really shrinks. mimalloc gives freed memory back on its own only
+/// while the process keeps allocating; an idle target would keep it. `malloc_trim` does the
+/// same for glibc's heap (where the chunks live when this crate runs under the system
+/// allocator, as in its own tests).
+pub fn release_free_memory() {
+    // SAFETY: mi_collect takes no pointers; it walks mimalloc's own structures (each
+    // thread's heap is only collected by its thread; the arenas under their locks) and
+    // returns unused pages to the kernel. Harmless when mimalloc is not the allocator.
+    unsafe { libmimalloc_sys::mi_collect(true) };
     // SAFETY: malloc_trim takes each arena's own lock (glibc documents it MT-Safe) and reads
     // or writes no memory of ours; it only returns unused pages to the kernel.
-    unsafe { libc::malloc_trim(0) == 1 }
+    unsafe { libc::malloc_trim(0) };
 }
 
-/// Make glibc's allocator keep freed I/O buffers below `max_buffer` bytes for reuse instead of
-/// returning them to the kernel, keeping up to `retain` bytes of free memory per arena.
+/// Keep this process's memory in 4 KiB pages (`prctl(PR_SET_THP_DISABLE)`), whatever the
+/// system's transparent-huge-page setting. Returns whether the kernel agreed.
 ///
-/// By default glibc serves allocations above its (dynamic) mmap threshold with fresh `mmap`s
-/// and trims free memory above a few MiB, so every large command buffer (a 512 KiB write's
-/// Data-Out, a large read) came as new pages: 128 page faults and a kernel page-zeroing per
-/// 512 KiB, about a fifth of the target's CPU at 512K writes. Allocations of `max_buffer` or
-/// more still get their own mappings. The RAM backend's 512 KiB chunks live in the heap too
-/// (a whole-chunk write keeps its I/O buffer as the chunk); it calls
-/// [`release_free_memory`] after unmapping many of them.
-///
-/// glibc documents `mallopt` as unsafe to call while other threads use the allocator, so
-/// this does nothing and returns `false` unless the process has a single thread (call it
-/// first thing in `main`); `false` too if glibc refused a value. Nothing depends on it.
-pub fn keep_io_buffers(max_buffer: usize, retain: usize) -> bool {
-    let single_threaded = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .any(|l| l.split_whitespace().eq(["Threads:", "1"].iter().copied()))
-    });
-    if !single_threaded {
-        return false;
-    }
-    let as_int = |v: usize| libc::c_int::try_from(v).unwrap_or(libc::c_int::MAX);
-    // SAFETY: mallopt only sets allocator parameters from two integers and reads or writes no
-    // memory of ours; the process has one thread (checked above), so no other thread is in
-    // the allocator while the parameters change.
-    let mmap = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, as_int(max_buffer)) };
-    // SAFETY: as above.
-    let trim = unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, as_int(retain)) };
-    mmap == 1 && trim == 1
+/// With huge pages the RAM store's random 4K reads took 4 % less CPU, but every first write
+/// to a 2 MiB page costs a whole huge page: on VMs that hand free memory back to the host
+/// (free page reporting, as on the machine of docs/PERFORMANCE.md) filling a RAM LUN took 2
+/// to 4 times the CPU, and resident memory grew in 2 MiB steps. Call it first thing in `main`.
+pub fn no_transparent_huge_pages() -> bool {
+    // SAFETY: PR_SET_THP_DISABLE takes integer arguments only and changes a flag of this
+    // process's address space; no memory of ours is read or written.
+    unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0 }
 }
 
 /// `cachestat(2)` (Linux 6.5): how many pages of `[offset, offset + len)` are in the page
