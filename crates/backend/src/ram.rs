@@ -2,9 +2,10 @@
 //! write, so a large RAM LUN costs only what is written; unmapping a whole chunk frees it.
 //! Volatile by nature, and says so.
 //!
-//! A write piece that covers a whole chunk keeps the buffer the data arrived in as the chunk
+//! A write of exactly one aligned chunk keeps the buffer the data arrived in as the chunk
 //! instead of copying it (copying a 512 KiB write into a cold store cost a third of the
-//! target's CPU).
+//! target's CPU); the whole-chunk pieces of a larger write are copied into blocks of their
+//! own, so no chunk pins a larger buffer.
 //!
 //! Reads of [`ZERO_COPY_MIN`] bytes or more that lie in one allocated chunk are not copied:
 //! the returned `Bytes` shares the chunk (Data-In goes from the store straight to the
