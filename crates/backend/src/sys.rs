@@ -238,7 +238,7 @@ pub fn release_free_memory() {
 /// Keep this process's memory in 4 KiB pages (`prctl(PR_SET_THP_DISABLE)`), whatever the
 /// system's transparent-huge-page setting. Returns whether the kernel agreed.
 ///
-/// With huge pages the RAM store's random 4K reads took 4 % less CPU, but every first write
+/// With huge pages the RAM store's random 4K reads took 4-10 % less CPU, but every first write
 /// to a 2 MiB page costs a whole huge page: on VMs that hand free memory back to the host
 /// (free page reporting, as on the machine of docs/PERFORMANCE.md) filling a RAM LUN took 2
 /// to 4 times the CPU, and resident memory grew in 2 MiB steps. Call it first thing in `main`.
