@@ -1715,16 +1715,6 @@ fn load_round_trip(url: &str) {
     }
 }
 
-/// A field of `/proc/PID/status` (kB for the memory ones).
-fn proc_status(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no {field} in\n{status}"))
-}
-
 /// The binary's memory set-up (`backend::sys`): mimalloc without transparent huge pages, and
 /// the memory of a RAM LUN's data goes back to the kernel when the data goes, although the
 /// target is idle then (mimalloc alone returns memory only while the process allocates).
@@ -1733,11 +1723,9 @@ fn ram_lun_memory_goes_back_to_the_kernel_when_the_data_goes() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("control.sock").display().to_string();
     let s = Server::start(&["--lun", "ram:128M", "--control", &sock]);
-    assert_eq!(
-        proc_status(s.pid(), "THP_enabled:"),
-        0,
-        "huge pages not turned off"
-    );
+    let status =
+        |field| proc_status(s.pid(), field).unwrap_or_else(|| panic!("no {field} for the server"));
+    assert_eq!(status("THP_enabled:"), 0, "huge pages not turned off");
     let w = load(
         &s.url(0),
         &[
@@ -1746,7 +1734,7 @@ fn ram_lun_memory_goes_back_to_the_kernel_when_the_data_goes() {
     )
     .unwrap_or_else(|e| panic!("filling the LUN: {e}"));
     assert_eq!(w["failed"].as_u64(), Some(0), "{w}");
-    let full = proc_status(s.pid(), "VmRSS:");
+    let full = status("VmRSS:");
     assert!(full >= 128 << 10, "128 MiB written, RSS {full} kB");
     let out = run_unchecked(
         bin(),
@@ -1766,10 +1754,10 @@ fn ram_lun_memory_goes_back_to_the_kernel_when_the_data_goes() {
     // The resize returns once the backend has handed the memory back; mimalloc by itself
     // would return it only with later allocations, seconds or never on an idle target.
     let deadline = Instant::now() + Duration::from_secs(2);
-    let mut now = proc_status(s.pid(), "VmRSS:");
+    let mut now = status("VmRSS:");
     while full.saturating_sub(now) < 96 << 10 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
-        now = proc_status(s.pid(), "VmRSS:");
+        now = status("VmRSS:");
     }
     assert!(
         full.saturating_sub(now) >= 96 << 10,

@@ -202,12 +202,7 @@ fn decoder_catches_torn_and_misdirected_records() {
 
 /// (VmRSS in KiB, open fds) of a process.
 fn rss_and_fds(pid: u32) -> (u64, usize) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
+    let rss = common::proc_status(pid, "VmRSS:").unwrap_or(0);
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| d.count())
         .unwrap_or(0);

@@ -220,6 +220,16 @@ pub fn run_stdout(cmd: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&run(cmd, args).stdout).into_owned()
 }
 
+/// A numeric field of `/proc/PID/status` (`"VmRSS:"` in KiB, `"THP_enabled:"`, ...); `None`
+/// when the process or the field is not there.
+pub fn proc_status(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
 /// Send `sig` (e.g. "TERM", "INT") to a process.
 pub fn signal(pid: u32, sig: &str) {
     let st = Command::new("kill")
