@@ -21,8 +21,15 @@
 # qemu-block-extra (qemu-img with the iscsi driver), python3, taskset.
 #
 # Method (see docs/PERFORMANCE.md for the discussion)
-#   * One target process at a time, pinned to CPU 0; every client pinned to
-#     CPU 1. Loopback TCP, no digests, no CHAP, 512-byte blocks.
+#   * Targets pinned to CPU 0; every client pinned to CPU 1. Loopback TCP, no
+#     digests, no CHAP, 512-byte blocks.
+#   * Interleaved: the targets of a setup (ram: ironsan, tgt, ironsan-poll;
+#     file: ironsan, tgt, istgt) run side by side, idle but for the one being
+#     measured, and each workload runs against every target in turn, the
+#     order reversed from one workload to the next; so the targets' turns at
+#     a workload come seconds apart, not minutes, and a host whose speed
+#     changes during the run moves them alike. Memory and idle are measured
+#     on each target alone, on fresh processes.
 #   * Target CPU = utime+stime of the whole process (all threads) from
 #     /proc/PID/stat before and after each run. CPU % = CPU s / wall s,
 #     CPU us/IO = CPU s / I/Os done. With the target confined to one core,
@@ -59,7 +66,9 @@
 #     count is calibrated by a short first run so a run lasts about --duration.
 #
 # The report (machine description + tables) is printed and appended to
-# bench/results/<date>-<hostname>.txt unless --no-save.
+# bench/results/<date>-<hostname>.txt unless --no-save. Exit status 1 if any
+# client run failed (its row reads 0), after the report; CI runs a short
+# smoke of it (scripts/test.sh, "bench smoke").
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -122,21 +131,36 @@ CLK_TCK=$(getconf CLK_TCK)
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ironsan-bench.XXXXXX")
 SHM=""
-TARGET_PID="" TARGET_NAME="" TARGET_KIND=""
+# Every target of a setup runs at once (each idle but for the workload at hand), so the
+# targets take their turns at one workload seconds apart; see "Interleaving" below.
+# Per started target NAME: PID[NAME], URL[NAME], PORT[NAME], IQN[NAME], KIND[NAME]
+# (ironsan, tgt or istgt). use_target NAME points the TARGET_*
+# variables the workload functions read at one of them.
+declare -A PID=() URL=() PORT=() IQN=() KIND=()
+TARGET_PID="" TARGET_NAME="" TARGET_URL="" TARGET_PORT="" TARGET_IQN=""
 HOLD_PID=""
 
+use_target() {
+    TARGET_NAME=$1 TARGET_PID=${PID[$1]} TARGET_URL=${URL[$1]} TARGET_PORT=${PORT[$1]}
+    TARGET_IQN=${IQN[$1]}
+}
+
 stop_target() {
-    local pid=$TARGET_PID kind=$TARGET_KIND
-    TARGET_PID="" TARGET_KIND=""
+    local name=$1 pid=${PID[$1]:-} kind=${KIND[$1]:-}
+    unset "PID[$name]" "URL[$name]" "PORT[$name]" "IQN[$name]" "KIND[$name]"
     case $kind in
         ironsan)
             kill -TERM "$pid" 2>/dev/null || true
             for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
             kill -KILL "$pid" 2>/dev/null || true
             wait "$pid" 2>/dev/null || true ;;
-        tgt) bash "$ROOT/bench/peer-tgt.sh" stop --dir "$WORK/tgt" || true ;;
-        istgt) bash "$ROOT/bench/peer-istgt.sh" stop --dir "$WORK/istgt" || true ;;
+        tgt) bash "$ROOT/bench/peer-tgt.sh" stop --dir "$WORK/$name" || true ;;
+        istgt) bash "$ROOT/bench/peer-istgt.sh" stop --dir "$WORK/$name" || true ;;
     esac
+}
+stop_all() {
+    local name
+    for name in "${!PID[@]}"; do stop_target "$name"; done
 }
 
 release_sessions() {
@@ -151,7 +175,7 @@ CC_SYSCTL=/proc/sys/net/ipv4/tcp_congestion_control
 CC_BEFORE=$(cat "$CC_SYSCTL")
 cleanup() {
     release_sessions
-    stop_target
+    stop_all
     [[ $(cat "$CC_SYSCTL") == "$CC_BEFORE" ]] || echo "$CC_BEFORE" >"$CC_SYSCTL" || true
     rm -rf "$WORK"
     [[ -z $SHM ]] || rm -rf "$SHM"
@@ -187,45 +211,78 @@ sched_ns_switches() {
 }
 rss_kb() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status"; }
 
-# start_target NAME SETUP: sets TARGET_PID, TARGET_URL, TARGET_HOST/PORT/IQN.
+# start_target NAME SETUP: NAME is ironsan, ironsan-poll (ironsan in the opt-in busy-polling
+# mode, for the QD1 row only), tgt or istgt; fills PID[NAME], URL[NAME] and the rest.
 start_target() {
-    local name=$1 setup=$2 port
+    local name=$1 setup=$2 port kind=${1%-poll} dir=$WORK/$1 pid url iqn
     port=$(free_port)
-    TARGET_NAME=$name TARGET_KIND=$name TARGET_PORT=$port
-    case $name in
+    mkdir -p "$dir"
+    case $kind in
         ironsan)
-            local iqn=iqn.2026-11.org.ironsan:bench lun=ram:1G extra=()
+            local lun=ram:1G extra=()
+            iqn=iqn.2026-11.org.ironsan:bench
             if [[ $setup == file ]]; then lun=file:$SHM/lun.img; extra=(--write-cache); fi
-            # The opt-in busy-polling mode, for the QD1 latency row only.
-            if [[ $setup == poll ]]; then extra=(--busy-poll-us "$POLL_US"); TARGET_NAME=ironsan-poll; fi
+            if [[ $name == ironsan-poll ]]; then extra+=(--busy-poll-us "$POLL_US"); fi
             NO_COLOR=1 taskset -c "$TARGET_CPU" "$BIN" serve --listen "127.0.0.1:$port" --target "$iqn" \
-                --lun "$lun" "${extra[@]}" --data-dir "$WORK/ironsan-data" </dev/null >"$WORK/ironsan.log" 2>&1 &
-            TARGET_PID=$!
+                --lun "$lun" "${extra[@]}" --data-dir "$dir/data" </dev/null >"$dir/ironsan.log" 2>&1 &
+            pid=$!
             for _ in $(seq 300); do
-                kill -0 "$TARGET_PID" 2>/dev/null || { cat "$WORK/ironsan.log" >&2; die "ironsan exited during startup"; }
+                kill -0 "$pid" 2>/dev/null || { cat "$dir/ironsan.log" >&2; die "$name exited during startup"; }
                 listening "$port" && break
                 sleep 0.1
             done
-            listening "$port" || die "ironsan is not listening on 127.0.0.1:$port"
-            TARGET_URL=iscsi://127.0.0.1:$port/$iqn/0 TARGET_IQN=$iqn ;;
+            listening "$port" || die "$name is not listening on 127.0.0.1:$port"
+            url=iscsi://127.0.0.1:$port/$iqn/0 ;;
         tgt)
             local lun=null
             [[ $setup == file ]] && lun=file:$SHM/lun.img
-            TARGET_URL=$(bash "$ROOT/bench/peer-tgt.sh" start --port "$port" --dir "$WORK/tgt" \
+            url=$(bash "$ROOT/bench/peer-tgt.sh" start --port "$port" --dir "$dir" \
                 --cpu "$TARGET_CPU" --lun "$lun")
-            TARGET_PID=$(<"$WORK/tgt/tgtd.pid")
-            TARGET_IQN=iqn.2026-11.org.ironsan:peer-tgt ;;
+            pid=$(<"$dir/tgtd.pid")
+            iqn=iqn.2026-11.org.ironsan:peer-tgt ;;
         istgt)
-            TARGET_URL=$(bash "$ROOT/bench/peer-istgt.sh" start --port "$port" --dir "$WORK/istgt" \
+            url=$(bash "$ROOT/bench/peer-istgt.sh" start --port "$port" --dir "$dir" \
                 --cpu "$TARGET_CPU" --file "$SHM/lun.img")
-            TARGET_PID=$(<"$WORK/istgt/istgt.pid")
-            TARGET_IQN=iqn.2026-11.org.ironsan:peer-istgt ;;
+            pid=$(<"$dir/istgt.pid")
+            iqn=iqn.2026-11.org.ironsan:peer-istgt ;;
+        *) die "start_target: unknown target $name" ;;
     esac
-    note "$name ($setup) at $TARGET_URL (pid $TARGET_PID, CPU $TARGET_CPU; clients CPU $CLIENT_CPU)"
+    PID[$name]=$pid URL[$name]=$url PORT[$name]=$port IQN[$name]=$iqn KIND[$name]=$kind
+    note "$name ($setup) at $url (pid $pid, CPU $TARGET_CPU; clients CPU $CLIENT_CPU)"
+}
+
+# Interleaving: each_target [--with-poll] FUNCTION ARGS... runs one workload against every
+# started target in turn (ironsan-poll only with --with-poll), alternating the order from one
+# workload to the next, so a host that slows down or speeds up during the run moves the
+# targets alike instead of whichever took its turn later.
+SETUP_TARGETS=()
+EACH_CALLS=0
+each_target() {
+    local with_poll=0 t order=()
+    if [[ $1 == --with-poll ]]; then with_poll=1; shift; fi
+    for t in "${SETUP_TARGETS[@]}"; do
+        [[ $t == ironsan-poll && $with_poll -eq 0 ]] && continue
+        order+=("$t")
+    done
+    if (( EACH_CALLS % 2 )); then
+        local rev=() i
+        for ((i = ${#order[@]} - 1; i >= 0; i--)); do rev+=("${order[i]}"); done
+        order=("${rev[@]}")
+    fi
+    EACH_CALLS=$((EACH_CALLS + 1))
+    for t in "${order[@]}"; do
+        use_target "$t"
+        "$@"
+    done
 }
 
 ROWS=$WORK/rows.tsv
 : >"$ROWS"
+# One line per failed client run (they run in subshells, so a file, not a variable); the
+# report is still printed and saved, then the bench exits 1.
+FAILURES=$WORK/failures
+: >"$FAILURES"
+failed() { note "$*"; echo "$*" >>"$FAILURES"; }
 # row SETUP WORKLOAD TARGET IOPS IO_BYTES TICKS WALL_NS TOOL
 row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" "$CLK_TCK" >>"$ROWS"; }
 
@@ -239,7 +296,7 @@ perf_once() {
     iops=$(tr '\r' '\n' <"$log" | sed -n 's/.*iops average \([0-9][0-9]*\).*/\1/p' | tail -n 1)
     if [[ $rc -ne 0 || -z $iops ]] || grep -qiE 'failed|ABORTED' "$log"; then
         tr '\r' '\n' <"$log" | tail -n 5 >&2
-        note "iscsi-perf against $TARGET_NAME failed (exit $rc): $*"
+        failed "iscsi-perf against $TARGET_NAME failed (exit $rc): $*"
         echo 0; return 0
     fi
     echo "$iops"
@@ -265,7 +322,7 @@ qbench_once() {
     secs=$(sed -n 's/^Run completed in \([0-9.]*\) seconds.*/\1/p' "$log")
     if [[ $rc -ne 0 || -z $secs ]]; then
         tail -n 3 "$log" >&2
-        note "qemu-img bench against $TARGET_NAME failed (exit $rc)"
+        failed "qemu-img bench -c $count -d $depth -s $size against $TARGET_NAME failed (exit $rc)"
         echo 0; return 0
     fi
     python3 -c "print(round($count / max($secs, 1e-6)))"
@@ -286,14 +343,6 @@ qwrite() {
     # and logout included); the run itself dominates at >= 3 s.
     row "$setup" "$workload" "$TARGET_NAME" "$iops" "$size" $((c1 - c0)) $((t1 - t0)) qemu-img
     note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$iops")"
-}
-
-data_workloads() {
-    local setup=$1
-    perf "$setup" randread-4k-qd32 4096 -m 32 -b 8 -r
-    perf "$setup" seqread-512k-qd8 524288 -m 8 -b 1024
-    qwrite "$setup" write-4k-qd32 32 4096
-    qwrite "$setup" write-512k-qd8 8 524288
 }
 
 scale() {
@@ -334,7 +383,7 @@ hold_sessions() {
 
 idle() {
     local setup=$1 c0 t0 c1 t1
-    hold_sessions 1 || { note "idle: could not log in to $TARGET_NAME"; return 0; }
+    hold_sessions 1 || { failed "idle: could not log in to $TARGET_NAME"; return 0; }
     sleep 1
     local n0 s0 n1 s1
     read -r n0 s0 < <(sched_ns_switches "$TARGET_PID")
@@ -360,13 +409,14 @@ memory() {
         row "$setup" mem-idle-session "$TARGET_NAME" "$r0" "$r1" "$SESSIONS" 0 -
         note "$TARGET_NAME RSS ${r0} kB -> ${r1} kB with $SESSIONS idle sessions"
     else
-        note "memory: $SESSIONS sessions against $TARGET_NAME failed"
+        failed "memory: $SESSIONS sessions against $TARGET_NAME failed"
     fi
     # A fresh process for the bare connections: memory the sessions freed would otherwise be
     # reused and the per-connection figure would read as (near) zero.
-    local kind=$TARGET_KIND
-    stop_target
-    start_target "$kind" "$setup"
+    local name=$TARGET_NAME
+    stop_target "$name"
+    start_target "$name" "$setup"
+    use_target "$name"
     sleep 0.5
     r0=$(rss_kb "$TARGET_PID")
     if hold_sessions "$SESSIONS" --connect-only; then
@@ -375,6 +425,8 @@ memory() {
         release_sessions
         row "$setup" mem-bare-connection "$TARGET_NAME" "$r0" "$r1" "$SESSIONS" 0 -
         note "$TARGET_NAME RSS ${r0} kB -> ${r1} kB with $SESSIONS bare connections"
+    else
+        failed "memory: $SESSIONS bare connections to $TARGET_NAME failed"
     fi
     sleep 1
 }
@@ -393,7 +445,7 @@ lrun() {
     iops=$(python3 -c 'import json, sys; print(round(json.load(sys.stdin)["iops"]))' <<<"$out" 2>/dev/null) || iops=0
     if [[ $rc -ne 0 || $iops -eq 0 ]]; then
         tail -n 3 "$log" >&2
-        note "ironsan load against $TARGET_NAME failed (exit $rc): $*"
+        failed "ironsan load against $TARGET_NAME failed (exit $rc): $*"
         iops=0
     fi
     row "$setup+load" "$workload" "$TARGET_NAME" "$iops" "$bytes" $((c1 - c0)) $((t1 - t0)) ironsan-load
@@ -402,44 +454,54 @@ lrun() {
 
 load_workloads() {
     local setup=$1
-    lrun "$setup" randread-4k-qd32 4096 --rw randread --bs 4096 --qd 32
-    lrun "$setup" seqread-512k-qd8 524288 --rw read --bs 524288 --qd 8
-    lrun "$setup" write-4k-qd32 4096 --rw write --bs 4096 --qd 32
-    lrun "$setup" write-512k-qd8 524288 --rw write --bs 524288 --qd 8
-    lrun "$setup" qd1-randread-4k 4096 --rw randread --bs 4096 --qd 1
-    lrun "$setup" 16x-randread-4k-qd8 4096 --rw randread --bs 4096 --qd 8 --sessions 16
+    each_target lrun "$setup" randread-4k-qd32 4096 --rw randread --bs 4096 --qd 32
+    each_target lrun "$setup" seqread-512k-qd8 524288 --rw read --bs 524288 --qd 8
+    each_target lrun "$setup" write-4k-qd32 4096 --rw write --bs 4096 --qd 32
+    each_target lrun "$setup" write-512k-qd8 524288 --rw write --bs 524288 --qd 8
+    each_target lrun "$setup" qd1-randread-4k 4096 --rw randread --bs 4096 --qd 1
+    each_target lrun "$setup" 16x-randread-4k-qd8 4096 --rw randread --bs 4096 --qd 8 --sessions 16
 }
 
 T_START=$(date +%s)
+# One setup at a time: its targets start together, each is measured alone for memory and idle
+# (fresh processes), then every workload runs against each of them in turn (each_target).
 if want ram || want qd1 || want scale || want idle || want memory || want load; then
-    for t in ironsan tgt; do
-        want_target "$t" || continue
-        start_target "$t" ram
+    SETUP_TARGETS=()
+    for t in ironsan tgt; do want_target "$t" && SETUP_TARGETS+=("$t"); done
+    if want_target ironsan && want qd1; then SETUP_TARGETS+=(ironsan-poll); fi
+    for t in "${SETUP_TARGETS[@]}"; do start_target "$t" ram; done
+    for t in "${SETUP_TARGETS[@]}"; do
+        [[ $t == ironsan-poll ]] && continue
+        use_target "$t"
         if want memory; then memory ram; fi
         if want idle; then idle ram; fi
-        if want ram; then data_workloads ram; fi
-        if want qd1; then qd1 ram; fi
-        if want scale; then scale ram; fi
-        if want load; then load_workloads ram; fi
-        stop_target
-        if [[ $t == ironsan ]] && want qd1; then
-            start_target ironsan poll
-            qd1 ram
-            stop_target
-        fi
     done
+    if want ram; then
+        each_target perf ram randread-4k-qd32 4096 -m 32 -b 8 -r
+        each_target perf ram seqread-512k-qd8 524288 -m 8 -b 1024
+        each_target qwrite ram write-4k-qd32 32 4096
+        each_target qwrite ram write-512k-qd8 8 524288
+    fi
+    if want qd1; then each_target --with-poll qd1 ram; fi
+    if want scale; then each_target scale ram; fi
+    if want load; then load_workloads ram; fi
+    stop_all
 fi
 if want file || want load || { want memory && want_target istgt; }; then
     SHM=$(mktemp -d /dev/shm/ironsan-bench.XXXXXX)
     fallocate -l 256M "$SHM/lun.img"
-    for t in ironsan tgt istgt; do
-        want_target "$t" || continue
-        start_target "$t" file
-        if [[ $t == istgt ]] && want memory; then memory file; fi
-        if want file; then data_workloads file; fi
-        if want load; then load_workloads file; fi
-        stop_target
-    done
+    SETUP_TARGETS=()
+    for t in ironsan tgt istgt; do want_target "$t" && SETUP_TARGETS+=("$t"); done
+    for t in "${SETUP_TARGETS[@]}"; do start_target "$t" file; done
+    if want_target istgt && want memory; then use_target istgt; memory file; fi
+    if want file; then
+        each_target perf file randread-4k-qd32 4096 -m 32 -b 8 -r
+        each_target perf file seqread-512k-qd8 524288 -m 8 -b 1024
+        each_target qwrite file write-4k-qd32 32 4096
+        each_target qwrite file write-512k-qd8 8 524288
+    fi
+    if want load; then load_workloads file; fi
+    stop_all
 fi
 T_END=$(date +%s)
 
@@ -535,4 +597,9 @@ if [[ $SAVE -eq 1 ]]; then
     out=$ROOT/bench/results/$(date +%F)-$(uname -n).txt
     { echo "$REPORT"; echo; } >>"$out"
     note "appended to ${out#"$ROOT"/}"
+fi
+if [[ -s $FAILURES ]]; then
+    note "$(wc -l <"$FAILURES") client run(s) failed:"
+    sed 's/^/bench:   /' "$FAILURES" >&2
+    exit 1
 fi

@@ -110,3 +110,8 @@ section "linux kernel initiator (open-iscsi in a QEMU guest)"
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
 # Again without digests: the guest's reads then come by sendfile (zero-copy reads forced on).
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_KERNEL_DIGEST=None IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
+
+section "bench smoke (bench/run.sh, 1 s per workload: the tool works, figures not judged)"
+# Every client against every target once, interleaved as in a real run; exits 1 if any
+# client run fails. Idle and memory are left out (about 2 minutes of waiting between them).
+IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/run.sh --duration 1 --only ram,qd1,scale,file,load --no-save
