@@ -41,6 +41,8 @@
 #             write (qemu-img bench -w, WRITE16).
 #     qd1     QD1 4K random read: latency = 1 / IOPS of iscsi-perf -m 1 -b 8 -r;
 #             ironsan also once more with --busy-poll-us $POLL_US (ironsan-poll).
+#             With ram too, ironsan-poll also runs the 4K QD32 random read:
+#             the opt-in polling mode is what SPDK's figure in issue #4 is.
 #     scale   16 iscsi-perf processes (16 sessions) x -m 8 -b 8 -r, summed,
 #             vs one session -m 32 (the ram/file randread figure is reused
 #             when present, else measured here).
@@ -79,7 +81,7 @@ note() { printf 'bench: %s\n' "$*" >&2; }
 
 DURATION=10
 IDLE_SECS=10
-POLL_US=100   # ironsan-poll: the QD1 row of the opt-in busy-polling mode
+POLL_US=100   # ironsan-poll: the QD1 (and 4K QD32) rows of the opt-in busy-polling mode
 SESSIONS=100
 ONLY=""
 SAVE=1
@@ -468,7 +470,7 @@ T_START=$(date +%s)
 if want ram || want qd1 || want scale || want idle || want memory || want load; then
     SETUP_TARGETS=()
     for t in ironsan tgt; do want_target "$t" && SETUP_TARGETS+=("$t"); done
-    if want_target ironsan && want qd1; then SETUP_TARGETS+=(ironsan-poll); fi
+    if want_target ironsan && { want qd1 || want ram; }; then SETUP_TARGETS+=(ironsan-poll); fi
     for t in "${SETUP_TARGETS[@]}"; do start_target "$t" ram; done
     for t in "${SETUP_TARGETS[@]}"; do
         [[ $t == ironsan-poll ]] && continue
@@ -477,7 +479,7 @@ if want ram || want qd1 || want scale || want idle || want memory || want load; 
         if want idle; then idle ram; fi
     done
     if want ram; then
-        each_target perf ram randread-4k-qd32 4096 -m 32 -b 8 -r
+        each_target --with-poll perf ram randread-4k-qd32 4096 -m 32 -b 8 -r
         each_target perf ram seqread-512k-qd8 524288 -m 8 -b 1024
         each_target qwrite ram write-4k-qd32 32 4096
         each_target qwrite ram write-512k-qd8 8 524288
@@ -528,28 +530,29 @@ for setup, w, t, a, b, ticks, wall_ns, tool, hz in rows:
     if w not in order[setup]:
         order[setup].append(w)
 
-def table(setup, title, targets, base):
+def table(setup, title, targets, bases):
     if setup not in order:
         return
     print(f"\n{title}")
-    hdr = f"{'workload':<22} {'target':<14} {'IOPS':>9} {'MiB/s':>9} {'CPU %':>7} {'CPU us/IO':>10}  tool"
+    hdr = f"{'workload':<22} {'target':<17} {'IOPS':>9} {'MiB/s':>9} {'CPU %':>7} {'CPU us/IO':>10}  tool"
     print(hdr); print("-" * len(hdr))
     for w in order[setup]:
         for t in targets:
             if (setup, w, t) in perf:
                 i, m, c, u, tool = perf[(setup, w, t)]
-                print(f"{w:<22} {t:<14} {i:>9d} {m:>9.1f} {c:>7.1f} {u:>10.2f}  {tool}")
-        a = perf.get((setup, w, base))
-        for t in targets:
-            b = perf.get((setup, w, t))
-            if t != base and a and b:
-                r = [x / y if y else float("nan") for x, y in zip(a[:4], b[:4])]
-                print(f"{w:<22} {base + '/' + t:<14} {r[0]:>9.2f} {r[1]:>9.2f} {r[2]:>7.2f} {r[3]:>10.2f}")
+                print(f"{w:<22} {t:<17} {i:>9d} {m:>9.1f} {c:>7.1f} {u:>10.2f}  {tool}")
+        for base in bases:
+            a = perf.get((setup, w, base))
+            for t in targets:
+                b = perf.get((setup, w, t))
+                if t not in bases and a and b:
+                    r = [x / y if y else float("nan") for x, y in zip(a[:4], b[:4])]
+                    print(f"{w:<22} {base + '/' + t:<17} {r[0]:>9.2f} {r[1]:>9.2f} {r[2]:>7.2f} {r[3]:>10.2f}")
 
-table("ram", "RAM/null LUN: ironsan ram:1G vs tgt bstype null (target CPU 0, client CPU 1)", ["ironsan", "tgt"], "ironsan")
-table("file", "File LUN: one preallocated 256 MiB file on tmpfs (ironsan --write-cache, tgt rdwr, istgt)", ["ironsan", "tgt", "istgt"], "ironsan")
-table("ram+load", "RAM/null LUN with ironsan's load generator (ironsan load, one client thread; QD1 latency = 1/IOPS)", ["ironsan", "tgt"], "ironsan")
-table("file+load", "File LUN on tmpfs with ironsan's load generator", ["ironsan", "tgt", "istgt"], "ironsan")
+table("ram", "RAM/null LUN: ironsan ram:1G vs tgt bstype null (target CPU 0, client CPU 1; ironsan-poll: --busy-poll-us " + POLL_US + ")", ["ironsan", "ironsan-poll", "tgt"], ["ironsan", "ironsan-poll"])
+table("file", "File LUN: one preallocated 256 MiB file on tmpfs (ironsan --write-cache, tgt rdwr, istgt)", ["ironsan", "tgt", "istgt"], ["ironsan"])
+table("ram+load", "RAM/null LUN with ironsan's load generator (ironsan load, one client thread; QD1 latency = 1/IOPS)", ["ironsan", "tgt"], ["ironsan"])
+table("file+load", "File LUN on tmpfs with ironsan's load generator", ["ironsan", "tgt", "istgt"], ["ironsan"])
 
 lat = {t: perf[("ram", "qd1-randread-4k", t)][0] for t in ("ironsan", "ironsan-poll", "tgt") if ("ram", "qd1-randread-4k", t) in perf}
 if lat:
