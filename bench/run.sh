@@ -2,10 +2,13 @@
 # Throughput, latency, CPU-cost and memory benchmark: ironsan against tgt and
 # istgt, same clients, same box, one command.
 #
-#   bench/run.sh [--quick] [--duration SECS] [--only LIST] [--no-save]
+#   bench/run.sh [--quick] [--duration SECS] [--rounds N] [--only LIST] [--no-save]
 #
 #   --quick        3 s per workload (default 10 s)
 #   --duration N   N s per workload
+#   --rounds N     run every workload N times against each target (the
+#                  targets' order reversed each time) and report, per target
+#                  and workload, the round with the median IOPS (default 1)
 #   --only LIST    comma-separated sections and/or targets:
 #                    sections: ram file qd1 scale idle memory load
 #                    targets:  ironsan tgt istgt
@@ -80,6 +83,7 @@ die() { printf 'bench: ERROR: %s\n' "$*" >&2; exit 1; }
 note() { printf 'bench: %s\n' "$*" >&2; }
 
 DURATION=10
+ROUNDS=1
 IDLE_SECS=10
 POLL_US=100   # ironsan-poll: the QD1 (and 4K QD32) rows of the opt-in busy-polling mode
 SESSIONS=100
@@ -90,6 +94,7 @@ while [[ $# -gt 0 ]]; do
     case $1 in
         --quick) DURATION=3; shift ;;
         --duration) DURATION=${2:?}; shift 2 ;;
+        --rounds) ROUNDS=${2:?}; shift 2 ;;
         --only) ONLY=${2:?}; shift 2 ;;
         --no-save) SAVE=0; shift ;;
         --tcp-cc) TCP_CC=${2:?}; shift 2 ;;
@@ -98,6 +103,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 [[ $DURATION =~ ^[1-9][0-9]*$ ]] || die "--duration must be a positive integer"
+[[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive integer"
 
 ALL_SECTIONS="ram qd1 scale idle memory file load"
 ALL_TARGETS="ironsan tgt istgt"
@@ -254,9 +260,9 @@ start_target() {
 }
 
 # Interleaving: each_target [--with-poll] FUNCTION ARGS... runs one workload against every
-# started target in turn (ironsan-poll only with --with-poll), alternating the order from one
-# workload to the next, so a host that slows down or speeds up during the run moves the
-# targets alike instead of whichever took its turn later.
+# started target in turn (ironsan-poll only with --with-poll), --rounds times, alternating the
+# order from one pass to the next, so a host that slows down or speeds up during the run moves
+# the targets alike instead of whichever took its turn later.
 SETUP_TARGETS=()
 EACH_CALLS=0
 each_target() {
@@ -266,15 +272,15 @@ each_target() {
         [[ $t == ironsan-poll && $with_poll -eq 0 ]] && continue
         order+=("$t")
     done
-    if (( EACH_CALLS % 2 )); then
-        local rev=() i
-        for ((i = ${#order[@]} - 1; i >= 0; i--)); do rev+=("${order[i]}"); done
-        order=("${rev[@]}")
-    fi
-    EACH_CALLS=$((EACH_CALLS + 1))
-    for t in "${order[@]}"; do
-        use_target "$t"
-        "$@"
+    local rev=() turn=() i round
+    for ((i = ${#order[@]} - 1; i >= 0; i--)); do rev+=("${order[i]}"); done
+    for ((round = 0; round < ROUNDS; round++)); do
+        if (( EACH_CALLS % 2 )); then turn=("${rev[@]}"); else turn=("${order[@]}"); fi
+        EACH_CALLS=$((EACH_CALLS + 1))
+        for t in "${turn[@]}"; do
+            use_target "$t"
+            "$@"
+        done
     done
 }
 
@@ -510,6 +516,7 @@ T_END=$(date +%s)
 TABLE=$(python3 - "$ROWS" "$IDLE_SECS" "$POLL_US" <<'EOF'
 import sys
 POLL_US = sys.argv[3]
+runs = {}
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 perf, idle, mem = {}, {}, {}
 order = {}
@@ -525,10 +532,16 @@ for setup, w, t, a, b, ticks, wall_ns, tool, hz in rows:
         continue
     iops = int(a)
     us = cpu_pct / 100.0 * 1e6 / iops if iops else float("nan")
-    perf[(setup, w, t)] = (iops, iops * int(b) / 1048576, cpu_pct, us, tool)
+    runs.setdefault((setup, w, t), []).append((iops, iops * int(b) / 1048576, cpu_pct, us, tool))
     order.setdefault(setup, [])
     if w not in order[setup]:
         order[setup].append(w)
+
+# --rounds: the round with the median IOPS (the lower middle one of an even count), with its
+# own CPU figures, so a row stays one real run.
+for key, rs in runs.items():
+    rs.sort(key=lambda r: r[0])
+    perf[key] = rs[(len(rs) - 1) // 2]
 
 def table(setup, title, targets, bases):
     if setup not in order:
@@ -589,7 +602,7 @@ REPORT=$(
     echo "=== $(date -Is)  ironsan $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" diff --quiet -- crates src 2>/dev/null || echo '+dirty') ==="
     echo "uname: $(uname -a)"
     echo "nproc: $NCPU   cpu: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)   mem: $(awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo) MiB"
-    echo "targets pinned to CPU $TARGET_CPU, clients to CPU $CLIENT_CPU; ${DURATION}s per workload; took $((T_END - T_START))s; loadavg before: $LOAD_BEFORE, after: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "targets pinned to CPU $TARGET_CPU, clients to CPU $CLIENT_CPU; ${DURATION}s per workload$([[ $ROUNDS -gt 1 ]] && echo ", $ROUNDS rounds each (median shown)"); took $((T_END - T_START))s; loadavg before: $LOAD_BEFORE, after: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "ironsan binary: $(date -d "@$(stat -c %Y "$BIN")" -Is); tgt $(tgtd -V 2>/dev/null | head -n 1 || echo '?'); $(dpkg-query -W -f='istgt ${Version}, libiscsi-bin ${Version}' istgt 2>/dev/null | sed 's/libiscsi-bin [^,]*$//')$(dpkg-query -W -f='libiscsi-bin ${Version}' libiscsi-bin 2>/dev/null); $(qemu-img --version | head -n 1)"
     echo "sections: $SECTIONS; targets: $TARGETS; TCP congestion control: $(cat "$CC_SYSCTL")$([[ -n $TCP_CC ]] && echo " (--tcp-cc; host default $CC_BEFORE)")$([[ -n $TCP_CC && $(cat "$CC_SYSCTL") != "$TCP_CC" ]] && echo " WARNING: changed by someone else during the run, figures invalid")"
     echo "$TABLE"
