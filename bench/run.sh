@@ -29,7 +29,7 @@
 #   * Interleaved: the targets of a setup (ram: ironsan, tgt, ironsan-poll;
 #     file: ironsan, tgt, istgt) run side by side, idle but for the one being
 #     measured, and each workload runs against every target in turn, the
-#     order reversed from one workload to the next; so the targets' turns at
+#     order reversed on every pass (--rounds); so the targets' turns at
 #     a workload come seconds apart, not minutes, and a host whose speed
 #     changes during the run moves them alike. Memory and idle are measured
 #     on each target alone, on fresh processes.
@@ -220,7 +220,8 @@ sched_ns_switches() {
 rss_kb() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status"; }
 
 # start_target NAME SETUP: NAME is ironsan, ironsan-poll (ironsan in the opt-in busy-polling
-# mode, for the QD1 row only), tgt or istgt; fills PID[NAME], URL[NAME] and the rest.
+# mode, for the QD1 and RAM 4K QD32 rows only), tgt or istgt; fills PID[NAME], URL[NAME] and
+# the rest.
 start_target() {
     local name=$1 setup=$2 port kind=${1%-poll} dir=$WORK/$1 pid url iqn
     port=$(free_port)
