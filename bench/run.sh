@@ -354,6 +354,16 @@ qwrite() {
     note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$iops")"
 }
 
+# The four data workloads of a setup, each against every target in turn; ironsan-poll, where
+# the setup has it (RAM), runs the 4K random read too.
+data_workloads() {
+    local setup=$1
+    each_target --with-poll perf "$setup" randread-4k-qd32 4096 -m 32 -b 8 -r
+    each_target perf "$setup" seqread-512k-qd8 524288 -m 8 -b 1024
+    each_target qwrite "$setup" write-4k-qd32 32 4096
+    each_target qwrite "$setup" write-512k-qd8 8 524288
+}
+
 scale() {
     local setup=$1 i c0 t0 c1 t1 total=0 pids=()
     if ! awk -F'\t' -v s="$setup" -v t="$TARGET_NAME" '$1 == s && $2 == "randread-4k-qd32" && $3 == t { f = 1 } END { exit !f }' "$ROWS"; then
@@ -485,12 +495,7 @@ if want ram || want qd1 || want scale || want idle || want memory || want load; 
         if want memory; then memory ram; fi
         if want idle; then idle ram; fi
     done
-    if want ram; then
-        each_target --with-poll perf ram randread-4k-qd32 4096 -m 32 -b 8 -r
-        each_target perf ram seqread-512k-qd8 524288 -m 8 -b 1024
-        each_target qwrite ram write-4k-qd32 32 4096
-        each_target qwrite ram write-512k-qd8 8 524288
-    fi
+    if want ram; then data_workloads ram; fi
     if want qd1; then each_target --with-poll qd1 ram; fi
     if want scale; then each_target scale ram; fi
     if want load; then load_workloads ram; fi
@@ -503,12 +508,7 @@ if want file || want load || { want memory && want_target istgt; }; then
     for t in ironsan tgt istgt; do want_target "$t" && SETUP_TARGETS+=("$t"); done
     for t in "${SETUP_TARGETS[@]}"; do start_target "$t" file; done
     if want_target istgt && want memory; then use_target istgt; memory file; fi
-    if want file; then
-        each_target perf file randread-4k-qd32 4096 -m 32 -b 8 -r
-        each_target perf file seqread-512k-qd8 524288 -m 8 -b 1024
-        each_target qwrite file write-4k-qd32 32 4096
-        each_target qwrite file write-512k-qd8 8 524288
-    fi
+    if want file; then data_workloads file; fi
     if want load; then load_workloads file; fi
     stop_all
 fi
