@@ -2,7 +2,7 @@
 # Start or stop a private instance of tgt (the Linux SCSI target framework,
 # Debian package "tgt") as a comparison peer for ironsan.
 #
-#   bench/peer-tgt.sh start --port PORT --dir DIR [--cpu CPUS] [--lun null|rdwr:SIZE|file:PATH] [--iqn IQN]
+#   bench/peer-tgt.sh start --port PORT --dir DIR [--cpu CPUS] [--lun null|rdwr:SIZE|file:PATH|direct:PATH] [--iqn IQN]
 #       Prints the iscsi:// URL of the data LUN (always LUN 1) on stdout.
 #   bench/peer-tgt.sh stop --dir DIR
 #
@@ -21,6 +21,8 @@
 #               (scripts/conformance.sh --url ...).
 #   file:PATH   bstype rdwr on an existing file PATH, left in place (bench/run.sh
 #               uses one file on tmpfs for ironsan, tgt and istgt in turn).
+#   direct:PATH the same with --bsoflags direct (O_DIRECT: bench/run.sh's disk
+#               setup).
 # Negotiation limits are raised to ironsan's defaults (MaxRecv/MaxXmit
 # DataSegmentLength 256 KiB, MaxBurstLength 16 MiB) so a comparison measures
 # the implementations, not tgt's conservative 8 KiB defaults.
@@ -121,7 +123,12 @@ start() {
             local path=${lun#file:}
             [[ -f $path ]] || { stop; die "no such file: $path"; }
             "${adm[@]}" --mode logicalunit --op new --tid 1 --lun 1 --bstype rdwr -b "$path" ;;
-        *) stop; die "unknown --lun $lun (null | rdwr:SIZE | file:PATH)" ;;
+        direct:*)
+            local path=${lun#direct:}
+            [[ -f $path ]] || { stop; die "no such file: $path"; }
+            "${adm[@]}" --mode logicalunit --op new --tid 1 --lun 1 --bstype rdwr \
+                --bsoflags direct -b "$path" ;;
+        *) stop; die "unknown --lun $lun (null | rdwr:SIZE | file:PATH | direct:PATH)" ;;
     esac
     # Offer the same negotiation limits ironsan offers (its defaults), so
     # large reads are not split into tgt's default 8 KiB Data-In PDUs.

@@ -10,7 +10,7 @@
 #                  targets' order reversed each time) and report, per target
 #                  and workload, the round with the median IOPS (default 1)
 #   --only LIST    comma-separated sections and/or targets:
-#                    sections: ram file qd1 scale idle memory load
+#                    sections: ram file qd1 scale idle memory load disk
 #                    targets:  ironsan tgt istgt
 #                  e.g. --only ram,qd1  or  --only file,istgt,ironsan
 #   --no-save      print only, do not append to bench/results/
@@ -63,6 +63,14 @@
 #             setup (ironsan, tgt) and the tmpfs file setup (all three).
 #             With a client that costs ~1.4 us/IO instead of ~4, the figures
 #             show what the targets can do rather than what iscsi-perf can.
+#     disk    O_DIRECT (BLOCKIO) on one 256 MiB file on a disk file system
+#             ($DISK_DIR, default /var/tmp; filled with random data so reads
+#             reach the device): ironsan (io_uring), ironsan-threads
+#             (--io-engine threads, the engine before io_uring) and tgt rdwr
+#             --bsoflags direct, all with the write cache on (WCE=1, like
+#             tgt); 4K QD32 random read and write, 512K QD8 read, with
+#             `ironsan load`. The device's speed bounds IOPS; CPU us/IO is
+#             the target's cost per I/O.
 #   * Tools: iscsi-perf (libiscsi) keeps -m commands in flight for -t s and
 #     prints its running average; the figure used is the last "iops average".
 #     qemu-img bench runs a fixed count of requests at -d depth through
@@ -105,7 +113,7 @@ done
 [[ $DURATION =~ ^[1-9][0-9]*$ ]] || die "--duration must be a positive integer"
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive integer"
 
-ALL_SECTIONS="ram qd1 scale idle memory file load"
+ALL_SECTIONS="ram qd1 scale idle memory file load disk"
 ALL_TARGETS="ironsan tgt istgt"
 SECTIONS="" TARGETS=""
 for tok in ${ONLY//,/ }; do
@@ -138,7 +146,7 @@ else note "WARNING: only one CPU; target and client share it"; TARGET_CPU=0 CLIE
 CLK_TCK=$(getconf CLK_TCK)
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ironsan-bench.XXXXXX")
-SHM=""
+SHM="" DISK=""
 # Every target of a setup runs at once (each idle but for the workload at hand), so the
 # targets take their turns at one workload seconds apart; see "Interleaving" below.
 # Per started target NAME: PID[NAME], URL[NAME], PORT[NAME], IQN[NAME], KIND[NAME]
@@ -187,6 +195,7 @@ cleanup() {
     [[ $(cat "$CC_SYSCTL") == "$CC_BEFORE" ]] || echo "$CC_BEFORE" >"$CC_SYSCTL" || true
     rm -rf "$WORK"
     [[ -z $SHM ]] || rm -rf "$SHM"
+    [[ -z $DISK ]] || rm -rf "$DISK"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
@@ -220,10 +229,10 @@ sched_ns_switches() {
 rss_kb() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status"; }
 
 # start_target NAME SETUP: NAME is ironsan, ironsan-poll (ironsan in the opt-in busy-polling
-# mode, for the QD1 and RAM 4K QD32 rows only), tgt or istgt; fills PID[NAME], URL[NAME] and
-# the rest.
+# mode, for the QD1 and RAM 4K QD32 rows only), ironsan-threads (--io-engine threads, disk
+# setup), tgt or istgt; fills PID[NAME], URL[NAME] and the rest.
 start_target() {
-    local name=$1 setup=$2 port kind=${1%-poll} dir=$WORK/$1 pid url iqn
+    local name=$1 setup=$2 port kind=${1%%-*} dir=$WORK/$1 pid url iqn
     port=$(free_port)
     mkdir -p "$dir"
     case $kind in
@@ -231,7 +240,9 @@ start_target() {
             local lun=ram:1G extra=()
             iqn=iqn.2026-11.org.ironsan:bench
             if [[ $setup == file ]]; then lun=file:$SHM/lun.img; extra=(--write-cache); fi
+            if [[ $setup == disk ]]; then lun=file:$DISK/lun.img,direct; extra=(--write-cache); fi
             if [[ $name == ironsan-poll ]]; then extra+=(--busy-poll-us "$POLL_US"); fi
+            if [[ $name == ironsan-threads ]]; then extra+=(--io-engine threads); fi
             NO_COLOR=1 taskset -c "$TARGET_CPU" "$BIN" serve --listen "127.0.0.1:$port" --target "$iqn" \
                 --lun "$lun" "${extra[@]}" --data-dir "$dir/data" </dev/null >"$dir/ironsan.log" 2>&1 &
             pid=$!
@@ -245,6 +256,7 @@ start_target() {
         tgt)
             local lun=null
             [[ $setup == file ]] && lun=file:$SHM/lun.img
+            [[ $setup == disk ]] && lun=direct:$DISK/lun.img
             url=$(bash "$ROOT/bench/peer-tgt.sh" start --port "$port" --dir "$dir" \
                 --cpu "$TARGET_CPU" --lun "$lun")
             pid=$(<"$dir/tgtd.pid")
@@ -512,6 +524,19 @@ if want file || want load || { want memory && want_target istgt; }; then
     if want load; then load_workloads file; fi
     stop_all
 fi
+if want disk; then
+    DISK=$(mktemp -d "${DISK_DIR:-/var/tmp}/ironsan-bench.XXXXXX")
+    # Real data: ext4 reads unwritten extents as zeros without going to the device.
+    dd if=/dev/urandom of="$DISK/lun.img" bs=1M count=256 oflag=direct status=none
+    SETUP_TARGETS=()
+    if want_target ironsan; then SETUP_TARGETS+=(ironsan ironsan-threads); fi
+    if want_target tgt; then SETUP_TARGETS+=(tgt); fi
+    for t in "${SETUP_TARGETS[@]}"; do start_target "$t" disk; done
+    each_target lrun disk randread-4k-qd32 4096 --rw randread --bs 4096 --qd 32
+    each_target lrun disk randwrite-4k-qd32 4096 --rw randwrite --bs 4096 --qd 32
+    each_target lrun disk seqread-512k-qd8 524288 --rw read --bs 524288 --qd 8
+    stop_all
+fi
 T_END=$(date +%s)
 
 TABLE=$(python3 - "$ROWS" "$IDLE_SECS" "$POLL_US" <<'EOF'
@@ -567,6 +592,7 @@ table("ram", "RAM/null LUN: ironsan ram:1G vs tgt bstype null (target CPU 0, cli
 table("file", "File LUN: one preallocated 256 MiB file on tmpfs (ironsan --write-cache, tgt rdwr, istgt)", ["ironsan", "tgt", "istgt"], ["ironsan"])
 table("ram+load", "RAM/null LUN with ironsan's load generator (ironsan load, one client thread; QD1 latency = 1/IOPS)", ["ironsan", "tgt"], ["ironsan"])
 table("file+load", "File LUN on tmpfs with ironsan's load generator", ["ironsan", "tgt", "istgt"], ["ironsan"])
+table("disk+load", "O_DIRECT file LUN on a disk file system with ironsan's load generator (ironsan: io_uring; ironsan-threads: --io-engine threads; tgt rdwr --bsoflags direct; WCE=1)", ["ironsan", "ironsan-threads", "tgt"], ["ironsan"])
 
 lat = {t: perf[("ram", "qd1-randread-4k", t)][0] for t in ("ironsan", "ironsan-poll", "tgt") if ("ram", "qd1-randread-4k", t) in perf}
 if lat:

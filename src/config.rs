@@ -41,6 +41,7 @@
 //! # shutdown_grace = "10s"   # SIGTERM: how long initiators get to log out
 //! # busy_poll_us = 0         # opt-in: spin up to N us per connection before sleeping
 //! # zero_copy_reads = "auto" # file LUNs: large reads sendfile'd from the page cache (auto|on|off)
+//! # io_engine = "auto"       # file LUNs' blocking I/O: io_uring, else threads (auto|uring|threads)
 //!
 //! # Top-level keys (before any [table]); the --metrics / --control flags override them.
 //! # metrics = "127.0.0.1:9360"
@@ -223,6 +224,8 @@ pub struct Limits {
     pub busy_poll_us: u64,
     /// Large reads of file LUNs sent from the page cache with `sendfile`.
     pub zero_copy_reads: ironsan_server::ZeroCopyReads,
+    /// What runs file LUNs' I/O that may block (process-wide, fixed at start).
+    pub io_engine: ironsan_backend::IoEngine,
 }
 
 #[cfg(test)]
@@ -252,6 +255,7 @@ impl Default for Limits {
             shutdown_grace: d.shutdown_grace,
             busy_poll_us: d.busy_poll.as_micros() as u64,
             zero_copy_reads: d.zero_copy_reads,
+            io_engine: ironsan_backend::IoEngine::Auto,
         }
     }
 }
@@ -526,6 +530,7 @@ struct FileLimits {
     shutdown_grace: Option<Spanned<String>>,
     busy_poll_us: Option<Spanned<u64>>,
     zero_copy_reads: Option<Spanned<String>>,
+    io_engine: Option<Spanned<String>>,
 }
 
 type At<'a> = &'a dyn Fn(std::ops::Range<usize>, String) -> String;
@@ -702,6 +707,12 @@ fn limits_from_file(l: Option<FileLimits>, at: At) -> Result<Limits, String> {
             .get_ref()
             .parse()
             .map_err(|e| at(z.span(), format!("zero_copy_reads: {e}")))?;
+    }
+    if let Some(z) = &l.io_engine {
+        out.io_engine = z
+            .get_ref()
+            .parse()
+            .map_err(|e| at(z.span(), format!("io_engine: {e}")))?;
     }
     if let Some(g) = &l.shutdown_grace {
         out.shutdown_grace = parse_duration(g.get_ref())
@@ -1524,6 +1535,19 @@ spec = "ram:1M"
         .unwrap_err();
         assert!(
             err.contains("t.toml:6") && err.contains("'always' is not one of auto, on, off"),
+            "{err}"
+        );
+        let text = format!("{base}[limits]\nio_engine = \"threads\"\n");
+        let plan = parse_file(&text, Path::new("t.toml")).unwrap();
+        assert_eq!(plan.limits.io_engine, ironsan_backend::IoEngine::Threads);
+        let err = parse_file(
+            &format!("{base}[limits]\nio_engine = \"aio\"\n"),
+            Path::new("t.toml"),
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("t.toml:6")
+                && err.contains("io_engine: 'aio': expected auto, uring or threads"),
             "{err}"
         );
         let text = format!("control = \"none\"\n{base}");

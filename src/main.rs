@@ -119,7 +119,15 @@ struct ServeArgs {
     /// off. Overrides `zero_copy_reads` in [limits]. Default: auto.
     #[arg(long, value_name = "MODE")]
     zero_copy_reads: Option<ironsan_server::ZeroCopyReads>,
+    /// What runs file LUNs' I/O that may block (O_DIRECT, page-cache misses, writes to a
+    /// device, flushes): auto (io_uring where the kernel allows it, else threads), uring
+    /// (fail without it), threads. Overrides `io_engine` in [limits]. Default: auto.
+    #[arg(long, value_name = "ENGINE")]
+    io_engine: Option<ironsan_backend::IoEngine>,
 }
+
+/// The file LUNs' I/O engine, fixed at start-up (LUNs added later by `ctl` use it too).
+static IO_ENGINE: std::sync::OnceLock<ironsan_backend::IoEngine> = std::sync::OnceLock::new();
 
 fn build_lu(
     target: &str,
@@ -141,12 +149,15 @@ fn build_lu(
                 direct: l.direct,
                 size: *size,
                 read_only: l.read_only,
+                io_engine: IO_ENGINE.get().copied().unwrap_or_default(),
                 ..Default::default()
             };
-            Arc::new(
-                FileBackend::open(path, &opts)
-                    .with_context(|| format!("LUN {n}: opening {}", path.display()))?,
-            )
+            let file = FileBackend::open(path, &opts)
+                .with_context(|| format!("LUN {n}: opening {}", path.display()))?;
+            if let Some(why) = file.uring_unavailable() {
+                tracing::warn!("LUN {n}: io_uring unavailable ({why}): I/O threads instead");
+            }
+            Arc::new(file)
         }
     };
     let backend: Arc<dyn BlockDevice> = if l.faults.is_empty() {
@@ -309,6 +320,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
     if let Some(z) = args.zero_copy_reads {
         plan.limits.zero_copy_reads = z;
     }
+    if let Some(e) = args.io_engine {
+        plan.limits.io_engine = e;
+    }
+    let _ = IO_ENGINE.set(plan.limits.io_engine);
     let mut targets = Vec::new();
     let mut summary = Vec::new();
     let mut access = std::collections::HashMap::new();
@@ -327,7 +342,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 "WCE=0: every acknowledged write is durable".to_string()
             };
             let what = match &l.backing {
-                Backing::File { path, .. } => format!("{} {}", backend.kind(), path.display()),
+                Backing::File { path, .. } => format!(
+                    "{} {} ({})",
+                    backend.kind(),
+                    path.display(),
+                    backend.io_engine().unwrap_or("-")
+                ),
                 _ => backend.kind().to_string(),
             };
             summary.push(format!(

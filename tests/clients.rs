@@ -1829,3 +1829,131 @@ fn load_generator_verifies_every_block_on_tgt_and_istgt() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// File LUNs' I/O engines: io_uring (the default where the kernel allows it) and I/O threads
+// ---------------------------------------------------------------------------------------------
+
+/// An O_DIRECT file LUN (BLOCKIO) on a disk file system served with each engine: every block
+/// written and read back through `ironsan load --verify` (4K..512K, QD4..32, 4 sessions), and
+/// `ctl luns` names the engine that did it.
+#[test]
+fn file_luns_verify_every_block_with_io_uring_and_with_threads() {
+    for (engine, shown) in [("uring", "io_uring"), ("threads", "threads")] {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("control.sock").display().to_string();
+        let s = Server::start(&[
+            "--io-engine",
+            engine,
+            "--lun",
+            "file:direct.img:64M,direct",
+            "--lun",
+            "file:buffered.img:64M",
+            "--control",
+            &sock,
+        ]);
+        let luns = run_stdout(bin(), &["ctl", "--control", &sock, "--json", "luns"]);
+        let luns: serde_json::Value = serde_json::from_str(&luns).unwrap();
+        let fs_is_tmpfs = luns[1]["io_engine"] == "inline";
+        for lun in 0..2 {
+            let want = if lun == 1 && fs_is_tmpfs {
+                "inline"
+            } else {
+                shown
+            };
+            assert_eq!(luns[lun]["io_engine"], want, "{engine}: {luns}");
+            load_round_trip(&s.url(lun as u32));
+        }
+    }
+}
+
+/// Sets a sysctl for the length of a test and puts the old value back.
+struct Sysctl {
+    path: &'static str,
+    old: String,
+}
+
+impl Sysctl {
+    fn set(path: &'static str, value: &str) -> Option<Sysctl> {
+        let old = std::fs::read_to_string(path).ok()?;
+        std::fs::write(path, value).ok()?;
+        Some(Sysctl { path, old })
+    }
+}
+
+impl Drop for Sysctl {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.path, self.old.trim());
+    }
+}
+
+/// Where the kernel refuses io_uring, `auto` falls back to I/O threads (with a warning that
+/// says why) and still serves the LUN; `--io-engine uring` refuses to start instead.
+/// `kernel.io_uring_disabled=1` refuses it to processes without CAP_SYS_ADMIN, so the server
+/// runs without that capability and the other tests' servers are not affected.
+#[test]
+fn without_io_uring_auto_falls_back_to_threads_and_uring_refuses_to_start() {
+    if common::which("setpriv").is_none() {
+        eprintln!("SKIP: no setpriv (util-linux)");
+        return;
+    }
+    let Some(_sysctl) = Sysctl::set("/proc/sys/kernel/io_uring_disabled", "1") else {
+        eprintln!("SKIP: cannot set kernel.io_uring_disabled (kernel < 6.6 or not root)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let serve = |engine: &str, port: u16| {
+        let listen = format!("127.0.0.1:{port}");
+        let data = dir
+            .path()
+            .join(format!("data-{engine}"))
+            .display()
+            .to_string();
+        Background::spawn(
+            "setpriv",
+            &[
+                "--inh-caps=-sys_admin",
+                "--bounding-set=-sys_admin",
+                "--",
+                bin(),
+                "serve",
+                "--listen",
+                &listen,
+                "--data-dir",
+                &data,
+                "--control",
+                "none",
+                "--io-engine",
+                engine,
+                "--lun",
+                "file:lun.img:64M,direct",
+            ],
+        )
+    };
+    let port = free_port();
+    let mut auto = serve("auto", port);
+    auto.wait_for_stdout("iscsi-ls", Duration::from_secs(20));
+    assert!(
+        auto.stdout().contains("(threads)")
+            && auto.stderr().contains("io_uring unavailable")
+            && auto.stderr().contains("I/O threads instead"),
+        "{}",
+        auto.output_text()
+    );
+    let url = format!("iscsi://127.0.0.1:{port}/{DEFAULT_TARGET}/0");
+    let w = load(&url, &["--rw", "randwrite", "--count", "2000", "--verify"])
+        .unwrap_or_else(|e| panic!("{e}\n{}", auto.output_text()));
+    assert_eq!(w["failed"].as_u64(), Some(0), "{w}");
+    let _ = auto.child.kill();
+    let mut uring = serve("uring", free_port());
+    let st = uring
+        .wait_timeout(Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("--io-engine uring started without io_uring"));
+    assert!(!st.success());
+    let err = uring.stderr();
+    assert!(
+        err.contains("io_engine uring") && err.contains("Operation not permitted"),
+        "{}",
+        uring.output_text()
+    );
+}

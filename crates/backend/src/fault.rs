@@ -482,6 +482,9 @@ impl BlockDevice for FaultBackend {
     fn kind(&self) -> &'static str {
         "fault"
     }
+    fn io_engine(&self) -> Option<&'static str> {
+        self.inner.io_engine()
+    }
     fn size(&self) -> u64 {
         self.inner.size()
     }

@@ -8,8 +8,13 @@
 //!
 //! Durable writes use `pwritev2(RWF_DSYNC)` (with O_DIRECT this also reaches through the
 //! device's volatile cache via FUA/flush); `flush()` is `fdatasync`.
+//!
+//! I/O that may block (O_DIRECT, page-cache misses, writes to a device, `fdatasync`) goes to
+//! io_uring when the kernel allows it ([`IoEngine::Auto`]), else to a pool of I/O threads.
+//! Files on tmpfs/ramfs never block and need neither.
 
 use crate::pool::IoPool;
+use crate::uring::{Ring, SubmitError, WriteBuf};
 use crate::{sys, BackendError, BlockDevice, Capabilities, FileRange, IoFuture, Keep, WriteMode};
 use bytes::Bytes;
 use std::fs::{File, OpenOptions};
@@ -64,8 +69,11 @@ pub struct FileOptions {
     pub size: Option<u64>,
     /// Open read-only.
     pub read_only: bool,
-    /// Number of I/O threads.
+    /// Number of I/O threads (the `threads` engine; with io_uring a pool of 2 still runs
+    /// UNMAP and GET LBA STATUS).
     pub io_threads: usize,
+    /// What runs I/O that may block.
+    pub io_engine: IoEngine,
 }
 
 impl Default for FileOptions {
@@ -75,7 +83,42 @@ impl Default for FileOptions {
             size: None,
             read_only: false,
             io_threads: 16,
+            io_engine: IoEngine::Auto,
         }
+    }
+}
+
+/// What runs a file LUN's I/O that may block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoEngine {
+    /// io_uring where the kernel allows it, else threads.
+    #[default]
+    Auto,
+    /// io_uring; opening the LUN fails without it.
+    Uring,
+    /// A pool of I/O threads doing blocking syscalls.
+    Threads,
+}
+
+impl std::str::FromStr for IoEngine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(IoEngine::Auto),
+            "uring" | "io_uring" => Ok(IoEngine::Uring),
+            "threads" => Ok(IoEngine::Threads),
+            _ => Err(format!("'{s}': expected auto, uring or threads")),
+        }
+    }
+}
+
+impl std::fmt::Display for IoEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IoEngine::Auto => "auto",
+            IoEngine::Uring => "uring",
+            IoEngine::Threads => "threads",
+        })
     }
 }
 
@@ -101,6 +144,10 @@ pub struct FileBackend {
     /// `cachestat` works here (cleared when it fails: an older kernel).
     cachestat: std::sync::atomic::AtomicBool,
     pool: IoPool,
+    /// io_uring for I/O that may block; `None`: the pool does it.
+    ring: Option<Ring>,
+    /// Why `auto` found no io_uring (shown at start-up).
+    uring_unavailable: Option<String>,
 }
 
 /// A buffer whose usable window starts at a 4096-byte boundary, made without `unsafe` by
@@ -155,12 +202,29 @@ impl FileBackend {
                 format!("{} has size 0", path.display()),
             ));
         }
-        let pool = IoPool::new("file", opts.io_threads)?;
         let fs_type = sys::fs_type(&file).ok();
         let dsync_by_fdatasync = fs_type.is_none_or(|t| t == sys::FUSE_SUPER_MAGIC);
         let in_memory = !opts.direct
             && !is_block
             && fs_type.is_some_and(|t| t == sys::TMPFS_MAGIC || t == sys::RAMFS_MAGIC);
+        let (ring, uring_unavailable) =
+            match opts.io_engine {
+                // tmpfs/ramfs I/O never blocks: it runs inline whatever the engine.
+                IoEngine::Threads => (None, None),
+                _ if in_memory => (None, None),
+                IoEngine::Uring => (
+                    Some(Ring::new().map_err(|e| {
+                        std::io::Error::new(e.kind(), format!("io_engine uring: {e}"))
+                    })?),
+                    None,
+                ),
+                IoEngine::Auto => match Ring::new() {
+                    Ok(r) => (Some(r), None),
+                    Err(e) => (None, Some(e.to_string())),
+                },
+            };
+        let threads = if ring.is_some() { 2 } else { opts.io_threads };
+        let pool = IoPool::new("file", threads)?;
         Ok(FileBackend {
             file: Arc::new(file),
             path: path.to_owned(),
@@ -173,12 +237,113 @@ impl FileBackend {
             nowait_reads: std::sync::atomic::AtomicBool::new(true),
             cachestat: std::sync::atomic::AtomicBool::new(true),
             pool,
+            ring,
+            uring_unavailable,
         })
     }
 
     /// Path of the backing file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Why `auto` fell back to threads, if it did.
+    pub fn uring_unavailable(&self) -> Option<&str> {
+        self.uring_unavailable.as_deref()
+    }
+
+    /// The ring, when there is one and this thread is on a tokio runtime to drive it.
+    fn ring(&self) -> Option<&Ring> {
+        self.ring.as_ref().filter(|r| r.ensure_driver().is_ok())
+    }
+
+    /// Read exactly `len` bytes at `offset` through the ring, appended to `buf`.
+    async fn ring_read(
+        &self,
+        ring: &Ring,
+        mut buf: Vec<u8>,
+        len: usize,
+        offset: u64,
+    ) -> Result<Vec<u8>, BackendError> {
+        let mut got = 0;
+        while got < len {
+            let at = offset + got as u64;
+            let (back, n) = ring
+                .read_append(&self.file, buf, len - got, at)
+                .await
+                .map_err(|e| submit_error(e, at, false))?;
+            if n == 0 {
+                let e = std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "read past end of backing store",
+                );
+                return Err(BackendError::from_io(&e, at, false));
+            }
+            buf = back;
+            got += n;
+        }
+        Ok(buf)
+    }
+
+    /// One write through the ring, with the same durability choices as [`write_now`].
+    async fn ring_write(
+        &self,
+        ring: &Ring,
+        offset: u64,
+        data: Bytes,
+        durable: bool,
+        keep: Keep,
+    ) -> Result<(), BackendError> {
+        let by_fdatasync = durable && self.dsync_by_fdatasync;
+        let dsync = durable && !by_fdatasync;
+        let len = data.len();
+        // O_DIRECT needs an aligned buffer; command buffers usually are (whole pages).
+        let (mut buf, start) = if self.direct && data.as_ptr().align_offset(DIRECT_ALIGN) != 0 {
+            let mut v: Vec<u8> = Vec::with_capacity(len + DIRECT_ALIGN);
+            let start = v.as_ptr().align_offset(DIRECT_ALIGN);
+            v.resize(start, 0);
+            v.extend_from_slice(&data);
+            (WriteBuf::Owned(v), start)
+        } else {
+            (WriteBuf::Shared(data), 0)
+        };
+        // RWF_DSYNC: every kernel with io_uring has it (the EOPNOTSUPP fallback of the
+        // threads engine is for older ones).
+        let mut keep = Some(keep);
+        let mut done = 0;
+        while done < len {
+            let at = offset + done as u64;
+            let range = start + done..start + len;
+            let r = ring
+                .write(&self.file, buf, range, at, dsync, keep.take())
+                .await;
+            match r {
+                Ok((_, _, 0)) => {
+                    let e = std::io::Error::new(std::io::ErrorKind::WriteZero, "wrote nothing");
+                    return Err(BackendError::from_io(&e, at, true));
+                }
+                Ok((b, k, n)) => {
+                    buf = b;
+                    keep = k;
+                    done += n;
+                }
+                Err(e) => return Err(submit_error(e, at, true)),
+            }
+        }
+        drop(keep);
+        if by_fdatasync {
+            ring.fdatasync(&self.file)
+                .await
+                .map_err(|e| submit_error(e, offset, true))?;
+        }
+        Ok(())
+    }
+}
+
+fn submit_error(e: SubmitError, offset: u64, is_write: bool) -> BackendError {
+    match e {
+        SubmitError::Io(e) => BackendError::from_io(&e, offset, is_write),
+        SubmitError::NoRuntime => BackendError::Io("io_uring without a runtime".into()),
     }
 }
 
@@ -189,6 +354,16 @@ impl BlockDevice for FileBackend {
         } else {
             "file"
         }
+    }
+    /// `io_uring`, `threads`, or `inline` (tmpfs/ramfs: I/O that never blocks).
+    fn io_engine(&self) -> Option<&'static str> {
+        Some(if self.ring.is_some() {
+            "io_uring"
+        } else if self.in_memory {
+            "inline"
+        } else {
+            "threads"
+        })
     }
     fn size(&self) -> u64 {
         self.size.load(std::sync::atomic::Ordering::Relaxed)
@@ -230,6 +405,13 @@ impl BlockDevice for FileBackend {
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
         Box::pin(async move {
             if self.direct {
+                if let Some(ring) = self.ring() {
+                    let mut v: Vec<u8> = Vec::with_capacity(len + DIRECT_ALIGN);
+                    let start = v.as_ptr().align_offset(DIRECT_ALIGN);
+                    v.resize(start, 0);
+                    let v = self.ring_read(ring, v, len, offset).await?;
+                    return Ok(Bytes::from(v).slice(start..start + len));
+                }
                 let file = Arc::clone(&self.file);
                 return self
                     .pool
@@ -261,6 +443,12 @@ impl BlockDevice for FileBackend {
                 0
             };
             if got == len {
+                return Ok(Bytes::from(buf));
+            }
+            if let Some(ring) = self.ring() {
+                let buf = self
+                    .ring_read(ring, buf, len - got, offset + got as u64)
+                    .await?;
                 return Ok(Bytes::from(buf));
             }
             buf.resize(len, 0);
@@ -325,6 +513,9 @@ impl BlockDevice for FileBackend {
             drop(keep);
             return Box::pin(async move { res });
         }
+        if let Some(ring) = self.ring() {
+            return Box::pin(self.ring_write(ring, offset, data, durable, keep));
+        }
         Box::pin(self.pool.run(move || {
             let res = write_now(&file, &data, offset, direct, dsync, by_fdatasync);
             drop(keep);
@@ -333,6 +524,13 @@ impl BlockDevice for FileBackend {
     }
 
     fn flush(&self) -> IoFuture<'_, ()> {
+        if let Some(ring) = self.ring() {
+            return Box::pin(async move {
+                ring.fdatasync(&self.file)
+                    .await
+                    .map_err(|e| submit_error(e, 0, true))
+            });
+        }
         let file = Arc::clone(&self.file);
         Box::pin(self.pool.run(move || {
             file.sync_data()
@@ -512,6 +710,178 @@ mod tests {
             }
             // tmpfs on older kernels refuses O_DIRECT at open.
             Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL)),
+        }
+    }
+
+    /// A directory on a disk file system (not tmpfs, whose I/O runs inline whatever the
+    /// engine), or `None` with a note when there is none.
+    fn disk_dir() -> Option<tempfile::TempDir> {
+        for base in ["/var/tmp", "/tmp", "."] {
+            let Ok(dir) = tempfile::tempdir_in(base) else {
+                continue;
+            };
+            let f = File::create(dir.path().join("probe")).unwrap();
+            let t = sys::fs_type(&f).unwrap_or(0);
+            if t != sys::TMPFS_MAGIC && t != sys::RAMFS_MAGIC {
+                return Some(dir);
+            }
+        }
+        eprintln!("no disk file system for a scratch file: skipped");
+        None
+    }
+
+    fn engine_opts(engine: IoEngine, direct: bool) -> FileOptions {
+        FileOptions {
+            size: Some(16 << 20),
+            direct,
+            io_threads: 2,
+            io_engine: engine,
+            ..Default::default()
+        }
+    }
+
+    /// Both engines, buffered and O_DIRECT, on a disk file: writes from aligned and unaligned
+    /// buffers, durable and cached, land where they should; reads of data, of holes and
+    /// across both come back right; flush works; a read past the end fails.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn both_engines_round_trip_buffered_and_direct_io() {
+        let Some(dir) = disk_dir() else { return };
+        for engine in [IoEngine::Uring, IoEngine::Threads] {
+            for direct in [false, true] {
+                let path = dir.path().join(format!("{engine}-{direct}.img"));
+                let be = match FileBackend::open(&path, &engine_opts(engine, direct)) {
+                    Ok(be) => be,
+                    Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => continue,
+                    Err(e) => panic!("{engine} direct={direct}: {e}"),
+                };
+                let want = if engine == IoEngine::Uring {
+                    "io_uring"
+                } else {
+                    "threads"
+                };
+                assert_eq!(be.io_engine(), Some(want));
+                let what = format!("{engine} direct={direct}");
+                let pattern: Vec<u8> = (0..(256 << 10) + 1).map(|i| (i % 251) as u8).collect();
+                // Offset 1 into the allocation: never 4096-aligned, so O_DIRECT must copy.
+                let unaligned = Bytes::from(pattern).slice(1..);
+                be.write(1 << 20, unaligned.clone(), WriteMode::Durable)
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+                let aligned = Bytes::from(vec![0xa5u8; 64 << 10]);
+                be.write(4 << 20, aligned.clone(), WriteMode::Cached)
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+                be.flush().await.unwrap_or_else(|e| panic!("{what}: {e:?}"));
+                assert_eq!(
+                    be.read(1 << 20, 256 << 10).await.unwrap(),
+                    unaligned,
+                    "{what}"
+                );
+                assert_eq!(be.read(4 << 20, 64 << 10).await.unwrap(), aligned, "{what}");
+                let edge = be.read((4 << 20) - 4096, 8192).await.unwrap();
+                assert!(edge[..4096].iter().all(|&b| b == 0), "{what}: hole");
+                assert_eq!(&edge[4096..], &aligned[..4096], "{what}");
+                // What the file holds, read without ironsan.
+                let on_disk = std::fs::read(&path).unwrap();
+                assert_eq!(&on_disk[1 << 20..(1 << 20) + (256 << 10)], &unaligned[..]);
+                let err = be.read((16 << 20) - 4096, 8192).await;
+                assert!(err.is_err(), "{what}: read past the end");
+            }
+        }
+    }
+
+    /// More operations at once than the ring has entries (256): the rest wait for a slot,
+    /// none is lost, each read returns its own block.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn uring_takes_more_operations_than_the_ring_holds() {
+        let Some(dir) = disk_dir() else { return };
+        let path = dir.path().join("many.img");
+        let be = Arc::new(FileBackend::open(&path, &engine_opts(IoEngine::Uring, true)).unwrap());
+        let block = |i: usize| Bytes::from(vec![(i % 255) as u8 + 1; 4096]);
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..1000usize {
+            let be = Arc::clone(&be);
+            set.spawn(async move {
+                be.write(i as u64 * 4096, block(i), WriteMode::Durable)
+                    .await
+                    .unwrap();
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+        for i in 0..1000usize {
+            let be = Arc::clone(&be);
+            set.spawn(async move {
+                assert_eq!(
+                    be.read(i as u64 * 4096, 4096).await.unwrap(),
+                    block(i),
+                    "block {i}"
+                );
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+    }
+
+    /// Reads dropped after they were submitted (an aborted command) leave their buffers to
+    /// the ring; the next reads are right, and dropping the backend with reads in flight is
+    /// safe.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropped_uring_operations_leave_the_ring_consistent() {
+        let Some(dir) = disk_dir() else { return };
+        let path = dir.path().join("drop.img");
+        let be = FileBackend::open(&path, &engine_opts(IoEngine::Uring, true)).unwrap();
+        let data = Bytes::from(vec![0x3cu8; 128 << 10]);
+        be.write(0, data.clone(), WriteMode::Durable).await.unwrap();
+        for round in 0..3 {
+            let mut futs: Vec<_> = (0..64).map(|_| be.read(0, 128 << 10)).collect();
+            for f in &mut futs {
+                // Poll once: the read is submitted; then it is dropped in flight.
+                tokio::select! { biased; _ = f => {}, _ = async {} => {} }
+            }
+            drop(futs);
+            assert_eq!(be.read(0, 128 << 10).await.unwrap(), data, "round {round}");
+        }
+        let mut futs: Vec<_> = (0..64).map(|_| be.read(0, 128 << 10)).collect();
+        for f in &mut futs {
+            tokio::select! { biased; _ = f => {}, _ = async {} => {} }
+        }
+        drop(futs);
+        drop(be);
+        let be = FileBackend::open(&path, &engine_opts(IoEngine::Uring, true)).unwrap();
+        assert_eq!(be.read(0, 128 << 10).await.unwrap(), data);
+    }
+
+    /// Off a tokio runtime (another executor) the ring has no driver: I/O goes to the pool.
+    #[test]
+    fn uring_backend_works_off_a_tokio_runtime() {
+        let Some(dir) = disk_dir() else { return };
+        let path = dir.path().join("plain.img");
+        let be = FileBackend::open(&path, &engine_opts(IoEngine::Uring, true)).unwrap();
+        let data = Bytes::from(vec![7u8; 8192]);
+        block_on(be.write(8192, data.clone(), WriteMode::Durable)).unwrap();
+        assert_eq!(block_on(be.read(8192, 8192)).unwrap(), data);
+        block_on(be.flush()).unwrap();
+    }
+
+    /// A minimal executor that is not tokio's: park the thread until woken.
+    fn block_on<F: std::future::Future>(fut: F) -> F::Output {
+        struct Unpark(std::thread::Thread);
+        impl std::task::Wake for Unpark {
+            fn wake(self: Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut fut = std::pin::pin!(fut);
+        loop {
+            if let std::task::Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+                return v;
+            }
+            std::thread::park();
         }
     }
 }

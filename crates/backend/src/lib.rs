@@ -65,9 +65,10 @@ pub mod null;
 pub mod pool;
 pub mod ram;
 mod sys;
+mod uring;
 
 pub use fault::{Effect, FaultBackend, FaultControl, FaultRule, Ops};
-pub use file::{FileBackend, FileOptions};
+pub use file::{FileBackend, FileOptions, IoEngine};
 pub use int_map::IntMap;
 pub use null::NullBackend;
 pub use ram::RamBackend;
@@ -187,6 +188,11 @@ pub struct Capabilities {
 pub trait BlockDevice: Send + Sync + 'static {
     /// Short kind name for logs and admin output (`null`, `ram`, `file`, `file-direct`).
     fn kind(&self) -> &'static str;
+    /// What runs its I/O that may block, for admin output: `io_uring`, `threads`, `inline`
+    /// (file LUNs); `None` (the default) for backends that never block.
+    fn io_engine(&self) -> Option<&'static str> {
+        None
+    }
     /// Size of the device in bytes.
     fn size(&self) -> u64;
     /// What this backend can do.

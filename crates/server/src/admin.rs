@@ -220,6 +220,7 @@ impl Control {
                     "target": n,
                     "lun": lun,
                     "backend": lu.backend().kind(),
+                    "io_engine": lu.backend().io_engine(),
                     "size": lu.capacity_blocks() * u64::from(lu.block_size()),
                     "blocks": lu.capacity_blocks(),
                     "block_size": lu.block_size(),
