@@ -573,20 +573,20 @@ def table(setup, title, targets, bases):
     if setup not in order:
         return
     print(f"\n{title}")
-    hdr = f"{'workload':<22} {'target':<17} {'IOPS':>9} {'MiB/s':>9} {'CPU %':>7} {'CPU us/IO':>10}  tool"
+    hdr = f"{'workload':<22} {'target':<24} {'IOPS':>9} {'MiB/s':>9} {'CPU %':>7} {'CPU us/IO':>10}  tool"
     print(hdr); print("-" * len(hdr))
     for w in order[setup]:
         for t in targets:
             if (setup, w, t) in perf:
                 i, m, c, u, tool = perf[(setup, w, t)]
-                print(f"{w:<22} {t:<17} {i:>9d} {m:>9.1f} {c:>7.1f} {u:>10.2f}  {tool}")
+                print(f"{w:<22} {t:<24} {i:>9d} {m:>9.1f} {c:>7.1f} {u:>10.2f}  {tool}")
         for base in bases:
             a = perf.get((setup, w, base))
             for t in targets:
                 b = perf.get((setup, w, t))
                 if t not in bases and a and b:
                     r = [x / y if y else float("nan") for x, y in zip(a[:4], b[:4])]
-                    print(f"{w:<22} {base + '/' + t:<17} {r[0]:>9.2f} {r[1]:>9.2f} {r[2]:>7.2f} {r[3]:>10.2f}")
+                    print(f"{w:<22} {base + '/' + t:<24} {r[0]:>9.2f} {r[1]:>9.2f} {r[2]:>7.2f} {r[3]:>10.2f}")
 
 table("ram", "RAM/null LUN: ironsan ram:1G vs tgt bstype null (target CPU 0, client CPU 1; ironsan-poll: --busy-poll-us " + POLL_US + ")", ["ironsan", "ironsan-poll", "tgt"], ["ironsan", "ironsan-poll"])
 table("file", "File LUN: one preallocated 256 MiB file on tmpfs (ironsan --write-cache, tgt rdwr, istgt)", ["ironsan", "tgt", "istgt"], ["ironsan"])

@@ -114,4 +114,4 @@ IRONSAN_REQUIRE_TOOLS=1 IRONSAN_KERNEL_DIGEST=None IRONSAN_BIN="$TARGET_DIR/rele
 section "bench smoke (bench/run.sh, 1 s per workload: the tool works, figures not judged)"
 # Every client against every target once, interleaved as in a real run; exits 1 if any
 # client run fails. Idle and memory are left out (about 2 minutes of waiting between them).
-IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/run.sh --duration 1 --only ram,qd1,scale,file,load --no-save
+IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/run.sh --duration 1 --only ram,qd1,scale,file,load,disk --no-save
