@@ -866,6 +866,24 @@ mod tests {
         block_on(be.flush()).unwrap();
     }
 
+    /// On a tokio runtime built without I/O the ring cannot have a driver: nothing is
+    /// submitted to it, the pool does the I/O (no hang waiting for a completion nobody reaps).
+    #[test]
+    fn uring_backend_works_on_a_runtime_without_io() {
+        let Some(dir) = disk_dir() else { return };
+        let path = dir.path().join("noio.img");
+        let be = FileBackend::open(&path, &engine_opts(IoEngine::Uring, true)).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let data = Bytes::from(vec![9u8; 8192]);
+        rt.block_on(async {
+            be.write(0, data.clone(), WriteMode::Durable).await.unwrap();
+            assert_eq!(be.read(0, 8192).await.unwrap(), data);
+            be.flush().await.unwrap();
+        });
+    }
+
     /// A minimal executor that is not tokio's: park the thread until woken.
     fn block_on<F: std::future::Future>(fut: F) -> F::Output {
         struct Unpark(std::thread::Thread);

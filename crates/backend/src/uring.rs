@@ -63,6 +63,9 @@ struct Shared {
     eventfd: OwnedFd,
     /// A driver task is running (on some tokio runtime).
     driving: AtomicBool,
+    /// The eventfd could not be registered with a runtime: never submit (the thread pool
+    /// does the I/O).
+    unusable: AtomicBool,
     closing: AtomicBool,
     close: Notify,
 }
@@ -147,19 +150,28 @@ impl Drop for Driving {
     }
 }
 
-async fn drive(shared: Arc<Shared>) {
-    let _driving = Driving(Arc::clone(&shared));
-    // SAFETY: the eventfd is owned by `Shared`, which the `EventFd` keeps alive (an `Arc`) for
-    // as long as the `AsyncFd` exists; nothing replaces or closes it in that time.
-    let afd = match unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(
-            EventFd(Arc::clone(&shared)),
-            tokio::io::Interest::READABLE,
-        )
-    } {
-        Ok(a) => a,
-        Err(_) => return,
-    };
+/// Register the eventfd with the current runtime's reactor; `None` where that cannot be done
+/// (a runtime built without `enable_io`, whose reactor refuses by panicking).
+fn register(shared: &Arc<Shared>) -> Option<tokio::io::unix::AsyncFd<EventFd>> {
+    let shared = Arc::clone(shared);
+    std::panic::catch_unwind(move || {
+        // SAFETY: the eventfd is owned by `Shared`, which the `EventFd` keeps alive (an `Arc`)
+        // for as long as the `AsyncFd` exists; nothing replaces or closes it in that time.
+        unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(
+                EventFd(shared),
+                tokio::io::Interest::READABLE,
+            )
+        }
+    })
+    .ok()?
+    .ok()
+}
+
+/// The driver task. `driving` comes in as an argument, so it is dropped with the future even
+/// if a runtime shutting down drops the task before its first poll.
+async fn drive(driving: Driving, afd: tokio::io::unix::AsyncFd<EventFd>) {
+    let shared = &driving.0;
     loop {
         if shared.closing.load(Ordering::Acquire) && !shared.in_flight() {
             return;
@@ -190,6 +202,7 @@ pub enum SubmitError {
 pub struct Ring {
     shared: Arc<Shared>,
     limit: Arc<Semaphore>,
+    start: Mutex<()>,
 }
 
 impl std::fmt::Debug for Ring {
@@ -241,28 +254,38 @@ impl Ring {
                 table: Mutex::new(Table::default()),
                 eventfd,
                 driving: AtomicBool::new(false),
+                unusable: AtomicBool::new(false),
                 closing: AtomicBool::new(false),
                 close: Notify::new(),
             }),
             limit: Arc::new(Semaphore::new(ENTRIES as usize)),
+            start: Mutex::new(()),
         })
     }
 
     /// Start the driver on the current tokio runtime if none runs; `Err(NoRuntime)` off a
-    /// tokio runtime, where the caller must do its I/O another way.
+    /// tokio runtime (or on one without I/O), where the caller must do its I/O another way.
+    /// Nothing is submitted unless a driver is there to reap it.
     pub fn ensure_driver(&self) -> Result<(), SubmitError> {
         if self.shared.driving.load(Ordering::Acquire) {
             return Ok(());
         }
-        let handle = tokio::runtime::Handle::try_current().map_err(|_| SubmitError::NoRuntime)?;
-        if self
-            .shared
-            .driving
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            handle.spawn(drive(Arc::clone(&self.shared)));
+        if self.shared.unusable.load(Ordering::Relaxed) {
+            return Err(SubmitError::NoRuntime);
         }
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| SubmitError::NoRuntime)?;
+        // One starter at a time; `driving` is set only once a driver is really spawned, so
+        // nobody submits into a ring that no driver will reap.
+        let _start = self.start.lock().unwrap_or_else(|p| p.into_inner());
+        if self.shared.driving.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let Some(afd) = register(&self.shared) else {
+            self.shared.unusable.store(true, Ordering::Relaxed);
+            return Err(SubmitError::NoRuntime);
+        };
+        self.shared.driving.store(true, Ordering::Release);
+        handle.spawn(drive(Driving(Arc::clone(&self.shared)), afd));
         Ok(())
     }
 
