@@ -68,9 +68,10 @@
 #             reach the device): ironsan (io_uring), ironsan-threads
 #             (--io-engine threads, the engine before io_uring) and tgt rdwr
 #             --bsoflags direct, all with the write cache on (WCE=1, like
-#             tgt); 4K QD32 random read and write, 512K QD8 read, with
-#             `ironsan load`. The device's speed bounds IOPS; CPU us/IO is
-#             the target's cost per I/O.
+#             tgt); 4K QD32 random read with iscsi-perf, then 4K QD32 random
+#             read and write and 512K QD8 read with `ironsan load`. The
+#             device's speed bounds IOPS; CPU us/IO is the target's cost
+#             per I/O.
 #   * Tools: iscsi-perf (libiscsi) keeps -m commands in flight for -t s and
 #     prints its running average; the figure used is the last "iops average".
 #     qemu-img bench runs a fixed count of requests at -d depth through
@@ -532,6 +533,7 @@ if want disk; then
     if want_target ironsan; then SETUP_TARGETS+=(ironsan ironsan-threads); fi
     if want_target tgt; then SETUP_TARGETS+=(tgt); fi
     for t in "${SETUP_TARGETS[@]}"; do start_target "$t" disk; done
+    each_target perf disk randread-4k-qd32 4096 -m 32 -b 8 -r
     each_target lrun disk randread-4k-qd32 4096 --rw randread --bs 4096 --qd 32
     each_target lrun disk randwrite-4k-qd32 4096 --rw randwrite --bs 4096 --qd 32
     each_target lrun disk seqread-512k-qd8 524288 --rw read --bs 524288 --qd 8
@@ -592,6 +594,7 @@ table("ram", "RAM/null LUN: ironsan ram:1G vs tgt bstype null (target CPU 0, cli
 table("file", "File LUN: one preallocated 256 MiB file on tmpfs (ironsan --write-cache, tgt rdwr, istgt)", ["ironsan", "tgt", "istgt"], ["ironsan"])
 table("ram+load", "RAM/null LUN with ironsan's load generator (ironsan load, one client thread; QD1 latency = 1/IOPS)", ["ironsan", "tgt"], ["ironsan"])
 table("file+load", "File LUN on tmpfs with ironsan's load generator", ["ironsan", "tgt", "istgt"], ["ironsan"])
+table("disk", "O_DIRECT file LUN on a disk file system, iscsi-perf (ironsan: io_uring; ironsan-threads: --io-engine threads; tgt rdwr --bsoflags direct)", ["ironsan", "ironsan-threads", "tgt"], ["ironsan"])
 table("disk+load", "O_DIRECT file LUN on a disk file system with ironsan's load generator (ironsan: io_uring; ironsan-threads: --io-engine threads; tgt rdwr --bsoflags direct; WCE=1)", ["ironsan", "ironsan-threads", "tgt"], ["ironsan"])
 
 lat = {t: perf[("ram", "qd1-randread-4k", t)][0] for t in ("ironsan", "ironsan-poll", "tgt") if ("ram", "qd1-randread-4k", t) in perf}
