@@ -253,7 +253,7 @@ impl Drop for StuckGuard<'_> {
 
 /// Drive `f` to completion on the current (worker) thread, parking between polls. The
 /// wrapped device's futures need no runtime (RAM completes inline, files wait on a oneshot).
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
+pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
     struct Unpark(std::thread::Thread);
     impl std::task::Wake for Unpark {
         fn wake(self: Arc<Self>) {

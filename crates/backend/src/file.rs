@@ -854,9 +854,11 @@ mod tests {
         assert_eq!(be.read(0, 128 << 10).await.unwrap(), data);
     }
 
-    /// Off a tokio runtime (another executor) the ring has no driver: I/O goes to the pool.
+    /// Off a tokio runtime (another executor, like the fault wrapper's workers) the ring has
+    /// no driver: I/O goes to the pool.
     #[test]
     fn uring_backend_works_off_a_tokio_runtime() {
+        use crate::fault::block_on;
         let Some(dir) = disk_dir() else { return };
         let path = dir.path().join("plain.img");
         let be = FileBackend::open(&path, &engine_opts(IoEngine::Uring, true)).unwrap();
@@ -882,24 +884,5 @@ mod tests {
             assert_eq!(be.read(0, 8192).await.unwrap(), data);
             be.flush().await.unwrap();
         });
-    }
-
-    /// A minimal executor that is not tokio's: park the thread until woken.
-    fn block_on<F: std::future::Future>(fut: F) -> F::Output {
-        struct Unpark(std::thread::Thread);
-        impl std::task::Wake for Unpark {
-            fn wake(self: Arc<Self>) {
-                self.0.unpark();
-            }
-        }
-        let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
-        let mut cx = std::task::Context::from_waker(&waker);
-        let mut fut = std::pin::pin!(fut);
-        loop {
-            if let std::task::Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-                return v;
-            }
-            std::thread::park();
-        }
     }
 }
