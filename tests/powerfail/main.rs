@@ -20,7 +20,8 @@ mod memfs;
 use bytes::Bytes;
 use crash_harness::{Crashable, Plan, Report};
 use ironsan_backend::{
-    BackendError, BlockDevice, Capabilities, FileBackend, FileOptions, IoFuture, WriteMode,
+    BackendError, BlockDevice, Capabilities, FileBackend, FileOptions, IoEngine, IoFuture,
+    WriteMode,
 };
 use memfs::PowerFs;
 use std::net::SocketAddr;
@@ -182,6 +183,7 @@ struct InProc {
     fs: PowerFs,
     broken: bool,
     wce: bool,
+    engine: IoEngine,
     addr: SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     done: Option<tokio::task::JoinHandle<()>>,
@@ -193,6 +195,7 @@ impl InProc {
     async fn start(&mut self) {
         let opts = FileOptions {
             io_threads: 4,
+            io_engine: self.engine,
             ..Default::default()
         };
         let file = FileBackend::open(&self.file, &opts).unwrap();
@@ -254,12 +257,22 @@ impl Crashable for InProc {
 }
 
 async fn in_process(broken: bool, wce: bool, direct_io: bool) -> Option<Report> {
+    in_process_on(broken, wce, direct_io, IoEngine::Auto).await
+}
+
+async fn in_process_on(
+    broken: bool,
+    wce: bool,
+    direct_io: bool,
+    engine: IoEngine,
+) -> Option<Report> {
     let m = mount(direct_io)?;
     let mut t = InProc {
         file: m.file(),
         fs: m.fs.clone(),
         broken,
         wce,
+        engine,
         addr: "127.0.0.1:0".parse().unwrap(),
         stop: None,
         done: None,
@@ -267,7 +280,7 @@ async fn in_process(broken: bool, wce: bool, direct_io: bool) -> Option<Report> 
     t.start().await;
     let mut plan = Plan::new(
         &format!(
-            "in-process {} backend, FUSE power cut WCE={}",
+            "in-process {} backend ({engine} engine), FUSE power cut WCE={}",
             if broken { "flush-ignoring" } else { "real" },
             u8::from(wce)
         ),
@@ -280,16 +293,18 @@ async fn in_process(broken: bool, wce: bool, direct_io: bool) -> Option<Report> 
     Some(rep)
 }
 
-/// Control: the real file backend in-process passes.
+/// Control: the real file backend in-process passes, with io_uring and with I/O threads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_process_real_backend_loses_nothing() {
-    if let Some(rep) = in_process(false, false, false).await {
-        assert!(
-            rep.ok(),
-            "{}\n{}",
-            rep.summary("real"),
-            rep.problems.join("\n")
-        );
+    for engine in [IoEngine::Uring, IoEngine::Threads] {
+        if let Some(rep) = in_process_on(false, false, false, engine).await {
+            assert!(
+                rep.ok(),
+                "{engine}: {}\n{}",
+                rep.summary("real"),
+                rep.problems.join("\n")
+            );
+        }
     }
 }
 

@@ -330,12 +330,13 @@ impl FileBackend {
                 Err(e) => return Err(submit_error(e, at, true)),
             }
         }
-        drop(keep);
         if by_fdatasync {
             ring.fdatasync(&self.file)
                 .await
                 .map_err(|e| submit_error(e, offset, true))?;
         }
+        // Like the threads engine: the range lock goes once the write is durable.
+        drop(keep);
         Ok(())
     }
 }
