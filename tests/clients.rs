@@ -1855,6 +1855,14 @@ fn file_luns_verify_every_block_with_io_uring_and_with_threads() {
         let luns = run_stdout(bin(), &["ctl", "--control", &sock, "--json", "luns"]);
         let luns: serde_json::Value = serde_json::from_str(&luns).unwrap();
         let fs_is_tmpfs = luns[1]["io_engine"] == "inline";
+        let text = run_stdout(bin(), &["ctl", "--control", &sock, "luns"]);
+        assert!(
+            text.lines().next().unwrap_or("").contains("ENGINE")
+                && text
+                    .lines()
+                    .any(|l| l.contains("direct.img") && l.contains(shown)),
+            "{text}"
+        );
         for lun in 0..2 {
             let want = if lun == 1 && fs_is_tmpfs {
                 "inline"

@@ -1067,6 +1067,7 @@ fn render_luns(v: &Value) -> String {
                 s(&l["target"]),
                 s(&l["lun"]),
                 s(&l["backend"]),
+                s(&l["io_engine"]),
                 human_bytes(l["size"].as_u64().unwrap_or(0)),
                 s(&l["block_size"]),
                 if l["read_only"] == true { "ro" } else { "rw" }.into(),
@@ -1082,7 +1083,7 @@ fn render_luns(v: &Value) -> String {
         .collect();
     table(
         &[
-            "TARGET", "LUN", "BACKEND", "SIZE", "BS", "MODE", "WCE", "SPEC",
+            "TARGET", "LUN", "BACKEND", "ENGINE", "SIZE", "BS", "MODE", "WCE", "SPEC",
         ],
         rows,
     )
