@@ -138,47 +138,21 @@ async fn file_direct_wce0_and_wce1() {
     }
 }
 
-/// A loop device over a file; detached when dropped.
-struct Loop(String);
-impl Drop for Loop {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("losetup")
-            .args(["-d", &self.0])
-            .status();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn block_device_loop_wce0_and_wce1() {
     let dir = tempfile::tempdir().unwrap();
     for wce in [false, true] {
         let img = dir.path().join(format!("loop{wce}.img"));
-        std::fs::File::create(&img)
-            .unwrap()
-            .set_len(64 << 20)
-            .unwrap();
-        let out = std::process::Command::new("losetup")
-            .args(["-f", "--show"])
-            .arg(&img)
-            .output();
-        let dev = match out {
-            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
-            Ok(o) => {
-                eprintln!(
-                    "SKIP: losetup failed ({}); block device mode not tested",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                );
-                return;
-            }
+        let dev = match common::LoopDevice::over_new_file(&img, 64 << 20) {
+            Ok(l) => l,
             Err(e) => {
-                eprintln!("SKIP: no losetup ({e}); block device mode not tested");
+                eprintln!("SKIP: {e}; block device mode not tested");
                 return;
             }
         };
-        let _l = Loop(dev.clone());
         run_mode(
-            &format!("loop block device {dev} WCE={}", u8::from(wce)),
-            lun(Path::new(&dev), None, false, wce),
+            &format!("loop block device {} WCE={}", dev.0, u8::from(wce)),
+            lun(Path::new(&dev.0), None, false, wce),
             wce,
         )
         .await;

@@ -977,3 +977,36 @@ pub fn check_header_digests(
     }
     Ok(walk)
 }
+
+/// A loop block device over a file (`losetup -f --show`), detached when dropped.
+pub struct LoopDevice(pub String);
+
+impl LoopDevice {
+    /// Create `file` (sparse, `size` bytes) and attach it; `Err` says why not (no losetup,
+    /// no loop devices, not root).
+    pub fn over_new_file(file: &Path, size: u64) -> Result<LoopDevice, String> {
+        File::create(file)
+            .and_then(|f| f.set_len(size))
+            .map_err(|e| format!("{}: {e}", file.display()))?;
+        let out = Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(file)
+            .output()
+            .map_err(|e| format!("no losetup ({e})"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "losetup failed ({})",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(LoopDevice(
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        ))
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
