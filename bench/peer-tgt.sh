@@ -119,15 +119,12 @@ start() {
             rm -f "$dir/lun1.img"
             truncate -s "$size" "$dir/lun1.img"
             "${adm[@]}" --mode logicalunit --op new --tid 1 --lun 1 --bstype rdwr -b "$dir/lun1.img" ;;
-        file:*)
-            local path=${lun#file:}
-            [[ -f $path ]] || { stop; die "no such file: $path"; }
-            "${adm[@]}" --mode logicalunit --op new --tid 1 --lun 1 --bstype rdwr -b "$path" ;;
-        direct:*)
-            local path=${lun#direct:}
+        file:* | direct:*)
+            local path=${lun#*:} oflags=()
+            [[ $lun == direct:* ]] && oflags=(--bsoflags direct)
             [[ -f $path ]] || { stop; die "no such file: $path"; }
             "${adm[@]}" --mode logicalunit --op new --tid 1 --lun 1 --bstype rdwr \
-                --bsoflags direct -b "$path" ;;
+                "${oflags[@]}" -b "$path" ;;
         *) stop; die "unknown --lun $lun (null | rdwr:SIZE | file:PATH | direct:PATH)" ;;
     esac
     # Offer the same negotiation limits ironsan offers (its defaults), so

@@ -256,16 +256,7 @@ impl Crashable for InProc {
     }
 }
 
-async fn in_process(broken: bool, wce: bool, direct_io: bool) -> Option<Report> {
-    in_process_on(broken, wce, direct_io, IoEngine::Auto).await
-}
-
-async fn in_process_on(
-    broken: bool,
-    wce: bool,
-    direct_io: bool,
-    engine: IoEngine,
-) -> Option<Report> {
+async fn in_process(broken: bool, wce: bool, direct_io: bool, engine: IoEngine) -> Option<Report> {
     let m = mount(direct_io)?;
     let mut t = InProc {
         file: m.file(),
@@ -297,7 +288,7 @@ async fn in_process_on(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_process_real_backend_loses_nothing() {
     for engine in [IoEngine::Uring, IoEngine::Threads] {
-        if let Some(rep) = in_process_on(false, false, false, engine).await {
+        if let Some(rep) = in_process(false, false, false, engine).await {
             assert!(
                 rep.ok(),
                 "{engine}: {}\n{}",
@@ -312,7 +303,7 @@ async fn in_process_real_backend_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn broken_flush_is_caught() {
     for wce in [false, true] {
-        if let Some(rep) = in_process(true, wce, false).await {
+        if let Some(rep) = in_process(true, wce, false, IoEngine::Auto).await {
             eprintln!(
                 "expected failure caught (WCE={}): {}",
                 u8::from(wce),
@@ -335,7 +326,7 @@ async fn broken_flush_is_caught() {
 async fn fuse_direct_io_is_durable_through_fdatasync() {
     // FUSE in direct-I/O mode drops RWF_DSYNC (the server sees a WRITE and no FSYNC); the file
     // backend detects FUSE and makes durable writes with write + fdatasync instead.
-    if let Some(rep) = in_process(false, false, true).await {
+    if let Some(rep) = in_process(false, false, true, IoEngine::Auto).await {
         eprintln!(
             "FUSE direct_io: {}",
             rep.summary("real backend on a direct_io FUSE file")

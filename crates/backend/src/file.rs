@@ -14,7 +14,7 @@
 //! Files on tmpfs/ramfs never block and need neither.
 
 use crate::pool::IoPool;
-use crate::uring::{Ring, SubmitError, WriteBuf};
+use crate::uring::{Buf, Ring, SubmitError};
 use crate::{sys, BackendError, BlockDevice, Capabilities, FileRange, IoFuture, Keep, WriteMode};
 use bytes::Bytes;
 use std::fs::{File, OpenOptions};
@@ -25,24 +25,17 @@ use std::sync::Arc;
 
 const DIRECT_ALIGN: usize = 4096;
 
-/// One write, on whatever thread calls it: `dsync` writes with RWF_DSYNC, `by_fdatasync`
-/// writes and then `fdatasync`s (FUSE), a kernel without RWF_DSYNC for the file falls back to
-/// the latter.
+/// One write, on whatever thread calls it (`data` as [`for_write`] made it): `dsync` writes
+/// with RWF_DSYNC, `by_fdatasync` writes and then `fdatasync`s (FUSE), a kernel without
+/// RWF_DSYNC for the file falls back to the latter.
 fn write_now(
     file: &File,
     data: &[u8],
     offset: u64,
-    direct: bool,
     dsync: bool,
     by_fdatasync: bool,
 ) -> Result<(), BackendError> {
-    let res = if direct {
-        let (mut v, start) = aligned_vec(data.len());
-        v[start..start + data.len()].copy_from_slice(data);
-        sys::write_all_at(file, &v[start..start + data.len()], offset, dsync)
-    } else {
-        sys::write_all_at(file, data, offset, dsync)
-    };
+    let res = sys::write_all_at(file, data, offset, dsync);
     let res = if by_fdatasync {
         res.and_then(|_| file.sync_data())
     } else {
@@ -150,12 +143,46 @@ pub struct FileBackend {
     uring_unavailable: Option<String>,
 }
 
-/// A buffer whose usable window starts at a 4096-byte boundary, made without `unsafe` by
-/// over-allocating and skipping to the first aligned byte.
-fn aligned_vec(len: usize) -> (Vec<u8>, usize) {
-    let v = vec![0u8; len + DIRECT_ALIGN];
+/// An empty buffer for `len` bytes that will start at a 4096-byte boundary (O_DIRECT), made
+/// without `unsafe` by over-allocating: its length is the zeroed prefix before that boundary
+/// (the returned start); the data is appended after it.
+fn aligned_prefix(len: usize) -> (Vec<u8>, usize) {
+    let mut v: Vec<u8> = Vec::with_capacity(len + DIRECT_ALIGN);
     let start = v.as_ptr().align_offset(DIRECT_ALIGN);
+    v.resize(start, 0);
     (v, start)
+}
+
+/// What a write takes its bytes from, and where they start in it: the caller's bytes, or for
+/// O_DIRECT an aligned copy when they do not start at a 4096-byte boundary (command buffers
+/// of whole pages usually do).
+fn for_write(data: Bytes, direct: bool) -> (Buf, usize) {
+    if direct && data.as_ptr().align_offset(DIRECT_ALIGN) != 0 {
+        let (mut v, start) = aligned_prefix(data.len());
+        v.extend_from_slice(&data);
+        (Buf::Owned(v), start)
+    } else {
+        (Buf::Shared(data), 0)
+    }
+}
+
+/// Append exactly `len` bytes read at `offset` to `buf` (blocking, on an I/O thread).
+fn read_rest_blocking(
+    file: &File,
+    mut buf: Vec<u8>,
+    len: usize,
+    offset: u64,
+) -> Result<Vec<u8>, BackendError> {
+    let got = sys::read_append_blocking(file, &mut buf, len, offset)
+        .map_err(|e| BackendError::from_io(&e, offset, false))?;
+    if got < len {
+        return Err(BackendError::from_io(
+            &sys::past_end(),
+            offset + got as u64,
+            false,
+        ));
+    }
+    Ok(buf)
 }
 
 impl FileBackend {
@@ -273,11 +300,7 @@ impl FileBackend {
                 .await
                 .map_err(|e| submit_error(e, at, false))?;
             if n == 0 {
-                let e = std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "read past end of backing store",
-                );
-                return Err(BackendError::from_io(&e, at, false));
+                return Err(BackendError::from_io(&sys::past_end(), at, false));
             }
             buf = back;
             got += n;
@@ -291,22 +314,12 @@ impl FileBackend {
         ring: &Ring,
         offset: u64,
         data: Bytes,
-        durable: bool,
+        dsync: bool,
+        by_fdatasync: bool,
         keep: Keep,
     ) -> Result<(), BackendError> {
-        let by_fdatasync = durable && self.dsync_by_fdatasync;
-        let dsync = durable && !by_fdatasync;
         let len = data.len();
-        // O_DIRECT needs an aligned buffer; command buffers usually are (whole pages).
-        let (mut buf, start) = if self.direct && data.as_ptr().align_offset(DIRECT_ALIGN) != 0 {
-            let mut v: Vec<u8> = Vec::with_capacity(len + DIRECT_ALIGN);
-            let start = v.as_ptr().align_offset(DIRECT_ALIGN);
-            v.resize(start, 0);
-            v.extend_from_slice(&data);
-            (WriteBuf::Owned(v), start)
-        } else {
-            (WriteBuf::Shared(data), 0)
-        };
+        let (mut buf, start) = for_write(data, self.direct);
         // RWF_DSYNC: every kernel with io_uring has it (the EOPNOTSUPP fallback of the
         // threads engine is for older ones).
         let mut keep = Some(keep);
@@ -406,23 +419,17 @@ impl BlockDevice for FileBackend {
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
         Box::pin(async move {
             if self.direct {
-                if let Some(ring) = self.ring() {
-                    let mut v: Vec<u8> = Vec::with_capacity(len + DIRECT_ALIGN);
-                    let start = v.as_ptr().align_offset(DIRECT_ALIGN);
-                    v.resize(start, 0);
-                    let v = self.ring_read(ring, v, len, offset).await?;
-                    return Ok(Bytes::from(v).slice(start..start + len));
-                }
-                let file = Arc::clone(&self.file);
-                return self
-                    .pool
-                    .run(move || {
-                        let (mut v, start) = aligned_vec(len);
-                        sys::read_exact_at(&*file, &mut v[start..start + len], offset)
-                            .map_err(|e| BackendError::from_io(&e, offset, false))?;
-                        Ok(Bytes::from(v).slice(start..start + len))
-                    })
-                    .await;
+                let (v, start) = aligned_prefix(len);
+                let v = match self.ring() {
+                    Some(ring) => self.ring_read(ring, v, len, offset).await?,
+                    None => {
+                        let file = Arc::clone(&self.file);
+                        self.pool
+                            .run(move || read_rest_blocking(&file, v, len, offset))
+                            .await?
+                    }
+                };
+                return Ok(Bytes::from(v).slice(start..start + len));
             }
             use std::sync::atomic::Ordering::Relaxed;
             // Page-cache hit: no thread hop, and no zeroing of a buffer the kernel fills.
@@ -446,21 +453,18 @@ impl BlockDevice for FileBackend {
             if got == len {
                 return Ok(Bytes::from(buf));
             }
-            if let Some(ring) = self.ring() {
-                let buf = self
-                    .ring_read(ring, buf, len - got, offset + got as u64)
-                    .await?;
-                return Ok(Bytes::from(buf));
-            }
-            buf.resize(len, 0);
-            let file = Arc::clone(&self.file);
-            self.pool
-                .run(move || {
-                    sys::read_exact_at(&*file, &mut buf[got..], offset + got as u64)
-                        .map_err(|e| BackendError::from_io(&e, offset, false))?;
-                    Ok(Bytes::from(buf))
-                })
-                .await
+            // A page-cache miss: the rest is read where it may wait.
+            let (rest, at) = (len - got, offset + got as u64);
+            let buf = match self.ring() {
+                Some(ring) => self.ring_read(ring, buf, rest, at).await?,
+                None => {
+                    let file = Arc::clone(&self.file);
+                    self.pool
+                        .run(move || read_rest_blocking(&file, buf, rest, at))
+                        .await?
+                }
+            };
+            Ok(Bytes::from(buf))
         })
     }
 
@@ -503,22 +507,22 @@ impl BlockDevice for FileBackend {
         mode: WriteMode,
         keep: Keep,
     ) -> IoFuture<'_, ()> {
-        let file = Arc::clone(&self.file);
-        let direct = self.direct;
         let durable = mode == WriteMode::Durable;
         let by_fdatasync = durable && self.dsync_by_fdatasync;
         let dsync = durable && !by_fdatasync;
+        if let Some(ring) = self.ring() {
+            return Box::pin(self.ring_write(ring, offset, data, dsync, by_fdatasync, keep));
+        }
+        let file = Arc::clone(&self.file);
         if self.in_memory {
             // tmpfs: the write is a copy into memory; no reason to hop to an I/O thread.
-            let res = write_now(&file, &data, offset, direct, dsync, by_fdatasync);
+            let res = write_now(&file, &data, offset, dsync, by_fdatasync);
             drop(keep);
             return Box::pin(async move { res });
         }
-        if let Some(ring) = self.ring() {
-            return Box::pin(self.ring_write(ring, offset, data, durable, keep));
-        }
+        let (buf, start) = for_write(data, self.direct);
         Box::pin(self.pool.run(move || {
-            let res = write_now(&file, &data, offset, direct, dsync, by_fdatasync);
+            let res = write_now(&file, &buf.bytes()[start..], offset, dsync, by_fdatasync);
             drop(keep);
             res
         }))

@@ -128,16 +128,19 @@ fn read_append(
     Ok(got)
 }
 
+/// A read that found the end of the backing file before its last byte.
+pub fn past_end() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "read past end of backing store",
+    )
+}
+
 /// Read exactly `buf.len()` bytes at `offset` (blocking).
 pub fn read_exact_at(file: &impl AsRawFd, mut buf: &mut [u8], mut offset: u64) -> io::Result<()> {
     while !buf.is_empty() {
         match preadv2(file, buf, offset, 0) {
-            Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "read past end of backing store",
-                ))
-            }
+            Ok(0) => return Err(past_end()),
             Ok(n) => {
                 buf = &mut buf[n..];
                 offset += n as u64;

@@ -31,12 +31,24 @@ use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 /// completion queue has twice as many slots, so it never overflows).
 const ENTRIES: u32 = 256;
 
-/// Memory the kernel reads or writes while an operation is in flight.
+/// Memory the kernel reads or writes while an operation is in flight: a buffer of its own
+/// (a read's, or an aligned copy for O_DIRECT) or the caller's shared bytes.
 #[derive(Debug)]
-enum Buf {
+pub enum Buf {
     None,
     Owned(Vec<u8>),
     Shared(Bytes),
+}
+
+impl Buf {
+    /// The bytes a write takes from.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Buf::None => &[],
+            Buf::Owned(v) => v,
+            Buf::Shared(b) => b,
+        }
+    }
 }
 
 struct Pending {
@@ -342,17 +354,16 @@ impl Ring {
             // SAFETY: the table's lock is held, so this is the only access to the submission
             // queue; the entry's memory is owned by the table entry just filled (caller's
             // contract), which stays until the completion is reaped. The queue is dropped at
-            // the end of the statement, publishing the new tail.
-            let full = unsafe { self.shared.ring.submission_shared().push(&entry) }.is_err();
-            if full {
-                // Cannot happen while the semaphore keeps in-flight operations below the
-                // queue's size, but a full queue only needs a submit to drain.
-                self.submit().map_err(SubmitError::Io)?;
-                // SAFETY: as above.
-                unsafe { self.shared.ring.submission_shared().push(&entry) }.map_err(|_| {
-                    table.ops.get_mut(idx).and_then(Option::take);
-                    SubmitError::Io(io::Error::other("io_uring submission queue full"))
-                })?;
+            // the end of the statement, publishing the new tail. It cannot be full: every push
+            // is submitted before the lock is released, and the semaphore keeps the entries
+            // not yet submitted (after a failed submit) below its size.
+            if unsafe { self.shared.ring.submission_shared().push(&entry) }.is_err() {
+                // Never pushed, so the kernel never saw its memory: the entry may go.
+                table.ops.get_mut(idx).and_then(Option::take);
+                table.free.push(idx);
+                return Err(SubmitError::Io(io::Error::other(
+                    "io_uring submission queue full",
+                )));
             }
             self.submit().map_err(SubmitError::Io)?;
         }
@@ -406,42 +417,32 @@ impl Ring {
         Ok((buf, got))
     }
 
-    /// Write `data[range]` at `offset` (`dsync`: RWF_DSYNC); `keep` lives until the kernel is
-    /// done and comes back with the buffer and the bytes written (fewer than asked: write the
-    /// rest again).
+    /// Write `data.bytes()[range]` at `offset` (`dsync`: RWF_DSYNC); `keep` lives until the
+    /// kernel is done and comes back with the buffer and the bytes written (fewer than asked:
+    /// write the rest again).
     pub async fn write(
         &self,
         file: &Arc<File>,
-        data: WriteBuf,
+        data: Buf,
         range: std::ops::Range<usize>,
         offset: u64,
         dsync: bool,
         keep: Option<Keep>,
-    ) -> Result<(WriteBuf, Option<Keep>, usize), SubmitError> {
-        let bytes = match &data {
-            WriteBuf::Owned(v) => v.get(range.clone()),
-            WriteBuf::Shared(b) => b.get(range.clone()),
-        }
-        .ok_or_else(|| SubmitError::Io(io::Error::other("write range outside its buffer")))?;
+    ) -> Result<(Buf, Option<Keep>, usize), SubmitError> {
+        let bytes = data
+            .bytes()
+            .get(range)
+            .ok_or_else(|| SubmitError::Io(io::Error::other("write range outside its buffer")))?;
         let n = u32::try_from(bytes.len())
             .map_err(|_| SubmitError::Io(io::Error::other("write too large")))?;
         let entry = opcode::Write::new(types::Fd(file.as_raw_fd()), bytes.as_ptr(), n)
             .offset(offset)
             .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
             .build();
-        let buf = match data {
-            WriteBuf::Owned(v) => Buf::Owned(v),
-            WriteBuf::Shared(b) => Buf::Shared(b),
-        };
         // SAFETY: the entry points at `range` of the buffer moved into the table: a Vec's or a
         // `Bytes`' heap memory, which does not move with its owner and is not written while
         // shared.
-        let (res, back, keep) = unsafe { self.run(entry, buf, file, keep) }.await?;
-        let back = match back {
-            Buf::Owned(v) => WriteBuf::Owned(v),
-            Buf::Shared(b) => WriteBuf::Shared(b),
-            Buf::None => WriteBuf::Owned(Vec::new()),
-        };
+        let (res, back, keep) = unsafe { self.run(entry, data, file, keep) }.await?;
         if res < 0 {
             return Err(SubmitError::Io(io::Error::from_raw_os_error(-res)));
         }
@@ -460,12 +461,4 @@ impl Ring {
         }
         Ok(())
     }
-}
-
-/// The memory a write comes from: a buffer of its own (an aligned copy for O_DIRECT) or the
-/// caller's shared bytes.
-#[derive(Debug)]
-pub enum WriteBuf {
-    Owned(Vec<u8>),
-    Shared(Bytes),
 }
