@@ -284,6 +284,25 @@ impl FileBackend {
         self.ring.as_ref().filter(|r| r.ensure_driver().is_ok())
     }
 
+    /// Append exactly `len` bytes read at `offset` to `buf`, where the read may wait: on the
+    /// ring, else on an I/O thread.
+    async fn read_waiting(
+        &self,
+        buf: Vec<u8>,
+        len: usize,
+        offset: u64,
+    ) -> Result<Vec<u8>, BackendError> {
+        match self.ring() {
+            Some(ring) => self.ring_read(ring, buf, len, offset).await,
+            None => {
+                let file = Arc::clone(&self.file);
+                self.pool
+                    .run(move || read_rest_blocking(&file, buf, len, offset))
+                    .await
+            }
+        }
+    }
+
     /// Read exactly `len` bytes at `offset` through the ring, appended to `buf`.
     async fn ring_read(
         &self,
@@ -420,15 +439,7 @@ impl BlockDevice for FileBackend {
         Box::pin(async move {
             if self.direct {
                 let (v, start) = aligned_prefix(len);
-                let v = match self.ring() {
-                    Some(ring) => self.ring_read(ring, v, len, offset).await?,
-                    None => {
-                        let file = Arc::clone(&self.file);
-                        self.pool
-                            .run(move || read_rest_blocking(&file, v, len, offset))
-                            .await?
-                    }
-                };
+                let v = self.read_waiting(v, len, offset).await?;
                 return Ok(Bytes::from(v).slice(start..start + len));
             }
             use std::sync::atomic::Ordering::Relaxed;
@@ -454,16 +465,9 @@ impl BlockDevice for FileBackend {
                 return Ok(Bytes::from(buf));
             }
             // A page-cache miss: the rest is read where it may wait.
-            let (rest, at) = (len - got, offset + got as u64);
-            let buf = match self.ring() {
-                Some(ring) => self.ring_read(ring, buf, rest, at).await?,
-                None => {
-                    let file = Arc::clone(&self.file);
-                    self.pool
-                        .run(move || read_rest_blocking(&file, buf, rest, at))
-                        .await?
-                }
-            };
+            let buf = self
+                .read_waiting(buf, len - got, offset + got as u64)
+                .await?;
             Ok(Bytes::from(buf))
         })
     }
