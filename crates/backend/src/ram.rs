@@ -9,13 +9,14 @@
 //!
 //! Reads of [`ZERO_COPY_MIN`] bytes or more that lie in one allocated chunk are not copied:
 //! the returned `Bytes` shares the chunk (Data-In goes from the store straight to the
-//! socket). Chunks are copy-on-write: a write or unmap to a chunk that a read still holds
+//! socket); so are reads from [`SMALL_SHARE_MIN`] bytes while few of them are outstanding
+//! ([`SMALL_SHARES_MAX`]). Chunks are copy-on-write: a write or unmap to a chunk that a read still holds
 //! replaces the chunk with a modified copy, so the read keeps the contents it saw.
 
 use crate::IntMap;
 use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
 use bytes::{Bytes, BytesMut};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 const CHUNK_SHIFT: u32 = 19; // 512 KiB chunks
@@ -30,6 +31,21 @@ const TRIM_AFTER: u64 = 64 << 20;
 /// counts only the read's length (at this size at most 4x what the budget says).
 const ZERO_COPY_MIN: usize = CHUNK as usize / 4;
 
+/// Smaller reads, from this size, share their chunk too while fewer than [`SMALL_SHARES_MAX`]
+/// such reads are outstanding in the process; past that they copy. Sharing a 4 KiB read spares
+/// its allocation and the copy out of a cold store (5-9 % of the target's CPU per 4K random
+/// read, docs/PERFORMANCE.md), and such a read is held only until its Data-In is written to
+/// the socket, usually within the same receive. The cap is what keeps it safe: a small read
+/// can keep a whole chunk alive (should a write replace the chunk meanwhile) while the
+/// transmit budget counts only its length, so an initiator that stops reading its socket could
+/// otherwise pin thousands of chunks per connection; with the cap, reads pin at most
+/// `SMALL_SHARES_MAX` chunks (128 MiB) beyond the store, whatever the initiators do.
+const SMALL_SHARE_MIN: usize = 4096;
+const SMALL_SHARES_MAX: usize = 256;
+
+/// Outstanding small reads that share a chunk, in every RAM LUN of the process.
+static SMALL_SHARES: AtomicUsize = AtomicUsize::new(0);
+
 type Chunk = Arc<Box<[u8]>>;
 
 /// A chunk as the owner of a `Bytes` a read returns.
@@ -38,6 +54,35 @@ struct SharedChunk(Chunk);
 impl AsRef<[u8]> for SharedChunk {
     fn as_ref(&self) -> &[u8] {
         &self.0
+    }
+}
+
+/// A chunk shared by a read under [`SMALL_SHARE_MIN`]..[`ZERO_COPY_MIN`] bytes, counted in
+/// [`SMALL_SHARES`] until the read's bytes are dropped.
+struct SmallShare(Chunk);
+
+impl SmallShare {
+    /// A share of `chunk` for a read of `len` bytes, if it is long enough and fewer than
+    /// [`SMALL_SHARES_MAX`] are outstanding. The check and
+    /// the count are two steps, so concurrent readers may pass the cap by one each.
+    fn try_new(chunk: &Chunk, len: usize) -> Option<SmallShare> {
+        if len < SMALL_SHARE_MIN || SMALL_SHARES.load(Ordering::Relaxed) >= SMALL_SHARES_MAX {
+            return None;
+        }
+        SMALL_SHARES.fetch_add(1, Ordering::Relaxed);
+        Some(SmallShare(Arc::clone(chunk)))
+    }
+}
+
+impl AsRef<[u8]> for SmallShare {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for SmallShare {
+    fn drop(&mut self) {
+        SMALL_SHARES.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -116,7 +161,10 @@ impl RamBackend {
                 Some(chunk) if len >= ZERO_COPY_MIN => {
                     Bytes::from_owner(SharedChunk(Arc::clone(chunk))).slice(within..within + n)
                 }
-                Some(chunk) => Bytes::copy_from_slice(&chunk[within..within + n]),
+                Some(chunk) => match SmallShare::try_new(chunk, len) {
+                    Some(share) => Bytes::from_owner(share).slice(within..within + n),
+                    None => Bytes::copy_from_slice(&chunk[within..within + n]),
+                },
                 None => {
                     drop(shard);
                     crate::zeros(len)
@@ -362,6 +410,42 @@ mod tests {
         // A chunk nobody holds is written in place: still one chunk per MiB.
         drop((inside, across, now));
         assert_eq!(ram.allocated(), 2 * CHUNK);
+    }
+
+    #[tokio::test]
+    async fn small_reads_share_chunks_up_to_a_cap_and_keep_what_they_saw() {
+        let ram = RamBackend::new(4 * CHUNK);
+        let a: Vec<u8> = (0..CHUNK as usize).map(|i| (i % 253) as u8).collect();
+        ram.write(0, Bytes::from(a.clone()), WriteMode::Durable)
+            .await
+            .unwrap();
+        // Hold more small reads of one block than the cap allows to share: two reads of the
+        // same bytes have the same address only if both share the chunk.
+        let held: Vec<Bytes> = (0..SMALL_SHARES_MAX + 64)
+            .map(|_| ram.read_sync(8192, 4096))
+            .collect();
+        let first = held[0].as_ptr();
+        let shared = held.iter().filter(|b| b.as_ptr() == first).count();
+        assert!(shared > 1, "small reads share the chunk");
+        // Other tests may hold shares too, so more than 64 may copy, never fewer.
+        assert!(
+            shared <= SMALL_SHARES_MAX + 1,
+            "{shared} shared, over the cap"
+        );
+        assert!(held.iter().all(|b| b[..] == a[8192..8192 + 4096]));
+        // A write to the chunk they hold leaves every read as it was (copy-on-write).
+        ram.write(8192, Bytes::from(vec![0x5a; 4096]), WriteMode::Durable)
+            .await
+            .unwrap();
+        assert!(held.iter().all(|b| b[..] == a[8192..8192 + 4096]));
+        assert!(ram.read_sync(8192, 4096).iter().all(|&b| b == 0x5a));
+        // Reads under the minimum copy, and dropping the reads gives the shares back.
+        let tiny = (ram.read_sync(0, 512), ram.read_sync(0, 512));
+        assert_ne!(tiny.0.as_ptr(), tiny.1.as_ptr());
+        drop(held);
+        let again = (ram.read_sync(0, 4096), ram.read_sync(0, 4096));
+        assert_eq!(again.0.as_ptr(), again.1.as_ptr(), "shares given back");
+        assert_eq!(&again.0[..], &a[..4096]);
     }
 
     #[tokio::test]
