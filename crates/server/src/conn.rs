@@ -8,7 +8,7 @@
 use crate::access::{os_random, Access};
 use crate::admin::ConnStats;
 use crate::io::{self, Digests, ReadError};
-use crate::metrics::{Class, LunMetrics, Timing};
+use crate::metrics::{Class, LunMetrics, Stamp, Timing};
 use crate::session::{ConnInfo, Running, Session};
 use crate::writer::{self, Out, OutPdu, TxStats};
 use crate::{LiveTarget, Portal, Runtime, Shared};
@@ -108,7 +108,7 @@ struct PendingWrite {
     buf: BytesMut,
     slot: Slot,
     /// When the command's header was read (start of the "receive" stage).
-    t_header: Instant,
+    t_header: Stamp,
 }
 
 /// A command's place in the session's CmdSN window; released (opening the window) when the
@@ -178,7 +178,8 @@ struct Connection {
     in_place_min: Option<u32>,
     next_ttt: u32,
     last_rx: Arc<AtomicU64>,
-    epoch: Instant,
+    /// When the connection started (the zero of `last_rx`, in ms).
+    epoch: Stamp,
     /// Counters for `ironsan ctl sessions` and the metrics (relaxed atomics).
     stats: Arc<ConnStats>,
     /// The latency counters of the LUNs this connection used (a private cache of the target's
@@ -287,7 +288,7 @@ pub async fn run(
         tasks: tokio::task::JoinSet::new(),
         next_ttt: 1,
         last_rx: Arc::clone(&last_rx),
-        epoch: Instant::now(),
+        epoch: Stamp::now(),
         stats: conn_stats,
         lun_metrics: IntMap::default(),
         out: Vec::new(),
@@ -641,7 +642,7 @@ async fn send_login(tx: &writer::Queue, resp: LoginResponse, data: Bytes) {
 async fn keepalive(
     tx: writer::Queue,
     last_rx: Arc<AtomicU64>,
-    epoch: Instant,
+    epoch: Stamp,
     interval: std::time::Duration,
     timeout: std::time::Duration,
     session: Arc<Session>,
@@ -653,7 +654,7 @@ async fn keepalive(
     let mut ttt = 0x1000_0000u32;
     loop {
         tokio::time::sleep(interval).await;
-        let now = epoch.elapsed().as_millis() as u64;
+        let now = Stamp::now().since(epoch) / 1_000_000;
         if now.saturating_sub(last_rx.load(Ordering::Relaxed)) < interval.as_millis() as u64 {
             continue;
         }
@@ -670,7 +671,7 @@ async fn keepalive(
         {
             return;
         }
-        let sent = epoch.elapsed().as_millis() as u64;
+        let sent = Stamp::now().since(epoch) / 1_000_000;
         tokio::time::sleep(timeout).await;
         if last_rx.load(Ordering::Relaxed) < sent {
             tracing::warn!(initiator = %session.initiator_name, tsih = session.tsih.0, cid, "initiator did not answer NOP-In within {timeout:?}; closing");
@@ -886,11 +887,9 @@ impl Connection {
         };
         self.stats.received(48 + ahs.len() + plan.data_len);
         // One clock read per PDU: the NOP-Out timer's last receive and a command's first stage.
-        let t_header = Instant::now();
-        self.last_rx.store(
-            t_header.saturating_duration_since(self.epoch).as_millis() as u64,
-            Ordering::Relaxed,
-        );
+        let t_header = Stamp::now();
+        self.last_rx
+            .store(t_header.since(self.epoch) / 1_000_000, Ordering::Relaxed);
         let result = match Header::decode(&bhs) {
             Header::ScsiCommand(cmd) => {
                 self.on_scsi_command(rd, &bhs, ahs, &plan, cmd, t_header)
@@ -958,7 +957,7 @@ impl Connection {
         ahs: Bytes,
         plan: &ReceivePlan,
         cmd: ScsiCommand,
-        t_header: Instant,
+        t_header: Stamp,
     ) -> Result<(), String> {
         if self.session.target.is_none() {
             // SCSI commands are not allowed in a discovery session (RFC 7143 §4.3).
@@ -1269,11 +1268,11 @@ impl Connection {
         data_out: Bytes,
         exp_data_sn: DataSn,
         slot: Slot,
-        t_header: Instant,
+        t_header: Stamp,
     ) {
         // A command without Data-Out comes here straight from its header: no second clock
         // read for a stage that is empty.
-        let t_data = if cmd.write { Instant::now() } else { t_header };
+        let t_data = if cmd.write { Stamp::now() } else { t_header };
         let Some(target) = self.session.target.clone() else {
             return;
         };
@@ -1333,7 +1332,7 @@ impl Connection {
                         Ok(p) => (Some(p), t_data),
                         Err(_) => {
                             let p = b.acquire_many_owned(n).await.ok()?;
-                            (Some(p), Instant::now())
+                            (Some(p), Stamp::now())
                         }
                     },
                     None => (None, t_data),
@@ -1345,7 +1344,7 @@ impl Connection {
                     in_place_min,
                 };
                 let resp = scsi.execute(lun, &session.nexus, scmd).await;
-                let t_done = Instant::now();
+                let t_done = Stamp::now();
                 // Whoever removes the entry owns the completion: TMF or us, never both.
                 session.running().remove(&itt)?;
                 if scmd_op == ironsan_scsi::opcode::PERSISTENT_RESERVE_OUT {
@@ -1368,7 +1367,7 @@ impl Connection {
                     data: t_data,
                     exec: t_exec,
                     done: t_done,
-                    queued: Instant::now(),
+                    queued: Stamp::now(),
                 });
                 Some(Out::Command {
                     pdus,

@@ -3,8 +3,8 @@
 //! exposition served by `ironsan serve --metrics ADDR:PORT`.
 //!
 //! # Stages
-//! Every SCSI command that reaches the SCSI layer is stamped with one `Instant` per stage
-//! boundary:
+//! Every SCSI command that reaches the SCSI layer is stamped with one [`Stamp`] (the
+//! monotonic clock in nanoseconds) per stage boundary:
 //!
 //! ```text
 //!  header read ─receive─▶ data complete ─queue─▶ execute ─backend─▶ done ─respond─▶ queued ─send─▶ written
@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Finite buckets: `le` = 2^0 … 2^24 µs.
 pub const BUCKETS: usize = 25;
@@ -96,7 +96,11 @@ impl Default for Histogram {
 impl Histogram {
     #[inline]
     pub fn record(&self, d: Duration) {
-        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.record_ns(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    }
+
+    #[inline]
+    pub fn record_ns(&self, ns: u64) {
         self.buckets[bucket_of(ns)].fetch_add(1, Relaxed);
         self.sum_ns.fetch_add(ns, Relaxed);
     }
@@ -173,6 +177,24 @@ pub struct LunMetrics {
     pub classes: [ClassMetrics; 3],
 }
 
+/// A moment on the monotonic clock, in nanoseconds (`CLOCK_MONOTONIC`, the clock of
+/// `std::time::Instant`); differences are plain integer subtractions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Stamp(pub u64);
+
+impl Stamp {
+    #[inline]
+    pub fn now() -> Stamp {
+        Stamp(crate::sys::monotonic_ns())
+    }
+
+    /// Nanoseconds from `earlier` to `self`, 0 if `earlier` is later.
+    #[inline]
+    pub fn since(self, earlier: Stamp) -> u64 {
+        self.0.saturating_sub(earlier.0)
+    }
+}
+
 /// The stamps of one command, carried from the reader to the writer with its response.
 #[derive(Debug)]
 pub struct Timing {
@@ -180,21 +202,21 @@ pub struct Timing {
     pub class: Class,
     pub bytes: u64,
     /// Command header read.
-    pub header: Instant,
+    pub header: Stamp,
     /// Last Data-Out (or immediate data) read; for a read, when it was handed to its task.
-    pub data: Instant,
+    pub data: Stamp,
     /// SCSI execution started (after waiting for the transmit budget and a worker).
-    pub exec: Instant,
+    pub exec: Stamp,
     /// SCSI layer and backend done.
-    pub done: Instant,
+    pub done: Stamp,
     /// Response PDUs built and about to be queued to the writer.
-    pub queued: Instant,
+    pub queued: Stamp,
 }
 
 impl Timing {
     /// The status-bearing PDU was written at `now`: record every stage.
     #[inline]
-    pub fn written(&self, now: Instant) {
+    pub fn written(&self, now: Stamp) {
         let c = &self.lun.classes[self.class as usize];
         c.commands.fetch_add(1, Relaxed);
         c.bytes.fetch_add(self.bytes, Relaxed);
@@ -207,9 +229,9 @@ impl Timing {
             now,
         ];
         for (i, h) in c.stages[..5].iter().enumerate() {
-            h.record(marks[i + 1].saturating_duration_since(marks[i]));
+            h.record_ns(marks[i + 1].since(marks[i]));
         }
-        c.stages[5].record(now.saturating_duration_since(self.header));
+        c.stages[5].record_ns(now.since(self.header));
     }
 }
 
@@ -599,6 +621,50 @@ mod tests {
         assert_eq!(bucket_of(u64::MAX), 25);
         assert_eq!(le_seconds(0), "0.000001");
         assert_eq!(le_seconds(24), "16.777216");
+    }
+
+    /// Stamps read the clock `Instant` reads: a span stamped around an `Instant`-measured one
+    /// is never shorter, and a stage recorded from stamps lands in the bucket of its length.
+    #[test]
+    fn stamps_are_monotonic_nanoseconds_and_record_into_the_right_bucket() {
+        let s0 = Stamp::now();
+        let i0 = std::time::Instant::now();
+        std::thread::sleep(Duration::from_millis(3));
+        let i1 = std::time::Instant::now();
+        let s1 = Stamp::now();
+        let inner = i1.duration_since(i0).as_nanos() as u64;
+        assert!(s1.since(s0) >= inner, "{} < {inner}", s1.since(s0));
+        assert!(inner >= 3_000_000);
+        assert_eq!(s0.since(s1), 0, "an earlier stamp saturates at 0");
+        let lun = LunMetrics::default();
+        let base = Stamp(1_000_000_000);
+        let t = Timing {
+            lun: Arc::new(lun),
+            class: Class::Write,
+            bytes: 4096,
+            header: base,
+            data: Stamp(base.0 + 3_000),     // receive 3 µs: bucket 2
+            exec: Stamp(base.0 + 3_000),     // queue 0: bucket 0
+            done: Stamp(base.0 + 103_000),   // backend 100 µs: bucket 7
+            queued: Stamp(base.0 + 104_500), // respond 1.5 µs: bucket 1
+        };
+        t.written(Stamp(base.0 + 1_104_500)); // send 1 ms: bucket 10; total 1.1045 ms: 11
+        let c = &t.lun.classes[Class::Write as usize];
+        assert_eq!(c.commands.load(Relaxed), 1);
+        assert_eq!(c.bytes.load(Relaxed), 4096);
+        for (stage, bucket, ns) in [
+            (0, 2, 3_000),
+            (1, 0, 0),
+            (2, 7, 100_000),
+            (3, 1, 1_500),
+            (4, 10, 1_000_000),
+            (5, 11, 1_104_500),
+        ] {
+            let snap = c.stages[stage].snapshot();
+            assert_eq!(snap.counts[bucket], 1, "stage {stage}");
+            assert_eq!(snap.count(), 1);
+            assert_eq!(snap.sum_ns, ns, "stage {stage}");
+        }
     }
 
     #[test]

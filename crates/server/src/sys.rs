@@ -1,6 +1,7 @@
-//! The server crate's only `unsafe`: getsockopt(TCP_INFO) for the admin view, and the two
+//! The server crate's only `unsafe`: getsockopt(TCP_INFO) for the admin view, the two
 //! sends of zero-copy Data-In (`sendmsg` with MSG_MORE for the headers before a file range,
-//! `sendfile` for the range). Kept thin: one call each, no pointers kept.
+//! `sendfile` for the range), and the monotonic clock as nanoseconds for the per-command
+//! stage stamps. Kept thin: one call each, no pointers kept.
 
 #![allow(unsafe_code)]
 
@@ -13,6 +14,23 @@ fn check(ret: isize) -> std::io::Result<usize> {
     } else {
         Ok(ret as usize)
     }
+}
+
+/// `clock_gettime(CLOCK_MONOTONIC)` in nanoseconds: the clock `std::time::Instant` reads, as
+/// a plain integer, so the five stamps of every command and their differences cost integer
+/// arithmetic (`Instant`'s checked subtraction was about 3 % of a 4K read's instructions).
+#[inline]
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a live local the call writes (a `struct timespec`); CLOCK_MONOTONIC
+    // always exists on Linux, so the call cannot fail and `ts` stays valid either way.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .wrapping_mul(1_000_000_000)
+        .wrapping_add(ts.tv_nsec as u64)
 }
 
 /// `sendmsg(fd, slices, MSG_MORE | MSG_DONTWAIT | MSG_NOSIGNAL)`: queue bytes that more will

@@ -5,7 +5,7 @@
 //! sends everything ready in one vectored write, and alone waits for a full socket.
 
 use crate::io::{Digests, WriteBatch};
-use crate::metrics::Timing;
+use crate::metrics::{Stamp, Timing};
 use crate::session::Session;
 use bytes::Bytes;
 use ironsan_proto::pdu::{Header, Pdu, TargetSn};
@@ -224,7 +224,7 @@ impl Core {
         }
         self.held.clear();
         if !self.timed.is_empty() {
-            let now = std::time::Instant::now();
+            let now = Stamp::now();
             for t in self.timed.drain(..) {
                 t.written(now);
             }
