@@ -242,6 +242,29 @@ impl Allocator {
     fn plain(layout: std::alloc::Layout) -> bool {
         layout.align() <= MI_MIN_ALIGN && layout.align() <= layout.size()
     }
+
+    /// One block for `layout` from `plain` when its natural alignment suffices (see `plain`),
+    /// else from `aligned`: the one choice `alloc` and `alloc_zeroed` share.
+    ///
+    /// # Safety
+    /// `plain` and `aligned` must be mimalloc allocation calls taking (size) and
+    /// (size, power-of-two alignment).
+    #[inline(always)]
+    unsafe fn block(
+        layout: std::alloc::Layout,
+        plain: unsafe extern "C" fn(usize) -> *mut std::ffi::c_void,
+        aligned: unsafe extern "C" fn(usize, usize) -> *mut std::ffi::c_void,
+    ) -> *mut u8 {
+        // SAFETY: the caller passes mimalloc calls; the size and alignment come from a valid
+        // `Layout` (alignment a power of two).
+        unsafe {
+            if Self::plain(layout) {
+                plain(layout.size()).cast()
+            } else {
+                aligned(layout.size(), layout.align()).cast()
+            }
+        }
+    }
 }
 
 // SAFETY: every block handed out comes from mimalloc with at least the layout's size and
@@ -251,27 +274,25 @@ impl Allocator {
 unsafe impl std::alloc::GlobalAlloc for Allocator {
     #[inline]
     unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
-        use libmimalloc_sys as mi;
         // SAFETY: plain calls into mimalloc with a size and a power-of-two alignment.
         unsafe {
-            if Self::plain(layout) {
-                mi::mi_malloc(layout.size()).cast()
-            } else {
-                mi::mi_malloc_aligned(layout.size(), layout.align()).cast()
-            }
+            Self::block(
+                layout,
+                libmimalloc_sys::mi_malloc,
+                libmimalloc_sys::mi_malloc_aligned,
+            )
         }
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
-        use libmimalloc_sys as mi;
         // SAFETY: as in `alloc`; the block comes back zeroed.
         unsafe {
-            if Self::plain(layout) {
-                mi::mi_zalloc(layout.size()).cast()
-            } else {
-                mi::mi_zalloc_aligned(layout.size(), layout.align()).cast()
-            }
+            Self::block(
+                layout,
+                libmimalloc_sys::mi_zalloc,
+                libmimalloc_sys::mi_zalloc_aligned,
+            )
         }
     }
 
