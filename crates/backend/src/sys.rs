@@ -238,32 +238,12 @@ pub struct Allocator;
 const MI_MIN_ALIGN: usize = 16;
 
 impl Allocator {
+    /// Whether a block of `size` bytes from plain `mi_malloc`/`mi_zalloc`/`mi_realloc` is
+    /// aligned to `align` (the rule above); the one place `alloc`, `alloc_zeroed` and
+    /// `realloc` decide between the plain and the `_aligned` calls.
     #[inline]
-    fn plain(layout: std::alloc::Layout) -> bool {
-        layout.align() <= MI_MIN_ALIGN && layout.align() <= layout.size()
-    }
-
-    /// One block for `layout` from `plain` when its natural alignment suffices (see `plain`),
-    /// else from `aligned`: the one choice `alloc` and `alloc_zeroed` share.
-    ///
-    /// # Safety
-    /// `plain` and `aligned` must be mimalloc allocation calls taking (size) and
-    /// (size, power-of-two alignment).
-    #[inline(always)]
-    unsafe fn block(
-        layout: std::alloc::Layout,
-        plain: unsafe extern "C" fn(usize) -> *mut std::ffi::c_void,
-        aligned: unsafe extern "C" fn(usize, usize) -> *mut std::ffi::c_void,
-    ) -> *mut u8 {
-        // SAFETY: the caller passes mimalloc calls; the size and alignment come from a valid
-        // `Layout` (alignment a power of two).
-        unsafe {
-            if Self::plain(layout) {
-                plain(layout.size()).cast()
-            } else {
-                aligned(layout.size(), layout.align()).cast()
-            }
-        }
+    fn plain(align: usize, size: usize) -> bool {
+        align <= MI_MIN_ALIGN && align <= size
     }
 }
 
@@ -274,25 +254,27 @@ impl Allocator {
 unsafe impl std::alloc::GlobalAlloc for Allocator {
     #[inline]
     unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        use libmimalloc_sys as mi;
         // SAFETY: plain calls into mimalloc with a size and a power-of-two alignment.
         unsafe {
-            Self::block(
-                layout,
-                libmimalloc_sys::mi_malloc,
-                libmimalloc_sys::mi_malloc_aligned,
-            )
+            if Self::plain(layout.align(), layout.size()) {
+                mi::mi_malloc(layout.size()).cast()
+            } else {
+                mi::mi_malloc_aligned(layout.size(), layout.align()).cast()
+            }
         }
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        use libmimalloc_sys as mi;
         // SAFETY: as in `alloc`; the block comes back zeroed.
         unsafe {
-            Self::block(
-                layout,
-                libmimalloc_sys::mi_zalloc,
-                libmimalloc_sys::mi_zalloc_aligned,
-            )
+            if Self::plain(layout.align(), layout.size()) {
+                mi::mi_zalloc(layout.size()).cast()
+            } else {
+                mi::mi_zalloc_aligned(layout.size(), layout.align()).cast()
+            }
         }
     }
 
@@ -309,7 +291,7 @@ unsafe impl std::alloc::GlobalAlloc for Allocator {
         // SAFETY: `ptr` is a live block of this allocator (the caller's contract); the new
         // block keeps the old alignment under the same rule as `alloc`.
         unsafe {
-            if layout.align() <= MI_MIN_ALIGN && layout.align() <= new_size {
+            if Self::plain(layout.align(), new_size) {
                 mi::mi_realloc(ptr.cast(), new_size).cast()
             } else {
                 mi::mi_realloc_aligned(ptr.cast(), new_size, layout.align()).cast()
