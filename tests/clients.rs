@@ -1668,8 +1668,8 @@ fn load(url: &str, args: &[&str]) -> Result<serde_json::Value, String> {
 }
 
 /// Stamp every block of the 64 MiB LUN behind `url` (64 KiB writes, then 512 KiB writes that
-/// need R2Ts past the first burst), then read it back at random (4 KiB, QD32) and in 512 KiB
-/// pieces from 4 sessions, checking every stamp.
+/// need R2Ts past the first burst, then 4 KiB writes at random), then read it back at random
+/// (4 KiB, QD32) and in 512 KiB pieces from 4 sessions, checking every stamp.
 fn load_round_trip(url: &str) {
     let u64_of = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(u64::MAX);
     let w = load(
@@ -1690,6 +1690,25 @@ fn load_round_trip(url: &str) {
     )
     .unwrap_or_else(|e| panic!("512 KiB write pass on {url}: {e}"));
     assert_eq!((u64_of(&w, "ios"), u64_of(&w, "failed")), (200, 0), "{w}");
+    // 4 KiB writes at QD32 carry their data as immediate data, handed to the backend as
+    // slices of the receive buffer while later PDUs keep arriving (`io::RecvBuf`): the reads
+    // below check the stamps they left.
+    let w = load(
+        url,
+        &[
+            "--rw",
+            "randwrite",
+            "--bs",
+            "4096",
+            "--qd",
+            "32",
+            "--count",
+            "4000",
+            "--verify",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("4 KiB random write pass on {url}: {e}"));
+    assert_eq!((u64_of(&w, "ios"), u64_of(&w, "failed")), (4000, 0), "{w}");
     for args in [
         &["--rw", "randread", "--qd", "32", "-t", "1", "--verify"][..],
         &[

@@ -981,13 +981,24 @@ impl Connection {
         let over_quota = matches!(quota, Some(None));
         let quota = quota.flatten();
         let buffered = cmd.write && !oversize && !over_quota;
-        let mut buf = if buffered {
+        // A write whose data all came as immediate data, already received, keeps it where it
+        // lies: a slice of the receive buffer, not a copy in a buffer of its own.
+        let shared = if buffered && immediate_len > 0 && immediate_len == edtl && cmd.final_bit {
+            io::read_data_shared(rd, plan)
+                .await
+                .map_err(|e| e.to_string())?
+        } else {
+            None
+        };
+        let mut buf = if buffered && shared.is_none() {
             // Capacity only: data is appended as it arrives (`io::read_data_at`).
             BytesMut::with_capacity(edtl as usize)
         } else {
             BytesMut::new()
         };
-        let digest_ok = if immediate_len > 0 && immediate_len <= edtl && buffered {
+        let digest_ok = if let Some((_, ok)) = &shared {
+            *ok
+        } else if immediate_len > 0 && immediate_len <= edtl && buffered {
             io::read_data_at(rd, plan, &mut buf, 0)
                 .await
                 .map_err(|e| e.to_string())?
@@ -1100,6 +1111,13 @@ impl Connection {
                     return Ok(());
                 }
             };
+        if let Some((data, _)) = shared {
+            if transfer.is_complete() {
+                self.spawn_exec(cmd, cdb, data, transfer.r2t_count(), slot, t_header);
+                return Ok(());
+            }
+            buf.extend_from_slice(&data);
+        }
         let pw = PendingWrite {
             cmd,
             cdb,

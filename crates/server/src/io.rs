@@ -8,6 +8,7 @@ use ironsan_proto::digest;
 use ironsan_proto::pdu::{pad_len, Bhs, Header, Pdu, ReceivePlan, BHS_LEN};
 use std::io::IoSlice;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// Digest settings of a connection, one per direction as negotiated.
@@ -110,6 +111,21 @@ pub async fn read_data_at<R: AsyncRead + Unpin>(
         }
     }
     check_tail(r, plan, &buf[offset..]).await
+}
+
+/// Take a data segment that is already in the receive buffer as a slice of it (no copy),
+/// then read its pad and digest; `None` (nothing read) when it is not all buffered or the
+/// buffer may not lend more (see [`RecvBuf::take_shared`]). The flag is `false` on a data
+/// digest mismatch.
+pub async fn read_data_shared<R: AsyncRead + Unpin>(
+    r: &mut RecvBuf<R>,
+    plan: &ReceivePlan,
+) -> std::io::Result<Option<(Bytes, bool)>> {
+    let Some(data) = r.take_shared(plan.data_len) else {
+        return Ok(None);
+    };
+    let ok = check_tail(r, plan, &data).await?;
+    Ok(Some((data, ok)))
 }
 
 /// Read the pad and data digest after a data segment and check the digest.
@@ -377,10 +393,21 @@ impl WriteBatch {
 const RECV_BUF_MIN: usize = 4 * 1024;
 const RECV_BUF_MAX: usize = 64 * 1024;
 
+/// Earlier receive buffers a connection may leave held by commands (see [`RecvBuf::take_shared`])
+/// before it copies instead of sharing.
+const RETIRED_MAX: usize = 8;
+
+/// The same bound over the whole process, in bytes.
+const RETIRED_BYTES_MAX: usize = 64 << 20;
+
+/// Bytes of receive buffers that connections have moved on from while commands still hold
+/// part of them ([`RecvBuf::take_shared`]).
+static RETIRED_BYTES: AtomicUsize = AtomicUsize::new(0);
+
 /// A connection's receive buffer: many PDUs per `recv` when the initiator is busy, little
 /// memory when it is not. It starts at 4 KiB, doubles (to 64 KiB) whenever a `recv` fills it,
 /// and halves again once it has been mostly empty for a while, so an idle session holds
-/// 4 KiB instead of a zeroed 64 KiB buffer. A read at least as large as the buffer, with
+/// 4 KiB instead of a 64 KiB buffer. A read at least as large as the buffer, with
 /// nothing buffered, goes straight into the caller's memory (large Data-Out payloads).
 ///
 /// After a read of [`RECV_BUF_MAX`] or more, the next few small reads (the next PDU's header,
@@ -389,30 +416,52 @@ const RECV_BUF_MAX: usize = 64 * 1024;
 /// second time, from this buffer into the payload's destination (11 % of the target's CPU at
 /// 512 KiB writes).
 /// A stream of small PDUs goes back to buffered fills after [`DIRECT_AFTER_LARGE`] reads.
+///
+/// A data segment already received whole can be handed out without a copy
+/// ([`take_shared`](Self::take_shared)): a slice of this buffer. The next fill reuses the buffer
+/// when no such slice is left, and otherwise moves to a new one, keeping a handle on the old
+/// until its last slice is dropped. At most [`RETIRED_MAX`] such buffers per connection and
+/// [`RETIRED_BYTES_MAX`] in the process are held that way; past that, data is copied.
 pub struct RecvBuf<R> {
     inner: R,
-    buf: Vec<u8>,
-    pos: usize,
-    filled: usize,
+    /// The bytes received and not yet consumed.
+    buf: BytesMut,
+    /// How much a fill asks for (from `RECV_BUF_MIN` to `RECV_BUF_MAX`).
+    size: usize,
+    /// The size of the allocation `buf` lives in.
+    alloc: usize,
     /// Consecutive fills that used less than an eighth of the buffer.
     sparse_fills: u32,
     /// Small reads still to be done straight into the caller's memory (see above).
     direct_left: u8,
+    /// A handle on the current allocation once part of it was handed out.
+    lent: Option<Bytes>,
+    /// Earlier allocations still held by commands: a handle on each and its size.
+    retired: Vec<(Bytes, usize)>,
 }
 
 /// How many small reads after a large one skip the buffer: header, header digest, data
 /// digest and the next header cover a Data-Out PDU with both digests on.
 const DIRECT_AFTER_LARGE: u8 = 4;
 
+impl<R> Drop for RecvBuf<R> {
+    fn drop(&mut self) {
+        let held: usize = self.retired.iter().map(|(_, n)| n).sum();
+        RETIRED_BYTES.fetch_sub(held, Ordering::Relaxed);
+    }
+}
+
 impl<R: AsyncRead + Unpin> RecvBuf<R> {
     pub fn new(inner: R) -> Self {
         RecvBuf {
             inner,
-            buf: vec![0; RECV_BUF_MIN],
-            pos: 0,
-            filled: 0,
+            buf: BytesMut::with_capacity(RECV_BUF_MIN),
+            size: RECV_BUF_MIN,
+            alloc: RECV_BUF_MIN,
             sparse_fills: 0,
             direct_left: 0,
+            lent: None,
+            retired: Vec::new(),
         }
     }
 
@@ -423,39 +472,110 @@ impl<R: AsyncRead + Unpin> RecvBuf<R> {
 
     /// The bytes received and not yet consumed.
     pub fn buffer(&self) -> &[u8] {
-        &self.buf[self.pos..self.filled]
+        &self.buf
     }
 
-    /// The buffer's current size.
+    /// How much a fill asks for: the buffer's current size.
     pub fn capacity(&self) -> usize {
-        self.buf.len()
+        self.size
+    }
+
+    /// Earlier buffers this connection still has held by commands.
+    #[cfg(test)]
+    fn retired(&self) -> usize {
+        self.retired.len()
+    }
+
+    /// Hand out the next `n` buffered bytes as a slice of the buffer, without copying them.
+    /// `None` when fewer are buffered, or when too many old buffers are still held (the
+    /// caller then copies).
+    pub fn take_shared(&mut self, n: usize) -> Option<Bytes> {
+        if n == 0
+            || self.buf.len() < n
+            || self.retired.len() >= RETIRED_MAX
+            || RETIRED_BYTES.load(Ordering::Relaxed) >= RETIRED_BYTES_MAX
+        {
+            return None;
+        }
+        let data = self.buf.split_to(n).freeze();
+        if self.lent.is_none() {
+            self.lent = Some(data.slice(..1));
+        }
+        Some(data)
+    }
+
+    /// Make room for a fill of an empty buffer: reuse the allocation unless a slice of it is
+    /// still held, drop old buffers no longer held, and follow the size.
+    fn prepare_fill(&mut self) {
+        debug_assert!(self.buf.is_empty());
+        if !self.retired.is_empty() {
+            let mut freed = 0;
+            self.retired.retain(|(h, n)| {
+                let held = !h.is_unique();
+                if !held {
+                    freed += n;
+                }
+                held
+            });
+            RETIRED_BYTES.fetch_sub(freed, Ordering::Relaxed);
+        }
+        if let Some(h) = self.lent.take() {
+            self.buf = BytesMut::new();
+            match h.try_into_mut() {
+                Ok(mut m) => {
+                    m.clear();
+                    self.buf = m;
+                }
+                Err(h) => {
+                    RETIRED_BYTES.fetch_add(self.alloc, Ordering::Relaxed);
+                    self.retired.push((h, self.alloc));
+                    self.alloc = 0;
+                }
+            }
+        }
+        if self.sparse_fills >= 64 && self.size > RECV_BUF_MIN {
+            self.size /= 2;
+            self.sparse_fills = 0;
+            self.buf = BytesMut::new();
+            self.alloc = 0;
+        }
+        if self.alloc < self.size {
+            self.buf = BytesMut::with_capacity(self.size);
+            self.alloc = self.size;
+        } else {
+            // Back to the start of the allocation (nothing is buffered: no copy).
+            self.buf.reserve(self.size);
+        }
+    }
+
+    /// Follow the size after a fill of `n` bytes into `room`.
+    fn after_fill(&mut self, n: usize, room: usize) {
+        if n >= room && self.size < RECV_BUF_MAX {
+            // Full: there is more waiting; the next fills take twice as much.
+            self.size *= 2;
+            self.sparse_fills = 0;
+        } else if n < self.size / 8 {
+            self.sparse_fills = self.sparse_fills.saturating_add(1);
+        } else {
+            self.sparse_fills = 0;
+        }
     }
 
     fn poll_fill(
         &mut self,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        debug_assert_eq!(self.pos, self.filled);
-        if self.sparse_fills >= 64 && self.buf.len() > RECV_BUF_MIN {
-            self.buf = vec![0; self.buf.len() / 2];
-            self.sparse_fills = 0;
-        }
-        let mut rb = tokio::io::ReadBuf::new(&mut self.buf);
-        std::task::ready!(std::pin::Pin::new(&mut self.inner).poll_read(cx, &mut rb))?;
-        let n = rb.filled().len();
-        self.pos = 0;
-        self.filled = n;
-        if n == self.buf.len() && n < RECV_BUF_MAX {
-            // Full: there is more waiting; the next fills take twice as much.
-            let mut bigger = vec![0; n * 2];
-            bigger[..n].copy_from_slice(&self.buf[..n]);
-            self.buf = bigger;
-            self.sparse_fills = 0;
-        } else if n < self.buf.len() / 8 {
-            self.sparse_fills = self.sparse_fills.saturating_add(1);
-        } else {
-            self.sparse_fills = 0;
-        }
+        use std::future::Future;
+        self.prepare_fill();
+        let room = self.buf.capacity();
+        // `read_buf` fills the spare capacity without zeroing it first; the future holds no
+        // state of its own, so making one per poll is cancel-safe.
+        let n = {
+            let fut = AsyncReadExt::read_buf(&mut self.inner, &mut self.buf);
+            let fut = std::pin::pin!(fut);
+            std::task::ready!(fut.poll(cx))?
+        };
+        self.after_fill(n, room);
         std::task::Poll::Ready(Ok(()))
     }
 }
@@ -464,12 +584,13 @@ impl RecvBuf<tokio::net::tcp::OwnedReadHalf> {
     /// Receive without waiting into an empty buffer (busy polling): `Ok(0)` at end of stream,
     /// `WouldBlock` when nothing is there.
     pub fn try_fill(&mut self) -> std::io::Result<usize> {
-        if self.pos != self.filled {
-            return Ok(self.filled - self.pos);
+        if !self.buf.is_empty() {
+            return Ok(self.buf.len());
         }
-        let n = self.inner.try_read(&mut self.buf)?;
-        self.pos = 0;
-        self.filled = n;
+        self.prepare_fill();
+        let room = self.buf.capacity();
+        let n = self.inner.try_read_buf(&mut self.buf)?;
+        self.after_fill(n, room);
         Ok(n)
     }
 }
@@ -480,10 +601,11 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecvBuf<R> {
         cx: &mut std::task::Context<'_>,
         dst: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
+        use bytes::Buf;
         let me = self.get_mut();
-        if me.pos == me.filled {
+        if me.buf.is_empty() {
             let want = dst.remaining();
-            if want >= me.buf.len() || me.direct_left > 0 {
+            if want >= me.size || me.direct_left > 0 {
                 std::task::ready!(std::pin::Pin::new(&mut me.inner).poll_read(cx, dst))?;
                 me.direct_left = if want >= RECV_BUF_MAX {
                     DIRECT_AFTER_LARGE
@@ -494,9 +616,9 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecvBuf<R> {
             }
             std::task::ready!(me.poll_fill(cx))?;
         }
-        let n = dst.remaining().min(me.filled - me.pos);
-        dst.put_slice(&me.buf[me.pos..me.pos + n]);
-        me.pos += n;
+        let n = dst.remaining().min(me.buf.len());
+        dst.put_slice(&me.buf[..n]);
+        me.buf.advance(n);
         std::task::Poll::Ready(Ok(()))
     }
 }
@@ -560,6 +682,68 @@ mod tests {
             rb.capacity()
         );
         assert!(rb.capacity() >= RECV_BUF_MIN);
+    }
+
+    /// A buffered segment is lent as a slice: the bytes are right, the next fill reuses the
+    /// buffer once no slice is held and moves to a new one while one is, the old buffer is let
+    /// go once its slices are dropped, and past the cap on held buffers data is not lent
+    /// (the caller copies).
+    #[tokio::test]
+    async fn lent_slices_keep_their_bytes_and_the_held_buffers_are_bounded() {
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        let mut rb = RecvBuf::new(rx);
+        let mut hdr = [0u8; 48];
+        // Not buffered yet: nothing to lend.
+        assert!(rb.take_shared(16).is_none());
+        // One "header" and one "segment" per fill, a slice dropped at once: no buffer is left
+        // behind.
+        for i in 0..10u8 {
+            tx.write_all(&[i; 48]).await.unwrap();
+            tx.write_all(&[i ^ 0x5a; 512]).await.unwrap();
+            rb.read_exact(&mut hdr).await.unwrap();
+            assert_eq!(hdr, [i; 48]);
+            let seg = rb.take_shared(512).expect("a buffered segment is lent");
+            assert_eq!(&seg[..], &[i ^ 0x5a; 512][..]);
+            assert!(rb.take_shared(1).is_none(), "nothing more is buffered");
+        }
+        assert_eq!(
+            rb.retired(),
+            0,
+            "slices dropped at once leave no buffer held"
+        );
+        // Slices kept (commands still running): each fill moves to a new buffer and the old
+        // one stays held, until the cap; then segments are no longer lent.
+        let mut kept = Vec::new();
+        for i in 0..(RETIRED_MAX as u8 + 3) {
+            tx.write_all(&[i; 48]).await.unwrap();
+            tx.write_all(&[i.wrapping_mul(3); 256]).await.unwrap();
+            rb.read_exact(&mut hdr).await.unwrap();
+            assert_eq!(hdr, [i; 48]);
+            match rb.take_shared(256) {
+                Some(seg) => kept.push((i, seg)),
+                None => {
+                    assert_eq!(rb.retired(), RETIRED_MAX, "lending stops only at the cap");
+                    let mut copy = [0u8; 256];
+                    rb.read_exact(&mut copy).await.unwrap();
+                    assert_eq!(copy, [i.wrapping_mul(3); 256]);
+                }
+            }
+        }
+        // The buffer in use is not counted: one lent per fill until RETIRED_MAX are left behind.
+        assert_eq!(kept.len(), RETIRED_MAX);
+        for (i, seg) in &kept {
+            assert_eq!(
+                &seg[..],
+                &[i.wrapping_mul(3); 256][..],
+                "a kept slice changed"
+            );
+        }
+        // The slices are dropped: the next fill lets the old buffers go and lends again.
+        drop(kept);
+        tx.write_all(&[7u8; 48 + 64]).await.unwrap();
+        rb.read_exact(&mut hdr).await.unwrap();
+        assert_eq!(rb.retired(), 0, "buffers no longer held are let go");
+        assert_eq!(&rb.take_shared(64).unwrap()[..], &[7u8; 64][..]);
     }
 
     /// After a large payload the next header is read on its own: the following large
