@@ -54,7 +54,7 @@ total() {
     "$client" load "$url" "${load_args[@]}" --count "$n" >/dev/null
     kill "$pid"
     wait "$pid" 2>/dev/null || true
-    cat "$out"* | awk '/^(summary|totals):/ { s += $2 } END { print s }'
+    cat "$out"* | awk '/^(summary|totals):/ { s += $2 } END { printf "%.0f\n", s }'
     rm -f "$out"*
 }
 
