@@ -536,7 +536,7 @@ impl<R: AsyncRead + Unpin> RecvBuf<R> {
         if self.sparse_fills >= 64 && self.size > RECV_BUF_MIN {
             self.size /= 2;
             self.sparse_fills = 0;
-            self.buf = BytesMut::new();
+            // A smaller allocation replaces this one just below.
             self.alloc = 0;
         }
         if self.alloc < self.size {
