@@ -41,6 +41,7 @@
 //! # shutdown_grace = "10s"   # SIGTERM: how long initiators get to log out
 //! # busy_poll_us = 0         # opt-in: spin up to N us per connection before sleeping
 //! # zero_copy_reads = "auto" # file LUNs: large reads sendfile'd from the page cache (auto|on|off)
+//! # zero_copy_writes = "on"  # tmpfs file LUNs: large writes received into the file's pages (on|off)
 //! # io_engine = "auto"       # file LUNs' blocking I/O: io_uring, else threads (auto|uring|threads)
 //!
 //! # Top-level keys (before any [table]); the --metrics / --control flags override them.
@@ -224,6 +225,8 @@ pub struct Limits {
     pub busy_poll_us: u64,
     /// Large reads of file LUNs sent from the page cache with `sendfile`.
     pub zero_copy_reads: ironsan_server::ZeroCopyReads,
+    /// Large writes to tmpfs/ramfs file LUNs received straight into the file's pages.
+    pub zero_copy_writes: bool,
     /// What runs file LUNs' I/O that may block (process-wide, fixed at start).
     pub io_engine: ironsan_backend::IoEngine,
 }
@@ -255,6 +258,7 @@ impl Default for Limits {
             shutdown_grace: d.shutdown_grace,
             busy_poll_us: d.busy_poll.as_micros() as u64,
             zero_copy_reads: d.zero_copy_reads,
+            zero_copy_writes: d.zero_copy_writes,
             io_engine: ironsan_backend::IoEngine::Auto,
         }
     }
@@ -530,6 +534,7 @@ struct FileLimits {
     shutdown_grace: Option<Spanned<String>>,
     busy_poll_us: Option<Spanned<u64>>,
     zero_copy_reads: Option<Spanned<String>>,
+    zero_copy_writes: Option<Spanned<String>>,
     io_engine: Option<Spanned<String>>,
 }
 
@@ -708,6 +713,10 @@ fn limits_from_file(l: Option<FileLimits>, at: At) -> Result<Limits, String> {
             .parse()
             .map_err(|e| at(z.span(), format!("zero_copy_reads: {e}")))?;
     }
+    if let Some(z) = &l.zero_copy_writes {
+        out.zero_copy_writes = parse_on_off(z.get_ref())
+            .map_err(|e| at(z.span(), format!("zero_copy_writes: {e}")))?;
+    }
     if let Some(z) = &l.io_engine {
         out.io_engine = z
             .get_ref()
@@ -750,6 +759,15 @@ struct FileLun {
 }
 
 /// A duration: a number with `ms`, `s`, `m` or `h` (`"10s"`, `"1500ms"`, `"2m"`).
+/// "on" or "off" (zero_copy_writes).
+pub fn parse_on_off(v: &str) -> Result<bool, String> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("expected on or off, not {other:?}")),
+    }
+}
+
 pub fn parse_duration(v: &str) -> Option<std::time::Duration> {
     let v = v.trim();
     let split = v.find(|c: char| !c.is_ascii_digit())?;

@@ -119,6 +119,11 @@ struct ServeArgs {
     /// off. Overrides `zero_copy_reads` in [limits]. Default: auto.
     #[arg(long, value_name = "MODE")]
     zero_copy_reads: Option<ironsan_server::ZeroCopyReads>,
+    /// Large writes (64 KiB and more) to file LUNs on tmpfs/ramfs receive their data straight
+    /// into the file's pages, no copy through a buffer, on connections without a data digest:
+    /// on, off. Overrides `zero_copy_writes` in [limits]. Default: on.
+    #[arg(long, value_name = "on|off", value_parser = config::parse_on_off)]
+    zero_copy_writes: Option<bool>,
     /// What runs file LUNs' I/O that may block (O_DIRECT, page-cache misses, writes to a
     /// device, flushes): auto (io_uring where the kernel allows it, else threads), uring
     /// (fail without it), threads. Overrides `io_engine` in [limits]. Default: auto.
@@ -274,6 +279,7 @@ fn server_config(plan: &Plan, targets: Vec<TargetDef>) -> ServerConfig {
     cfg.shutdown_grace = l.shutdown_grace;
     cfg.busy_poll = std::time::Duration::from_micros(l.busy_poll_us);
     cfg.zero_copy_reads = l.zero_copy_reads;
+    cfg.zero_copy_writes = l.zero_copy_writes;
     cfg
 }
 
@@ -319,6 +325,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     if let Some(z) = args.zero_copy_reads {
         plan.limits.zero_copy_reads = z;
+    }
+    if let Some(z) = args.zero_copy_writes {
+        plan.limits.zero_copy_writes = z;
     }
     if let Some(e) = args.io_engine {
         plan.limits.io_engine = e;

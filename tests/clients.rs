@@ -296,14 +296,19 @@ fn qemu_img_round_trip_is_byte_exact() {
         return;
     }
     // Zero-copy reads forced on (whatever the host's congestion control): the file LUN's
-    // reads go to qemu's libiscsi by sendfile.
+    // reads go to qemu's libiscsi by sendfile. LUN 2 is a file on tmpfs: qemu's large writes
+    // are received straight into its pages (zero_copy_writes, on by default).
     let ctl_dir = tempfile::tempdir().unwrap();
     let sock = ctl_dir.path().join("control.sock").display().to_string();
+    let shm = ShmFile::new("qemu");
+    let shm_lun = format!("file:{}:64M", shm.0.display());
     let mut s = Server::start(&[
         "--lun",
         "file:lun.img:64M",
         "--lun",
         "ram:64M",
+        "--lun",
+        &shm_lun,
         "--zero-copy-reads",
         "on",
         "--control",
@@ -314,7 +319,7 @@ fn qemu_img_round_trip_is_byte_exact() {
     let img = tmp.path().join("in.raw");
     std::fs::write(&img, &data).unwrap();
 
-    for (lun, what) in [(0, "file LUN"), (1, "ram LUN")] {
+    for (lun, what) in [(0, "file LUN"), (1, "ram LUN"), (2, "tmpfs file LUN")] {
         let back = qemu_round_trip(&img, &s.url(lun), &tmp.path().join(format!("out{lun}.raw")));
         assert_eq!(
             back.len(),
@@ -350,7 +355,36 @@ fn qemu_img_round_trip_is_byte_exact() {
         zc >= 32 * MIB as u64,
         "file LUN reads did not go by sendfile: {out}"
     );
+    // The tmpfs file holds what qemu-img wrote, most of it received in place.
+    assert_same_bytes(
+        "tmpfs backing file after qemu-img wrote the LUN",
+        &std::fs::read(&shm.0).unwrap()[..32 * MIB],
+        &data,
+    );
+    let placed = v["zero_copy_write_bytes"].as_u64().unwrap_or(0);
+    assert!(
+        placed >= 16 * MIB as u64,
+        "qemu-img's writes to the tmpfs LUN were not received in place: {out}"
+    );
     s.assert_alive();
+}
+
+/// A file on /dev/shm (tmpfs) for a LUN, removed when the test ends.
+struct ShmFile(std::path::PathBuf);
+impl ShmFile {
+    fn new(name: &str) -> Self {
+        let p = std::path::PathBuf::from(format!(
+            "/dev/shm/ironsan-clients-{name}-{}.img",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&p);
+        ShmFile(p)
+    }
+}
+impl Drop for ShmFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 #[test]
@@ -1892,6 +1926,24 @@ fn file_luns_verify_every_block_with_io_uring_and_with_threads() {
             load_round_trip(&s.url(lun as u32));
         }
     }
+    // A file on tmpfs (inline I/O): the 64 KiB and 512 KiB write passes are received straight
+    // into its pages, and every stamp reads back.
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("control.sock").display().to_string();
+    let shm = ShmFile::new("load");
+    let s = Server::start(&[
+        "--lun",
+        &format!("file:{}:64M", shm.0.display()),
+        "--control",
+        &sock,
+    ]);
+    load_round_trip(&s.url(0));
+    let out = run_stdout(bin(), &["ctl", "--control", &sock, "--json", "counters"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        v["zero_copy_write_bytes"].as_u64().unwrap_or(0) >= 64 << 20,
+        "large writes to the tmpfs LUN not received in place: {out}"
+    );
 }
 
 /// BLOCKIO on a block device (a loop device over a file): O_DIRECT through each engine, every

@@ -15,7 +15,10 @@
 
 use crate::pool::IoPool;
 use crate::uring::{Buf, Ring, SubmitError};
-use crate::{sys, BackendError, BlockDevice, Capabilities, FileRange, IoFuture, Keep, WriteMode};
+use crate::{
+    sys, BackendError, BlockDevice, Capabilities, FileRange, InPlaceWrite, IoFuture, Keep,
+    WriteMode,
+};
 use bytes::Bytes;
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
@@ -141,6 +144,9 @@ pub struct FileBackend {
     ring: Option<Ring>,
     /// Why `auto` found no io_uring (shown at start-up).
     uring_unavailable: Option<String>,
+    /// The file mapped shared for writes received in place (tmpfs/ramfs only), made at the
+    /// first such write and again when the LUN has grown past it.
+    mapping: std::sync::Mutex<Option<Arc<sys::Mapping>>>,
 }
 
 /// An empty buffer for `len` bytes that will start at a 4096-byte boundary (O_DIRECT), made
@@ -266,6 +272,7 @@ impl FileBackend {
             pool,
             ring,
             uring_unavailable,
+            mapping: std::sync::Mutex::new(None),
         })
     }
 
@@ -500,6 +507,33 @@ impl BlockDevice for FileBackend {
 
     fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()> {
         self.write_keeping(offset, data, mode, Box::new(()))
+    }
+
+    /// tmpfs/ramfs files only: there the kernel's copy from the socket into the file's pages
+    /// never waits for a device, like the inline writes. The mapping covers the LUN's size
+    /// when it is made (remade larger when the LUN has grown past it); a mapping that cannot
+    /// be made means `None` (the write takes the usual path).
+    fn write_in_place(&self, offset: u64, len: usize) -> Option<InPlaceWrite> {
+        if !self.in_memory || self.read_only || len == 0 {
+            return None;
+        }
+        let end = offset.checked_add(len as u64)?;
+        if end > self.size() {
+            return None;
+        }
+        let map = {
+            let mut m = self.mapping.lock().unwrap_or_else(|p| p.into_inner());
+            match &*m {
+                Some(map) if map.len() as u64 >= end => Arc::clone(map),
+                _ => {
+                    let want = usize::try_from(self.size()).ok()?;
+                    let map = Arc::new(sys::Mapping::shared(&*self.file, want).ok()?);
+                    *m = Some(Arc::clone(&map));
+                    map
+                }
+            }
+        };
+        Some(InPlaceWrite::new(Arc::clone(&self.file), map, offset, len))
     }
 
     /// `keep` goes with the job to the I/O thread and is dropped there when the syscall has

@@ -118,6 +118,86 @@ impl FileRange {
     }
 }
 
+/// Where a write's bytes can be received in place: `len` bytes at `offset` of a file, mapped
+/// shared, so the transport has the kernel copy them from the socket straight into the file's
+/// pages ([`recv_from`](Self::recv_from)) instead of into a buffer first and from there into
+/// the file. A backend hands one out from [`BlockDevice::write_in_place`] only where that copy
+/// cannot wait for a device (tmpfs/ramfs files). The bytes are in the file as they arrive.
+#[derive(Clone, Debug)]
+pub struct InPlaceWrite {
+    file: Arc<std::fs::File>,
+    map: Arc<sys::Mapping>,
+    offset: u64,
+    len: usize,
+}
+
+impl InPlaceWrite {
+    pub(crate) fn new(
+        file: Arc<std::fs::File>,
+        map: Arc<sys::Mapping>,
+        offset: u64,
+        len: usize,
+    ) -> Self {
+        InPlaceWrite {
+            file,
+            map,
+            offset,
+            len,
+        }
+    }
+
+    /// Where the write starts in the device, in bytes.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Bytes the write covers.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the write covers nothing (never for one a backend handed out).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Receive at most `max` bytes from `src` (a socket) without waiting, into the write at
+    /// byte `at`: `WouldBlock` when nothing is there, `Ok(0)` at end of stream. Asking past
+    /// the write's end is `InvalidInput`; an error other than those is the medium's (the
+    /// file was cut short), and the bytes stay in the socket.
+    pub fn recv_from(
+        &self,
+        src: std::os::fd::BorrowedFd<'_>,
+        at: usize,
+        max: usize,
+    ) -> std::io::Result<usize> {
+        let at_file = self.map_offset(at, max)?;
+        sys::recv_into(src, &self.map, at_file, max)
+    }
+
+    /// Write `data` (bytes already received elsewhere) into the write at byte `at`.
+    pub fn write_at(&self, at: usize, data: &[u8]) -> std::io::Result<()> {
+        self.map_offset(at, data.len())?;
+        sys::write_all_at(&*self.file, data, self.offset + at as u64, false)
+    }
+
+    /// Make the bytes durable (WCE=0 or FUA): `fdatasync` (on tmpfs it returns at once).
+    pub fn sync(&self) -> Result<(), BackendError> {
+        self.file
+            .sync_data()
+            .map_err(|e| BackendError::from_io(&e, self.offset, true))
+    }
+
+    /// The mapping offset of bytes `at .. at + n` of the write, if they lie inside it.
+    fn map_offset(&self, at: usize, n: usize) -> std::io::Result<usize> {
+        at.checked_add(n)
+            .filter(|&end| end <= self.len)
+            .and_then(|_| usize::try_from(self.offset).ok())
+            .and_then(|base| base.checked_add(at))
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    }
+}
+
 /// A boxed future returned by backend operations (object-safe async).
 pub type IoFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;
 
@@ -209,6 +289,13 @@ pub trait BlockDevice: Send + Sync + 'static {
     }
     /// Write `data` at `offset`.
     fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()>;
+    /// Where `len` bytes at `offset` can be received in place (see [`InPlaceWrite`]), or
+    /// `None` (the default): the write then comes through [`write`](Self::write).
+    fn write_in_place(&self, offset: u64, len: usize) -> Option<InPlaceWrite> {
+        let _ = (offset, len);
+        None
+    }
+
     /// [`write`](Self::write), dropping `keep` only when the write can no longer change the
     /// medium, even if the returned future is dropped first (see "Cancellation and Keep").
     /// The default is right only for backends whose write does nothing once its future is

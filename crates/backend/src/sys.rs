@@ -458,3 +458,94 @@ mod tests {
         }
     }
 }
+
+/// A shared, writable mapping of the first `len` bytes of a file (`mmap(MAP_SHARED)`), used
+/// only as a destination for the kernel: [`recv_into`] has the kernel copy received bytes
+/// straight into the file's pages. Nothing in user space reads or writes the mapped memory,
+/// so a file cut short behind our back cannot raise SIGBUS: the kernel's copy into a page
+/// past the end fails with EFAULT instead.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: std::ptr::NonNull<libc::c_void>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value until `Drop`; the pointer is
+// only handed to system calls (never dereferenced in user space), which is sound from any
+// thread.
+unsafe impl Send for Mapping {}
+// SAFETY: as for `Send`: `&Mapping` only gives out the pointer to system calls.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Map the first `len` bytes of `file` shared and writable (`len` > 0). No page is
+    /// touched here: a sparse file stays sparse until bytes are received into it.
+    pub fn shared(file: &impl AsRawFd, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        // SAFETY: a fresh mapping chosen by the kernel (addr NULL), of a descriptor borrowed
+        // for the call; the result is checked against MAP_FAILED before use.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = std::ptr::NonNull::new(p).ok_or_else(|| io::Error::other("mmap gave NULL"))?;
+        Ok(Mapping { ptr, len })
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly what `mmap` returned, unmapped once, here; no
+        // reference into the memory exists (it is only ever passed to system calls, which
+        // have returned by the time the last owner drops it).
+        unsafe {
+            libc::munmap(self.ptr.as_ptr(), self.len);
+        }
+    }
+}
+
+/// `recv(src, MSG_DONTWAIT)` of at most `len` bytes straight into `map` at byte `at`: the
+/// kernel copies from the socket into the mapped file's pages, with no buffer in between.
+/// `WouldBlock` when nothing is there; `Ok(0)` at end of stream; EFAULT when the file no
+/// longer reaches that far (cut short behind our back).
+pub fn recv_into(
+    src: std::os::fd::BorrowedFd<'_>,
+    map: &Mapping,
+    at: usize,
+    len: usize,
+) -> io::Result<usize> {
+    let end = at
+        .checked_add(len)
+        .filter(|&e| e <= map.len)
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    debug_assert!(end <= map.len);
+    // SAFETY: `at + len <= map.len` (checked above), so the kernel writes only inside the
+    // mapping, which `map` keeps alive for the call. No Rust reference to that memory exists:
+    // it is written only by the kernel, so no aliasing rule is involved. `src` is a borrowed
+    // open descriptor.
+    let ret = unsafe {
+        libc::recv(
+            std::os::fd::AsRawFd::as_raw_fd(&src),
+            map.ptr.as_ptr().cast::<u8>().add(at).cast::<libc::c_void>(),
+            len,
+            libc::MSG_DONTWAIT,
+        )
+    };
+    check(ret)
+}

@@ -85,6 +85,7 @@ use std::sync::Arc;
 pub use cdb::{data_out_len, opcode, MAX_TRANSFER_BYTES};
 pub use lu::{local_naa, LogicalUnit, LuConfig};
 pub use pr::PR_STATE_FILE;
+pub use sbc::PlacedWrite;
 pub use sense::{FieldPointer, SenseFields, SenseKey, SenseReason, UnitAttention};
 
 use cdb::{opcode::*, Cdb};
@@ -296,6 +297,35 @@ impl Target {
         for lu in self.luns.values() {
             lu.nexus_lost(nexus_id);
         }
+    }
+
+    /// Begin a WRITE whose `data_len` bytes of Data-Out the transport will receive straight
+    /// into the medium: every check [`execute`](Self::execute) would make of it (unit
+    /// attention, CDB, reservations, write protect, range) is made now, before the data, and
+    /// its blocks are locked. `None` when any check fails, a reservation exists, the blocks
+    /// are locked by another command, the data would not cover the transfer exactly, or the
+    /// backend cannot take bytes in place: the command then goes through `execute` with its
+    /// data as usual, which reports any failure. With `Some`, the transport receives the data
+    /// into [`PlacedWrite::target`] and completes the command with [`PlacedWrite::finish`],
+    /// not `execute`: the command has begun, so a unit attention established meanwhile is
+    /// reported to the next command (SAM-5).
+    pub fn place_write(
+        &self,
+        lun: u64,
+        nexus: &Nexus,
+        cdb: &[u8],
+        data_len: u32,
+    ) -> Option<PlacedWrite> {
+        let lu = self.luns.get(&lun)?;
+        let c = Cdb(cdb);
+        if cdb.is_empty() || !lu.nothing_to_report(nexus.id) {
+            return None;
+        }
+        validate_cdb(c).ok()?;
+        if lock(&lu.reservation).is_some() || lock(&lu.pr).reserved() {
+            return None;
+        }
+        sbc::place_write(lu, c, data_len)
     }
 
     /// Execute one command addressed to `lun` over `nexus`. Never panics on any CDB or data.

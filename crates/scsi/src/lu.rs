@@ -311,6 +311,14 @@ impl LogicalUnit {
         }
     }
 
+    /// Whether `nexus_id` has been seen here and has no unit attention pending (the state in
+    /// which a command begins without one being reported).
+    pub(crate) fn nothing_to_report(&self, nexus_id: u64) -> bool {
+        lock(&self.ua)
+            .get(&nexus_id)
+            .is_some_and(|e| e.q.is_empty())
+    }
+
     /// Pop the oldest pending unit attention of `nexus_id`.
     pub(crate) fn take_unit_attention(&self, nexus_id: u64) -> Option<UnitAttention> {
         lock(&self.ua)
@@ -406,6 +414,25 @@ impl RangeLockInner {
             .attention
             .store(self.orphaned + self.aborting.len(), Ordering::SeqCst);
     }
+    /// Whether a held range overlaps blocks `start .. end`.
+    fn overlaps(&self, start: u64, end: u64) -> bool {
+        self.held.iter().any(|h| h.start < end && start < h.end)
+    }
+    /// Hold blocks `start .. end` (free: the caller checked [`overlaps`](Self::overlaps)).
+    fn hold(&mut self, shared: &Arc<Shared>, start: u64, end: u64) -> RangeGuard {
+        let token = self.next_token;
+        self.next_token = self.next_token.wrapping_add(1);
+        self.held.push(Held {
+            start,
+            end,
+            token,
+            orphaned: false,
+        });
+        RangeGuard {
+            shared: Arc::clone(shared),
+            token,
+        }
+    }
     /// Forget aborted tasks that are gone.
     fn prune(&mut self) {
         self.aborting.retain(|gone| !gone());
@@ -429,6 +456,15 @@ impl RangeLock {
             start,
             end,
         }
+    }
+
+    /// Lock blocks `start .. end` if no held range overlaps them now; never waits.
+    pub fn try_lock(&self, start: u64, end: u64) -> Option<RangeGuard> {
+        let mut g = lock(&self.shared.state);
+        if g.overlaps(start, end) {
+            return None;
+        }
+        Some(g.hold(&self.shared, start, end))
     }
 
     /// Resolves when no orphaned range overlaps blocks `start .. end` and no aborted task can
@@ -477,22 +513,11 @@ impl Future for RangeLockFuture<'_> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RangeGuard> {
         let mut g = lock(&self.lock.shared.state);
         let (s, e) = (self.start, self.end);
-        if g.held.iter().any(|h| h.start < e && s < h.end) {
+        if g.overlaps(s, e) {
             add_waker(&mut g.waiters, cx.waker());
             return Poll::Pending;
         }
-        let token = g.next_token;
-        g.next_token = g.next_token.wrapping_add(1);
-        g.held.push(Held {
-            start: s,
-            end: e,
-            token,
-            orphaned: false,
-        });
-        Poll::Ready(RangeGuard {
-            shared: Arc::clone(&self.lock.shared),
-            token,
-        })
+        Poll::Ready(g.hold(&self.lock.shared, s, e))
     }
 }
 

@@ -182,6 +182,79 @@ pub(crate) async fn write(
     Ok(Bytes::new())
 }
 
+/// A WRITE whose data the transport receives straight into the medium (see
+/// [`Scsi::place_write`](crate::Scsi::place_write)): every check the command makes has passed
+/// and its range is locked until this is finished or dropped. Dropping it part way (the
+/// transfer failed or the task was aborted) leaves the blocks received so far written, as a
+/// device that wrote part of an aborted command would; nothing lands after the drop.
+pub struct PlacedWrite {
+    lu: Arc<LogicalUnit>,
+    target: ironsan_backend::InPlaceWrite,
+    durable: bool,
+    _range: RangeGuard,
+}
+
+impl std::fmt::Debug for PlacedWrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlacedWrite")
+            .field("len", &self.target.len())
+            .field("durable", &self.durable)
+            .finish()
+    }
+}
+
+impl PlacedWrite {
+    /// Where the transport puts the Data-Out bytes (buffer offset = byte `at` of this).
+    pub fn target(&self) -> &ironsan_backend::InPlaceWrite {
+        &self.target
+    }
+
+    /// Every byte is in place: make them durable if the write must be (WCE=0 or FUA), release
+    /// the range and give the command's outcome.
+    pub fn finish(self) -> Result<(), SenseReason> {
+        if self.durable {
+            self.target.sync().map_err(backend_err(&self.lu))?;
+        }
+        Ok(())
+    }
+
+    /// Placing the bytes failed with `e` (the file was cut short behind our back): the
+    /// command's outcome.
+    pub fn failed(self, e: &std::io::Error) -> SenseReason {
+        let e = BackendError::from_io(e, self.target.offset(), true);
+        SenseReason::from_backend(&e, self.lu.block_size())
+    }
+}
+
+/// The checks of [`write`] for a WRITE (10/12/16) whose Data-Out is `data_len` bytes, made
+/// before the data arrives; `Some` when they pass, the range is free at once, the data covers
+/// the whole transfer, and the backend can receive it in place. Anything else is `None` and
+/// the command takes the usual path, which makes (and reports) the same checks itself.
+pub(crate) fn place_write(
+    lu: &Arc<LogicalUnit>,
+    cdb: Cdb<'_>,
+    data_len: u32,
+) -> Option<PlacedWrite> {
+    if !matches!(cdb.op(), WRITE_10 | WRITE_12 | WRITE_16) {
+        return None;
+    }
+    let r = writable_range(lu, cdb).ok()?;
+    let len = bytes_of(lu, u64::from(r.blocks));
+    if r.blocks == 0 || len != u64::from(data_len) {
+        return None;
+    }
+    let range = lu.writes.try_lock(r.lba, r.lba + u64::from(r.blocks))?;
+    let target = lu
+        .backend()
+        .write_in_place(bytes_of(lu, r.lba), len as usize)?;
+    Some(PlacedWrite {
+        lu: Arc::clone(lu),
+        target,
+        durable: write_mode(lu, cdb.bit(1, 3)) == WriteMode::Durable,
+        _range: range,
+    })
+}
+
 /// SBC-3 WRITE AND VERIFY (10), (12), (16): a write that is durable before the verify (the
 /// medium is verified, so the data must have reached it), then, with BYTCHK=1, a read-back
 /// compared with what was sent (MISCOMPARE with the offset). BYTCHK is byte 1 bit 1.

@@ -3195,3 +3195,89 @@ async fn get_lba_status_and_reads_wait_for_an_orphaned_unmap() {
     );
     assert!(good(&read.await.unwrap()).iter().all(|&b| b == 0));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Writes received in place (Target::place_write)
+// ---------------------------------------------------------------------------------------------
+
+/// `place_write` makes the WRITE's checks before its data and locks its range; anything that
+/// would make the command fail, wait, or write other than exactly its transfer is left to
+/// `execute` (`None`). A real 1 MiB file on tmpfs, the one kind of backend that takes bytes in
+/// place.
+#[tokio::test]
+async fn place_write_checks_first_and_leaves_every_doubtful_write_to_execute() {
+    let path = std::path::PathBuf::from(format!(
+        "/dev/shm/ironsan-scsi-place-{}.img",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&path);
+    let file = ironsan_backend::FileBackend::open(
+        &path,
+        &ironsan_backend::FileOptions {
+            size: Some(1 << 20),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let t = target_over(Arc::new(file), cfg(512));
+    let (a, b) = (nexus(1), nexus(2));
+    let w = cdb16(WRITE_16, 16, 128);
+    // A nexus not seen yet may have a unit attention to report: left to execute.
+    assert!(t.place_write(0, &a, &w, 64 << 10).is_none());
+    for n in [&a, &b] {
+        while run_on(&t, 0, n, &[0u8; 6], &[]).await.status != Status::GOOD {}
+    }
+    let p = t
+        .place_write(0, &a, &w, 64 << 10)
+        .expect("a plain WRITE is placed");
+    // Its blocks are locked: an overlapping write is left to execute (which waits), a
+    // disjoint one is placed.
+    assert!(t
+        .place_write(0, &a, &cdb16(WRITE_16, 100, 8), 4096)
+        .is_none());
+    assert!(t
+        .place_write(0, &b, &cdb16(WRITE_16, 200, 8), 4096)
+        .is_some());
+    // Data-Out not exactly the transfer, a range past the end, a zero-length write,
+    // protection information, a READ, a LUN that does not exist: left to execute.
+    assert!(t
+        .place_write(0, &a, &cdb16(WRITE_16, 300, 8), 2048)
+        .is_none());
+    assert!(t
+        .place_write(0, &a, &cdb16(WRITE_16, 2044, 8), 4096)
+        .is_none());
+    assert!(t.place_write(0, &a, &cdb16(WRITE_16, 300, 0), 0).is_none());
+    let mut protected = cdb16(WRITE_16, 300, 8);
+    protected[1] = 0x20;
+    assert!(t.place_write(0, &a, &protected, 4096).is_none());
+    assert!(t
+        .place_write(0, &a, &cdb16(READ_16, 300, 8), 4096)
+        .is_none());
+    assert!(t
+        .place_write(7, &a, &cdb16(WRITE_16, 300, 8), 4096)
+        .is_none());
+    // Bytes given to the placed write are in the medium when it finishes; then its range is
+    // free again.
+    let data = pattern(64 << 10, 3);
+    p.target().write_at(0, &data[..4096]).unwrap();
+    p.target().write_at(4096, &data[4096..]).unwrap();
+    p.finish().unwrap();
+    let r = run_on(&t, 0, &a, &cdb16(READ_16, 16, 128), &[]).await;
+    assert_eq!(r.status, Status::GOOD);
+    assert!(r.data_in == DataIn::Memory(Bytes::from(data)));
+    assert!(t
+        .place_write(0, &a, &cdb16(WRITE_16, 100, 8), 4096)
+        .is_some());
+    // A write the target cannot take whole is not placed past its end.
+    let p = t.place_write(0, &a, &cdb16(WRITE_16, 0, 8), 4096).unwrap();
+    assert!(p.target().write_at(4090, &[0u8; 8]).is_err());
+    drop(p);
+    // An SPC-2 reservation held by another nexus: left to execute, which reports the conflict.
+    let mut reserve = vec![0u8; 6];
+    reserve[0] = opcode::RESERVE_6;
+    good(&run_on(&t, 0, &b, &reserve, &[]).await);
+    assert!(t.place_write(0, &a, &w, 64 << 10).is_none());
+    let r = run_on(&t, 0, &a, &w, &vec![0u8; 64 << 10]).await;
+    assert_eq!(r, Response::status_only(Status::RESERVATION_CONFLICT));
+    let _ = std::fs::remove_file(&path);
+}

@@ -72,6 +72,8 @@ pub struct ServerStats {
     pub digest_errors: AtomicU64,
     /// Data-In bytes sent straight from file LUNs' page cache, every connection ever.
     pub zero_copy_bytes: Arc<AtomicU64>,
+    /// Data-Out bytes received straight into file LUNs' pages (zero_copy_writes).
+    pub zero_copy_write_bytes: AtomicU64,
 }
 
 impl ServerStats {
@@ -115,6 +117,7 @@ pub struct Gauges {
     pub login_failures: BTreeMap<String, u64>,
     pub digest_errors: u64,
     pub zero_copy_bytes: u64,
+    pub zero_copy_write_bytes: u64,
 }
 
 /// (LUN, the LU, the spec it was made from) as [`Control::lun_list`] returns them.
@@ -331,6 +334,7 @@ impl Control {
             "login_failures": lock(&st.login_failures).clone(),
             "digest_errors": st.digest_errors.load(Relaxed),
             "zero_copy_read_bytes": st.zero_copy_bytes.load(Relaxed),
+            "zero_copy_write_bytes": st.zero_copy_write_bytes.load(Relaxed),
         })
     }
 
@@ -362,6 +366,7 @@ impl Control {
             login_failures: lock(&st.login_failures).clone(),
             digest_errors: st.digest_errors.load(Relaxed),
             zero_copy_bytes: st.zero_copy_bytes.load(Relaxed),
+            zero_copy_write_bytes: st.zero_copy_write_bytes.load(Relaxed),
         }
     }
 

@@ -23,7 +23,7 @@ use ironsan_proto::pdu::*;
 use ironsan_proto::task::{data_in_segments, DataOutError, WriteParams, WriteTransfer};
 use ironsan_proto::window::CmdWindow;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
-use ironsan_scsi::{Command, Response, SenseReason};
+use ironsan_scsi::{Command, PlacedWrite, Response, SenseReason};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -106,9 +106,29 @@ struct PendingWrite {
     cdb: Bytes,
     transfer: WriteTransfer,
     buf: BytesMut,
+    /// The data goes straight into the medium instead of `buf` (see [`place_min`]).
+    placed: Option<PlacedWrite>,
     slot: Slot,
     /// When the command's header was read (start of the "receive" stage).
     t_header: Stamp,
+}
+
+/// A write's data on its way to execution: in a buffer, or already in place in the medium.
+enum WriteData {
+    Buffer(Bytes),
+    Placed(PlacedWrite),
+}
+
+impl From<Bytes> for WriteData {
+    fn from(b: Bytes) -> Self {
+        WriteData::Buffer(b)
+    }
+}
+
+impl From<PlacedWrite> for WriteData {
+    fn from(p: PlacedWrite) -> Self {
+        WriteData::Placed(p)
+    }
 }
 
 /// A command's place in the session's CmdSN window; released (opening the window) when the
@@ -176,6 +196,9 @@ struct Connection {
     /// Reads of at least this many bytes may answer from a file LUN's page cache
     /// ([`in_place_min`]).
     in_place_min: Option<u32>,
+    /// Writes of at least this many bytes may receive their Data-Out straight into a file
+    /// LUN's pages ([`place_min`]).
+    place_min: Option<u32>,
     next_ttt: u32,
     last_rx: Arc<AtomicU64>,
     /// When the connection started (the zero of `last_rx`, in ms).
@@ -295,6 +318,7 @@ pub async fn run(
         out_bytes: 0,
         writer: direct_writer,
         polling: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        place_min: place_min(shared.cfg.zero_copy_writes, &params),
         in_place_min: in_place_min(shared.cfg.zero_copy_reads, &params, {
             use std::os::fd::AsRawFd;
             rd.get_ref().as_ref().as_raw_fd()
@@ -990,9 +1014,11 @@ impl Connection {
         } else {
             None
         };
+        // A write that may be received in place needs a buffer for its immediate data only.
+        let may_place = buffered && self.place_min.is_some_and(|m| edtl >= m);
         let mut buf = if buffered && shared.is_none() {
             // Capacity only: data is appended as it arrives (`io::read_data_at`).
-            BytesMut::with_capacity(edtl as usize)
+            BytesMut::with_capacity(if may_place { immediate_len } else { edtl } as usize)
         } else {
             BytesMut::new()
         };
@@ -1118,11 +1144,20 @@ impl Connection {
             }
             buf.extend_from_slice(&data);
         }
+        let placed = if may_place {
+            self.place(&cmd, &cdb, &buf)
+        } else {
+            None
+        };
+        if placed.is_some() {
+            buf = BytesMut::new();
+        }
         let pw = PendingWrite {
             cmd,
             cdb,
             transfer,
             buf,
+            placed,
             slot,
             t_header,
         };
@@ -1130,10 +1165,33 @@ impl Connection {
         Ok(())
     }
 
+    /// Begin a write whose Data-Out will be received straight into the medium, with the
+    /// `immediate` data already there; `None`: it takes the usual path.
+    fn place(&self, cmd: &ScsiCommand, cdb: &Bytes, immediate: &[u8]) -> Option<PlacedWrite> {
+        let target = self.session.target.as_ref()?;
+        let lun = cmd.lun.number()?;
+        let placed = target.scsi().place_write(
+            lun,
+            &self.session.nexus,
+            cdb,
+            cmd.expected_data_transfer_length,
+        )?;
+        // Immediate data first; should the medium refuse it, the usual path writes (and
+        // reports) everything.
+        if !immediate.is_empty() && placed.target().write_at(0, immediate).is_err() {
+            return None;
+        }
+        Some(placed)
+    }
+
     /// Send any R2Ts the write now needs, or execute it if all data is in.
     async fn advance_write(&mut self, mut pw: PendingWrite) {
         if pw.transfer.is_complete() {
             let exp_data_sn = pw.transfer.r2t_count();
+            if let Some(placed) = pw.placed.take() {
+                self.spawn_exec(pw.cmd, pw.cdb, placed, exp_data_sn, pw.slot, pw.t_header);
+                return;
+            }
             // Every byte arrived; a buffer filled out of order is as long as the transfer.
             pw.buf
                 .resize(pw.cmd.expected_data_transfer_length as usize, 0);
@@ -1258,6 +1316,27 @@ impl Connection {
         if off + len as usize > pw.cmd.expected_data_transfer_length as usize {
             return Err("Data-Out outside the command buffer".into());
         }
+        if let Some(placed) = &pw.placed {
+            let placed_ok = io::read_data_in_place(rd, plan, placed.target(), off)
+                .await
+                .map_err(|e| e.to_string())?;
+            if let Err(e) = placed_ok {
+                tracing::warn!(itt = d.itt.0, "Data-Out not received in place: {e}");
+                let reason = pw
+                    .placed
+                    .take()
+                    .map_or(SenseReason::InternalTargetFailure, |p| p.failed(&e));
+                let n = pw.transfer.r2t_count();
+                self.finish(pw.cmd, Response::check_condition(reason), None, n, pw.slot);
+                return Ok(());
+            }
+            self.shared
+                .stats
+                .zero_copy_write_bytes
+                .fetch_add(u64::from(len), Ordering::Relaxed);
+            self.advance_write(pw).await;
+            return Ok(());
+        }
         let ok = io::read_data_at(rd, plan, &mut pw.buf, off)
             .await
             .map_err(|e| e.to_string())?;
@@ -1283,7 +1362,7 @@ impl Connection {
         &mut self,
         cmd: ScsiCommand,
         cdb: Bytes,
-        data_out: Bytes,
+        data_out: impl Into<WriteData>,
         exp_data_sn: DataSn,
         slot: Slot,
         t_header: Stamp,
@@ -1315,13 +1394,21 @@ impl Connection {
             None => None,
         };
         let class = Class::of(cmd.read, cmd.write);
-        let write_bytes = data_out.len() as u64;
+        let (data_out, placed) = match data_out.into() {
+            WriteData::Buffer(b) => (b, None),
+            WriteData::Placed(p) => (Bytes::new(), Some(p)),
+        };
+        let write_bytes = match &placed {
+            Some(p) => p.target().len(),
+            None => data_out.len(),
+        };
         let write_needed = if cmd.write {
             let bs = scsi.lun(lun).map(|l| l.block_size()).unwrap_or(512);
-            Some(ironsan_scsi::data_out_len(&cdb, bs).unwrap_or(data_out.len() as u32))
+            Some(ironsan_scsi::data_out_len(&cdb, bs).unwrap_or(write_bytes as u32))
         } else {
             None
         };
+        let write_bytes = write_bytes as u64;
         // A read first takes its size from the connection's transmit budget (returned when the
         // writer has sent its Data-In), holding its CmdSN slot while it waits.
         let budget = (cmd.read && cmd.expected_data_transfer_length > 0).then(|| {
@@ -1355,13 +1442,22 @@ impl Connection {
                     },
                     None => (None, t_data),
                 };
-                let scmd = Command {
-                    cdb,
-                    data_out,
-                    expected_in_len: cmd.expected_data_transfer_length,
-                    in_place_min,
+                let resp = match placed {
+                    // The data is in place; the command's checks were made before it came.
+                    Some(p) => match p.finish() {
+                        Ok(()) => Response::good(Bytes::new()),
+                        Err(reason) => Response::check_condition(reason),
+                    },
+                    None => {
+                        let scmd = Command {
+                            cdb,
+                            data_out,
+                            expected_in_len: cmd.expected_data_transfer_length,
+                            in_place_min,
+                        };
+                        scsi.execute(lun, &session.nexus, scmd).await
+                    }
                 };
-                let resp = scsi.execute(lun, &session.nexus, scmd).await;
                 let t_done = Stamp::now();
                 // Whoever removes the entry owns the completion: TMF or us, never both.
                 session.running().remove(&itt)?;
@@ -1870,6 +1966,13 @@ const IN_PLACE_MIN: u32 = 64 * 1024;
 /// The smallest read a connection sends straight from a file LUN's page cache, if it does
 /// ([`crate::ZeroCopyReads`]): never with a data digest (it needs the bytes) or with segments
 /// under [`IN_PLACE_MIN`].
+/// Writes whose Data-Out is received in place: from 64 KiB (below that the data mostly
+/// arrives with the command, already buffered), and only without a data digest, which must be
+/// checked before a byte may reach the medium.
+fn place_min(on: bool, params: &ConnParams) -> Option<u32> {
+    (on && !params.data_digest).then_some(IN_PLACE_MIN)
+}
+
 fn in_place_min(
     mode: crate::ZeroCopyReads,
     params: &ConnParams,

@@ -3,7 +3,7 @@
 //! digests are checked and computed here (CRC32C over header and data, padding included).
 
 use bytes::{Bytes, BytesMut};
-use ironsan_backend::FileRange;
+use ironsan_backend::{FileRange, InPlaceWrite};
 use ironsan_proto::digest;
 use ironsan_proto::pdu::{pad_len, Bhs, Header, Pdu, ReceivePlan, BHS_LEN};
 use std::io::IoSlice;
@@ -128,6 +128,71 @@ pub async fn read_data_shared<R: AsyncRead + Unpin>(
     Ok(Some((data, ok)))
 }
 
+/// Receive a data segment (no data digest) straight into `target` at byte `at`: the bytes
+/// already in the receive buffer are written there, the rest the kernel copies from the
+/// socket into the file with no buffer in between ([`InPlaceWrite::recv_from`]); should that
+/// copy fail, the rest is received into memory and written from there. The outer error ends
+/// the connection; the inner one is the medium's (a write failed, e.g. tmpfs is full): the
+/// rest of the segment is then read and dropped, so the stream stays in step, and the caller
+/// fails the command.
+pub async fn read_data_in_place(
+    r: &mut RecvBuf<tokio::net::tcp::OwnedReadHalf>,
+    plan: &ReceivePlan,
+    target: &InPlaceWrite,
+    at: usize,
+) -> std::io::Result<Result<(), std::io::Error>> {
+    use std::os::fd::AsFd;
+    let len = plan.data_len;
+    let mut failed = None;
+    if plan.data_digest_len != 0 {
+        failed = Some(std::io::Error::other("data digest: not received in place"));
+    }
+    let buffered = r.buf.len().min(len);
+    if buffered > 0 && failed.is_none() {
+        if let Err(e) = target.write_at(at, &r.buf[..buffered]) {
+            failed = Some(e);
+        }
+    }
+    bytes::Buf::advance(&mut r.buf, buffered);
+    let mut got = buffered;
+    while got < len && failed.is_none() {
+        let stream = r.inner.as_ref();
+        match stream.try_io(tokio::io::Interest::READABLE, || {
+            target.recv_from(stream.as_fd(), at + got, len - got)
+        }) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => stream.readable().await?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => {
+                // The kernel could not copy into the file's pages (EFAULT: the file was cut
+                // short behind our back, or tmpfs is full): receive the rest into memory and
+                // write it as any write is written, which extends the file or says why not.
+                let mut rest = vec![0u8; len - got];
+                r.read_exact(&mut rest).await?;
+                if let Err(e) = target.write_at(at + got, &rest) {
+                    failed = Some(e);
+                }
+                got = len;
+            }
+        }
+    }
+    if got < len {
+        skip_bytes(r, len - got).await?;
+    }
+    if len >= RECV_BUF_MAX {
+        // As after any large payload read past the buffer: the next header is read alone.
+        r.direct_left = DIRECT_AFTER_LARGE;
+    }
+    let mut tail = [0u8; 8];
+    let tail_len = plan.pad_len + plan.data_digest_len;
+    r.read_exact(&mut tail[..tail_len]).await?;
+    Ok(match failed {
+        Some(e) => Err(e),
+        None => Ok(()),
+    })
+}
+
 /// Read the pad and data digest after a data segment and check the digest.
 async fn check_tail<R: AsyncRead + Unpin>(
     r: &mut R,
@@ -152,7 +217,11 @@ async fn check_tail<R: AsyncRead + Unpin>(
 
 /// Read and throw away a data segment (e.g. Data-Out for a task that no longer exists).
 pub async fn skip_data<R: AsyncRead + Unpin>(r: &mut R, plan: &ReceivePlan) -> std::io::Result<()> {
-    let mut left = plan.data_len + plan.pad_len + plan.data_digest_len;
+    skip_bytes(r, plan.data_len + plan.pad_len + plan.data_digest_len).await
+}
+
+/// Read and throw away `left` bytes.
+async fn skip_bytes<R: AsyncRead + Unpin>(r: &mut R, mut left: usize) -> std::io::Result<()> {
     let mut scratch = [0u8; 4096];
     while left > 0 {
         let n = left.min(scratch.len());

@@ -125,6 +125,9 @@ pub struct ServerConfig {
     /// Whether large reads of file LUNs go from the page cache to the socket with `sendfile`
     /// (no copy through user space) when a connection has no data digest.
     pub zero_copy_reads: ZeroCopyReads,
+    /// Whether large writes to file LUNs on tmpfs/ramfs receive their Data-Out straight into
+    /// the file's pages (no copy through a buffer) when a connection has no data digest.
+    pub zero_copy_writes: bool,
 }
 
 /// When a connection sends large file-LUN reads straight from the page cache (`sendfile`).
@@ -196,6 +199,7 @@ impl ServerConfig {
             shutdown_grace: Duration::from_secs(10),
             busy_poll: Duration::ZERO,
             zero_copy_reads: ZeroCopyReads::Auto,
+            zero_copy_writes: true,
         }
     }
 }

@@ -502,6 +502,17 @@ pub fn prometheus(control: &Control) -> String {
         "ironsan_zero_copy_read_bytes_total {}",
         g.zero_copy_bytes
     );
+    head(
+        &mut o,
+        "ironsan_zero_copy_write_bytes_total",
+        "counter",
+        "Data-Out bytes received straight into file LUNs' pages (zero_copy_writes).",
+    );
+    let _ = writeln!(
+        o,
+        "ironsan_zero_copy_write_bytes_total {}",
+        g.zero_copy_write_bytes
+    );
 
     let (cpu, rss) = process_stats();
     if let Some(cpu) = cpu {
