@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B one change: two ironsan binaries, the same workload, alternated in one run.
 #
-#   bench/ab.sh [--rounds N] [--secs S] [--lun SPEC] [--load] [--prefill]
+#   bench/ab.sh [--rounds N] [--secs S] [--lun SPEC] [--load | --qemu] [--prefill]
 #               OLD_BIN NEW_BIN [-- CLIENT_ARGS...]
 #
 #   OLD_BIN, NEW_BIN  ironsan binaries (e.g. one built in a `git worktree` of the parent
@@ -12,6 +12,10 @@
 #   --load            the client is `NEW_BIN load` (ironsan's load generator, the same
 #                     client for both binaries) instead of iscsi-perf; CLIENT_ARGS are its
 #                     arguments (default: --rw randread --bs 4096 --qd 32)
+#   --qemu            the client is `qemu-img bench` (libiscsi's writes, as in bench/run.sh);
+#                     CLIENT_ARGS are its arguments before the URL and must include -c COUNT
+#                     (default: -w -t none --pattern=165 -c 20000 -d 8 -s 512K); --secs is
+#                     ignored, IOPS = COUNT / the run's wall time
 #   --prefill         before measuring, write the first GiB of the LUN with 1 MiB writes
 #                     (so reads of a RAM LUN read data, not holes)
 #   CLIENT_ARGS       iscsi-perf arguments (default: -m 32 -b 8 -r, 4K QD32 random read)
@@ -22,15 +26,16 @@
 # the binaries in one run is what makes a before/after figure worth quoting on a shared box.
 set -euo pipefail
 
-rounds=3 secs=5 lun=ram:1G load=0 prefill=0
+rounds=3 secs=5 lun=ram:1G load=0 qemu=0 prefill=0
 while [[ $# -gt 0 ]]; do
     case $1 in
         --rounds) rounds=$2; shift 2 ;;
         --secs) secs=$2; shift 2 ;;
         --lun) lun=$2; shift 2 ;;
         --load) load=1; shift ;;
+        --qemu) qemu=1; shift ;;
         --prefill) prefill=1; shift ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) break ;;
     esac
 done
@@ -40,12 +45,22 @@ shift 2
 [[ ${1:-} == -- ]] && shift
 perf_args=("$@")
 if [[ ${#perf_args[@]} -eq 0 ]]; then
-    if [[ $load -eq 1 ]]; then perf_args=(--rw randread --bs 4096 --qd 32); else perf_args=(-m 32 -b 8 -r); fi
+    if [[ $load -eq 1 ]]; then perf_args=(--rw randread --bs 4096 --qd 32)
+    elif [[ $qemu -eq 1 ]]; then perf_args=(-w -t none --pattern=165 -c 20000 -d 8 -s 512K)
+    else perf_args=(-m 32 -b 8 -r); fi
 fi
 for b in "$old" "$new"; do
     [[ -x $b ]] || { echo "bench/ab.sh: $b is not an executable" >&2; exit 2; }
 done
-[[ $load -eq 1 ]] || command -v iscsi-perf >/dev/null || { echo "bench/ab.sh: needs iscsi-perf (libiscsi-bin)" >&2; exit 2; }
+[[ $load -eq 1 || $qemu -eq 1 ]] || command -v iscsi-perf >/dev/null || { echo "bench/ab.sh: needs iscsi-perf (libiscsi-bin)" >&2; exit 2; }
+count=0
+if [[ $qemu -eq 1 ]]; then
+    command -v qemu-img >/dev/null || { echo "bench/ab.sh: needs qemu-img (qemu-utils, qemu-block-extra)" >&2; exit 2; }
+    for ((i = 0; i < ${#perf_args[@]} - 1; i++)); do
+        [[ ${perf_args[i]} == -c ]] && count=${perf_args[i + 1]}
+    done
+    [[ $count -gt 0 ]] || { echo "bench/ab.sh: --qemu needs -c COUNT in its arguments" >&2; exit 2; }
+fi
 
 work=$(mktemp -d)
 port=$((20000 + RANDOM % 20000))
@@ -73,8 +88,13 @@ run_one() {
         taskset -c 1 "$new" load "$url" --rw write --bs 1048576 --qd 4 --count 1024 >/dev/null
     fi
     w0=$(field syscw "$pid"); c0=$(cpu_ticks "$pid")
+    local t0 run_secs=$secs
+    t0=$(date +%s.%N)
     if [[ $load -eq 1 ]]; then
         taskset -c 1 "$new" load "$url" "${perf_args[@]}" -t "$secs" --json >"$work/perf.log" 2>&1 || true
+    elif [[ $qemu -eq 1 ]]; then
+        taskset -c 1 qemu-img bench -f raw "${perf_args[@]}" "$url" >"$work/perf.log" 2>&1 || true
+        run_secs=$(python3 -c "print($(date +%s.%N) - $t0)")
     else
         taskset -c 1 iscsi-perf "${perf_args[@]}" -t "$secs" "$url" >"$work/perf.log" 2>&1 || true
     fi
@@ -82,12 +102,15 @@ run_one() {
     kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
     if [[ $load -eq 1 ]]; then
         iops=$(python3 -c 'import json, sys; print(round(json.load(sys.stdin)["iops"]))' <"$work/perf.log" 2>/dev/null || echo 0)
+    elif [[ $qemu -eq 1 ]]; then
+        iops=0
+        grep -q "Run completed" "$work/perf.log" && iops=$(python3 -c "print(round($count / $run_secs))")
     else
         iops=$(grep -o 'iops average [0-9]*' "$work/perf.log" | tail -n 1 | awk '{print $3}')
     fi
-    python3 - "$label" "${iops:-0}" $((c1 - c0)) $((w1 - w0)) "$secs" <<'EOF'
+    python3 - "$label" "${iops:-0}" $((c1 - c0)) $((w1 - w0)) "$run_secs" <<'EOF'
 import os, sys
-label, iops, ticks, writes, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+label, iops, ticks, writes, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 hz = os.sysconf("SC_CLK_TCK")
 cpu_s = ticks / hz
 ios = iops * secs
@@ -96,7 +119,7 @@ print(f"{label:4} {iops:>9} IOPS  CPU {100 * cpu_s / secs:5.1f} %  "
 EOF
 }
 
-client=iscsi-perf; [[ $load -eq 1 ]] && client="ironsan load"
+client=iscsi-perf; [[ $load -eq 1 ]] && client="ironsan load"; [[ $qemu -eq 1 ]] && client="qemu-img bench"
 echo "ab: lun $lun, $client ${perf_args[*]}, ${secs}s x $rounds rounds; target CPU 0, client CPU 1"
 echo "old: $old"
 echo "new: $new"

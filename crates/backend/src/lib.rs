@@ -129,6 +129,8 @@ pub struct InPlaceWrite {
     map: Arc<sys::Mapping>,
     offset: u64,
     len: usize,
+    /// [`recv_from`](Self::recv_from) receives whole multiples of this (a logical block).
+    grain: usize,
 }
 
 impl InPlaceWrite {
@@ -143,7 +145,20 @@ impl InPlaceWrite {
             map,
             offset,
             len,
+            grain: 1,
         }
+    }
+
+    /// Receive in multiples of `grain` bytes (the logical block size, which the backend does
+    /// not know), so a transfer broken off never leaves part of a block written.
+    pub fn in_grains_of(mut self, grain: usize) -> Self {
+        self.grain = grain.max(1);
+        self
+    }
+
+    /// See [`in_grains_of`](Self::in_grains_of).
+    pub fn grain(&self) -> usize {
+        self.grain
     }
 
     /// Where the write starts in the device, in bytes.
@@ -162,9 +177,11 @@ impl InPlaceWrite {
     }
 
     /// Receive at most `max` bytes from `src` (a socket) without waiting, into the write at
-    /// byte `at`: `WouldBlock` when nothing is there, `Ok(0)` at end of stream. Asking past
-    /// the write's end is `InvalidInput`; an error other than those is the medium's (the
-    /// file was cut short), and the bytes stay in the socket.
+    /// byte `at`, and only whole grains of what is there (all `max` bytes if they are).
+    /// `Ok(0)`: less than a grain (and less than `max`) is there, which the caller receives
+    /// through memory; `WouldBlock`: nothing is there; `UnexpectedEof`: the stream ended.
+    /// Asking past the write's end is `InvalidInput`; another error is the socket's or the
+    /// medium's (EFAULT: the file was cut short), and the bytes stay in the socket.
     pub fn recv_from(
         &self,
         src: std::os::fd::BorrowedFd<'_>,
@@ -172,7 +189,24 @@ impl InPlaceWrite {
         max: usize,
     ) -> std::io::Result<usize> {
         let at_file = self.map_offset(at, max)?;
-        sys::recv_into(src, &self.map, at_file, max)
+        let ready = sys::bytes_readable(src)?;
+        let n = if ready >= max {
+            max
+        } else {
+            ready - ready % self.grain
+        };
+        if n > 0 {
+            return sys::recv_into(src, &self.map, at_file, n);
+        }
+        if ready > 0 {
+            return Ok(0);
+        }
+        // Nothing counted: let the socket itself say whether that is "wait" (which clears
+        // the caller's readiness correctly), the end, an error, or bytes just arrived.
+        match sys::peek_byte(src)? {
+            false => Err(std::io::ErrorKind::UnexpectedEof.into()),
+            true => Ok(0),
+        }
     }
 
     /// Write `data` (bytes already received elsewhere) into the write at byte `at`.

@@ -549,3 +549,38 @@ pub fn recv_into(
     };
     check(ret)
 }
+
+/// Bytes waiting in a socket's receive queue (`ioctl(FIONREAD)`).
+pub fn bytes_readable(src: std::os::fd::BorrowedFd<'_>) -> io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int through the pointer, which points at `n`, alive and
+    // exclusively borrowed for the call; `src` is a borrowed open descriptor.
+    let ret = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&src),
+            libc::FIONREAD,
+            &mut n as *mut libc::c_int,
+        )
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// `recv(MSG_PEEK | MSG_DONTWAIT)` of one byte: `true` when a byte is waiting, `false` at end
+/// of stream, `WouldBlock` when nothing is, or the socket's error.
+pub fn peek_byte(src: std::os::fd::BorrowedFd<'_>) -> io::Result<bool> {
+    let mut b = 0u8;
+    // SAFETY: the kernel writes at most one byte, into `b`, alive and exclusively borrowed for
+    // the call; `src` is a borrowed open descriptor.
+    let ret = unsafe {
+        libc::recv(
+            std::os::fd::AsRawFd::as_raw_fd(&src),
+            (&mut b as *mut u8).cast::<libc::c_void>(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    check(ret).map(|n| n > 0)
+}

@@ -246,7 +246,8 @@ pub(crate) fn place_write(
     let range = lu.writes.try_lock(r.lba, r.lba + u64::from(r.blocks))?;
     let target = lu
         .backend()
-        .write_in_place(bytes_of(lu, r.lba), len as usize)?;
+        .write_in_place(bytes_of(lu, r.lba), len as usize)?
+        .in_grains_of(lu.block_size() as usize);
     Some(PlacedWrite {
         lu: Arc::clone(lu),
         target,

@@ -106,8 +106,9 @@ struct PendingWrite {
     cdb: Bytes,
     transfer: WriteTransfer,
     buf: BytesMut,
-    /// The data goes straight into the medium instead of `buf` (see [`place_min`]).
-    placed: Option<PlacedWrite>,
+    /// The data goes straight into the medium instead of `buf` (see [`place_min`]), a
+    /// whole block at a time.
+    placed: Option<(PlacedWrite, io::Placement)>,
     slot: Slot,
     /// When the command's header was read (start of the "receive" stage).
     t_header: Stamp,
@@ -1167,7 +1168,12 @@ impl Connection {
 
     /// Begin a write whose Data-Out will be received straight into the medium, with the
     /// `immediate` data already there; `None`: it takes the usual path.
-    fn place(&self, cmd: &ScsiCommand, cdb: &Bytes, immediate: &[u8]) -> Option<PlacedWrite> {
+    fn place(
+        &self,
+        cmd: &ScsiCommand,
+        cdb: &Bytes,
+        immediate: &[u8],
+    ) -> Option<(PlacedWrite, io::Placement)> {
         let target = self.session.target.as_ref()?;
         let lun = cmd.lun.number()?;
         let placed = target.scsi().place_write(
@@ -1178,17 +1184,22 @@ impl Connection {
         )?;
         // Immediate data first; should the medium refuse it, the usual path writes (and
         // reports) everything.
-        if !immediate.is_empty() && placed.target().write_at(0, immediate).is_err() {
-            return None;
-        }
-        Some(placed)
+        let mut placement = io::Placement::default();
+        placement.put(placed.target(), 0, immediate).ok()?;
+        Some((placed, placement))
     }
 
     /// Send any R2Ts the write now needs, or execute it if all data is in.
     async fn advance_write(&mut self, mut pw: PendingWrite) {
         if pw.transfer.is_complete() {
             let exp_data_sn = pw.transfer.r2t_count();
-            if let Some(placed) = pw.placed.take() {
+            if let Some((placed, placement)) = pw.placed.take() {
+                if placement.is_pending() {
+                    // Every byte arrived, so no block can be waiting for more: a bug if so.
+                    let resp = Response::check_condition(SenseReason::InternalTargetFailure);
+                    self.finish(pw.cmd, resp, None, exp_data_sn, pw.slot);
+                    return;
+                }
                 self.spawn_exec(pw.cmd, pw.cdb, placed, exp_data_sn, pw.slot, pw.t_header);
                 return;
             }
@@ -1316,8 +1327,9 @@ impl Connection {
         if off + len as usize > pw.cmd.expected_data_transfer_length as usize {
             return Err("Data-Out outside the command buffer".into());
         }
-        if let Some(placed) = &pw.placed {
-            let placed_ok = io::read_data_in_place(rd, plan, placed.target(), off)
+        if let Some((placed, placement)) = &mut pw.placed {
+            let placed_ok = placement
+                .receive(rd, plan, placed.target(), off)
                 .await
                 .map_err(|e| e.to_string())?;
             if let Err(e) = placed_ok {
@@ -1325,7 +1337,7 @@ impl Connection {
                 let reason = pw
                     .placed
                     .take()
-                    .map_or(SenseReason::InternalTargetFailure, |p| p.failed(&e));
+                    .map_or(SenseReason::InternalTargetFailure, |(p, _)| p.failed(&e));
                 let n = pw.transfer.r2t_count();
                 self.finish(pw.cmd, Response::check_condition(reason), None, n, pw.slot);
                 return Ok(());

@@ -128,69 +128,153 @@ pub async fn read_data_shared<R: AsyncRead + Unpin>(
     Ok(Some((data, ok)))
 }
 
-/// Receive a data segment (no data digest) straight into `target` at byte `at`: the bytes
-/// already in the receive buffer are written there, the rest the kernel copies from the
-/// socket into the file with no buffer in between ([`InPlaceWrite::recv_from`]); should that
-/// copy fail, the rest is received into memory and written from there. The outer error ends
-/// the connection; the inner one is the medium's (a write failed, e.g. tmpfs is full): the
-/// rest of the segment is then read and dropped, so the stream stays in step, and the caller
-/// fails the command.
-pub async fn read_data_in_place(
-    r: &mut RecvBuf<tokio::net::tcp::OwnedReadHalf>,
-    plan: &ReceivePlan,
-    target: &InPlaceWrite,
-    at: usize,
-) -> std::io::Result<Result<(), std::io::Error>> {
-    use std::os::fd::AsFd;
-    let len = plan.data_len;
-    let mut failed = None;
-    if plan.data_digest_len != 0 {
-        failed = Some(std::io::Error::other("data digest: not received in place"));
-    }
-    let buffered = r.buf.len().min(len);
-    if buffered > 0 && failed.is_none() {
-        if let Err(e) = target.write_at(at, &r.buf[..buffered]) {
-            failed = Some(e);
-        }
-    }
-    bytes::Buf::advance(&mut r.buf, buffered);
-    let mut got = buffered;
-    while got < len && failed.is_none() {
-        let stream = r.inner.as_ref();
-        match stream.try_io(tokio::io::Interest::READABLE, || {
-            target.recv_from(stream.as_fd(), at + got, len - got)
-        }) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => stream.readable().await?,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => {
-                // The kernel could not copy into the file's pages (EFAULT: the file was cut
-                // short behind our back, or tmpfs is full): receive the rest into memory and
-                // write it as any write is written, which extends the file or says why not.
-                let mut rest = vec![0u8; len - got];
-                r.read_exact(&mut rest).await?;
-                if let Err(e) = target.write_at(at + got, &rest) {
-                    failed = Some(e);
+/// The Data-Out of one write received in place ([`InPlaceWrite`]), a whole logical block at a
+/// time: a block reaches the medium only once all its bytes are here, so a transfer broken
+/// off (a TCP reset, an abort) leaves each block all old or all new, never torn. Blocks that
+/// lie wholly in a segment go straight from the socket into the file; the bytes of a block
+/// split between segments wait here until the block is complete.
+#[derive(Debug, Default)]
+pub struct Placement {
+    /// Blocks begun and not yet complete: (byte offset in the write, the block's bytes so
+    /// far as a block-sized buffer, how many of them arrived).
+    partial: Vec<(usize, Vec<u8>, usize)>,
+}
+
+impl Placement {
+    /// Take `data`, bytes `at ..` of the write: whole blocks are written at once, the rest
+    /// kept until its block is complete.
+    pub fn put(&mut self, target: &InPlaceWrite, at: usize, data: &[u8]) -> std::io::Result<()> {
+        let grain = target.grain();
+        let (mut pos, end) = (at, at + data.len());
+        while pos < end {
+            let block = pos - pos % grain;
+            let n = (block + grain).min(end) - pos;
+            let bytes = &data[pos - at..pos - at + n];
+            if n == grain {
+                // A whole block (and the ones after it) in this piece.
+                let whole = (end - pos) - (end - pos) % grain;
+                target.write_at(pos, &data[pos - at..pos - at + whole])?;
+                pos += whole;
+                continue;
+            }
+            let i = match self.partial.iter().position(|p| p.0 == block) {
+                Some(i) => i,
+                None => {
+                    self.partial.push((block, vec![0u8; grain], 0));
+                    self.partial.len() - 1
                 }
-                got = len;
+            };
+            let p = &mut self.partial[i];
+            p.1[pos - block..pos - block + n].copy_from_slice(bytes);
+            p.2 += n;
+            if p.2 >= grain {
+                let (b, bytes, _) = self.partial.swap_remove(i);
+                target.write_at(b, &bytes)?;
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Whether a block is still waiting for bytes (never once the transfer is complete).
+    pub fn is_pending(&self) -> bool {
+        !self.partial.is_empty()
+    }
+
+    /// Receive a data segment (no data digest) for bytes `at ..` of the write: what is in
+    /// the receive buffer and the ends of blocks split with other segments through
+    /// [`put`](Self::put), every whole block still in the socket copied by the kernel straight
+    /// into the file ([`InPlaceWrite::recv_from`]); should that copy fail, the rest is received
+    /// into memory and written from there. The outer error ends the connection; the inner one
+    /// is the medium's (a write failed, e.g. tmpfs is full): the rest of the segment is then
+    /// read and dropped, so the stream stays in step, and the caller fails the command.
+    pub async fn receive(
+        &mut self,
+        r: &mut RecvBuf<tokio::net::tcp::OwnedReadHalf>,
+        plan: &ReceivePlan,
+        target: &InPlaceWrite,
+        at: usize,
+    ) -> std::io::Result<Result<(), std::io::Error>> {
+        use std::os::fd::AsFd;
+        let grain = target.grain();
+        let (len, end) = (plan.data_len, at + plan.data_len);
+        let mut failed = None;
+        if plan.data_digest_len != 0 {
+            failed = Some(std::io::Error::other("data digest: not received in place"));
+        }
+        let mut pos = at;
+        while pos < end && failed.is_none() {
+            // Bytes already in the receive buffer first (reading a short piece below may
+            // have filled it with more of the segment): the socket holds what follows them.
+            let buffered = r.buf.len().min(end - pos);
+            if buffered > 0 {
+                failed = self.put(target, pos, &r.buf[..buffered]).err();
+                bytes::Buf::advance(&mut r.buf, buffered);
+                pos += buffered;
+                continue;
+            }
+            // From `pos` to the next block boundary, and a last piece shorter than a block,
+            // come through memory; whole blocks from the socket.
+            let whole = if pos % grain == 0 {
+                (end - pos) - (end - pos) % grain
+            } else {
+                0
+            };
+            if whole == 0 {
+                let n = if pos % grain == 0 {
+                    end - pos
+                } else {
+                    (grain - pos % grain).min(end - pos)
+                };
+                let mut piece = vec![0u8; n];
+                r.read_exact(&mut piece).await?;
+                failed = self.put(target, pos, &piece).err();
+                pos += n;
+                continue;
+            }
+            let stream = r.inner.as_ref();
+            match stream.try_io(tokio::io::Interest::READABLE, || {
+                target.recv_from(stream.as_fd(), pos, whole)
+            }) {
+                Ok(0) => {
+                    // Less than a block is there: through memory, where a block waits for
+                    // its last byte (a broken transfer must not leave it torn).
+                    let mut piece = vec![0u8; grain];
+                    r.read_exact(&mut piece).await?;
+                    failed = self.put(target, pos, &piece).err();
+                    pos += grain;
+                }
+                Ok(n) => pos += n,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(e),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => stream.readable().await?,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    // The kernel could not copy into the file's pages (EFAULT: the file was
+                    // cut short behind our back, or tmpfs is full): receive the rest into
+                    // memory and write it as any write is written, which extends the file or
+                    // says why not.
+                    let mut rest = vec![0u8; end - pos];
+                    r.read_exact(&mut rest).await?;
+                    failed = self.put(target, pos, &rest).err();
+                    pos = end;
+                }
             }
         }
+        if pos < end {
+            skip_bytes(r, end - pos).await?;
+        }
+        if len >= RECV_BUF_MAX {
+            // As after any large payload read past the buffer: the next header is read alone.
+            r.direct_left = DIRECT_AFTER_LARGE;
+        }
+        let mut tail = [0u8; 8];
+        let tail_len = plan.pad_len + plan.data_digest_len;
+        r.read_exact(&mut tail[..tail_len]).await?;
+        Ok(match failed {
+            Some(e) => Err(e),
+            None => Ok(()),
+        })
     }
-    if got < len {
-        skip_bytes(r, len - got).await?;
-    }
-    if len >= RECV_BUF_MAX {
-        // As after any large payload read past the buffer: the next header is read alone.
-        r.direct_left = DIRECT_AFTER_LARGE;
-    }
-    let mut tail = [0u8; 8];
-    let tail_len = plan.pad_len + plan.data_digest_len;
-    r.read_exact(&mut tail[..tail_len]).await?;
-    Ok(match failed {
-        Some(e) => Err(e),
-        None => Ok(()),
-    })
 }
 
 /// Read the pad and data digest after a data segment and check the digest.
@@ -694,6 +778,52 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecvBuf<R> {
 
 #[cfg(test)]
 mod tests {
+
+    /// A block reaches the file only once every byte of it has arrived, whatever pieces the
+    /// bytes come in (the ends of Data-Out segments); whole blocks go at once. A real file on
+    /// tmpfs, checked after every piece.
+    #[test]
+    fn placement_writes_a_block_only_when_it_is_complete() {
+        use ironsan_backend::{BlockDevice, FileBackend, FileOptions};
+        let path = std::path::PathBuf::from(format!(
+            "/dev/shm/ironsan-placement-{}.img",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let file = FileBackend::open(
+            &path,
+            &FileOptions {
+                size: Some(1 << 20),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        // 6 blocks at byte 4096 of the file.
+        let target = file.write_in_place(4096, 3072).unwrap().in_grains_of(512);
+        let data: Vec<u8> = (0..3072u32).map(|i| (i % 251 + 1) as u8).collect();
+        let mut p = Placement::default();
+        let mut at = 0;
+        // Pieces that split blocks 0, 1 and 3 and hold all of block 2 and blocks 4-5.
+        for (n, complete) in [(100, 0), (700, 1), (300, 2), (1000, 4), (972, 6)] {
+            p.put(&target, at, &data[at..at + n]).unwrap();
+            at += n;
+            let on_disk = std::fs::read(&path).unwrap();
+            let got = &on_disk[4096..4096 + 3072];
+            for b in 0..6 {
+                let want: &[u8] = if b < complete {
+                    &data[b * 512..(b + 1) * 512]
+                } else {
+                    &[0u8; 512]
+                };
+                assert!(
+                    got[b * 512..(b + 1) * 512] == *want,
+                    "after {at} bytes: block {b} (complete blocks: {complete})"
+                );
+            }
+        }
+        assert!(!p.is_pending());
+        let _ = std::fs::remove_file(&path);
+    }
     use super::*;
     use tokio::io::AsyncWriteExt;
 

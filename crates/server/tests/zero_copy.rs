@@ -9,7 +9,8 @@ mod support;
 use bytes::Bytes;
 use ironsan_backend::{FileBackend, FileOptions};
 use ironsan_initiator::{Client, LoginOptions};
-use ironsan_proto::pdu::Header;
+use ironsan_proto::pdu::{DataOut, Header, Lun, Pdu};
+use ironsan_proto::DataSn;
 use ironsan_server::{Server, ServerConfig, ZeroCopyReads};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -418,4 +419,76 @@ async fn a_backing_file_cut_short_under_large_writes_is_written_as_before() {
     assert!(r.status == 0 && r.data == data);
     let r = c.read16(0, 0, 2048, BS).await.unwrap();
     assert!(r.status == 0 && r.data == first);
+}
+
+#[tokio::test]
+async fn a_write_broken_off_mid_transfer_leaves_no_block_torn() {
+    // A 256 KiB write whose first Data-Out PDU announces 64 KiB and carries 4,600 bytes (eight
+    // whole blocks and 504 bytes of the ninth), then a TCP reset. Every block reads back all
+    // old or all new. Received in place, whole blocks reach the file as they arrive (SBC
+    // allows either for an aborted write) and the ninth, incomplete, never does; through a
+    // buffer, nothing is written.
+    for on in [true, false] {
+        let name = if on { "tear-on" } else { "tear-off" };
+        let rig = start_with(Path::new("/dev/shm"), name, |cfg| cfg.zero_copy_writes = on).await;
+        let mut c = login(rig.addr, |_| {}).await;
+        assert_eq!(c.read16(0, 0, 1, BS).await.unwrap().status, 0);
+        let old = pattern(256 << 10, 1);
+        let r = c.write16(0, 0, old.clone(), BS, false).await.unwrap();
+        assert_eq!(r.status, 0);
+        let new = pattern(256 << 10, 2);
+        let (itt, _) = c
+            .send_write16(0, 0, 256 << 10, BS, Bytes::new())
+            .await
+            .unwrap();
+        // The command's F bit says no unsolicited data follows: the target asks for it.
+        let p = tokio::time::timeout(Duration::from_secs(10), c.recv())
+            .await
+            .expect("no R2T")
+            .unwrap();
+        let Header::R2t(r2t) = &p.header else {
+            panic!("{name}: expected an R2T, got {:?}", p.header);
+        };
+        assert_eq!((r2t.itt, r2t.buffer_offset), (itt, 0));
+        let header = Header::DataOut(DataOut {
+            final_bit: false,
+            lun: Lun::from_number(0),
+            itt,
+            ttt: r2t.ttt,
+            data_sn: DataSn(0),
+            buffer_offset: 0,
+            ..Default::default()
+        });
+        let mut raw = Pdu::new(header, new.slice(..64 << 10)).bhs().0.to_vec();
+        raw.extend_from_slice(&new[..4600]);
+        c.send_bytes(&raw).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        c.reset().unwrap();
+        let mut c = login(rig.addr, |o| o.isid.0[5] = 9).await;
+        let r = c.read16(0, 0, 32, BS).await.unwrap();
+        assert_eq!(r.status, 0);
+        let block = |d: &[u8], b: usize| d[b * 512..(b + 1) * 512].to_vec();
+        for b in 0..32 {
+            let got = block(&r.data, b);
+            assert!(
+                got == block(&old, b) || got == block(&new, b),
+                "{name}: block {b} is torn"
+            );
+        }
+        assert!(
+            r.data[8 * 512..] == old[8 * 512..16 << 10],
+            "{name}: the incomplete block or one after it was written"
+        );
+        if on {
+            assert!(
+                r.data[..8 * 512] == new[..8 * 512],
+                "{name}: the whole blocks that arrived were not received in place"
+            );
+        } else {
+            assert!(
+                r.data[..] == old[..16 << 10],
+                "{name}: a buffered write wrote"
+            );
+        }
+    }
 }
