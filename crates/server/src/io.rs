@@ -215,13 +215,13 @@ impl Placement {
             }
             // From `pos` to the next block boundary, and a last piece shorter than a block,
             // come through memory; whole blocks from the socket.
-            let whole = if pos % grain == 0 {
+            let whole = if pos.is_multiple_of(grain) {
                 (end - pos) - (end - pos) % grain
             } else {
                 0
             };
             if whole == 0 {
-                let n = if pos % grain == 0 {
+                let n = if pos.is_multiple_of(grain) {
                     end - pos
                 } else {
                     (grain - pos % grain).min(end - pos)
