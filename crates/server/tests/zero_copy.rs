@@ -45,6 +45,15 @@ impl Rig {
     fn zero_copy_write_bytes(&self) -> u64 {
         self.control.gauges().zero_copy_write_bytes
     }
+    /// Truncate the backing file behind the target's back.
+    fn cut_short(&self, len: u64) {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.file.0)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
 }
 
 /// A server whose LUN 0 is a new file `name` in `dir`.
@@ -267,12 +276,7 @@ async fn a_backing_file_cut_short_under_a_read_closes_the_connection() {
     let rig = start(Path::new("/dev/shm"), "cut", ZeroCopyReads::On).await;
     let mut c = login(rig.addr, |_| {}).await;
     fill(&mut c).await;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&rig.file.0)
-        .unwrap()
-        .set_len(LUN_BYTES / 2)
-        .unwrap();
+    rig.cut_short(LUN_BYTES / 2);
     let r = tokio::time::timeout(
         Duration::from_secs(10),
         c.read16(0, LUN_BYTES / 2 / u64::from(BS) - 8, 1024, BS),
@@ -399,12 +403,7 @@ async fn a_backing_file_cut_short_under_large_writes_is_written_as_before() {
     let r = c.write16(0, 0, first.clone(), BS, false).await.unwrap();
     assert_eq!(r.status, 0);
     assert!(rig.zero_copy_write_bytes() > 0, "the mapping exists");
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&rig.file.0)
-        .unwrap()
-        .set_len(LUN_BYTES / 4)
-        .unwrap();
+    rig.cut_short(LUN_BYTES / 4);
     let lba = LUN_BYTES / 2 / u64::from(BS);
     let data = pattern(2 << 20, 8);
     let r = tokio::time::timeout(
