@@ -513,8 +513,12 @@ impl BlockDevice for FileBackend {
     /// never waits for a device, like the inline writes. The mapping covers the LUN's size
     /// when it is made (remade larger when the LUN has grown past it); a mapping that cannot
     /// be made means `None` (the write takes the usual path).
+    fn can_write_in_place(&self) -> bool {
+        self.in_memory && !self.read_only
+    }
+
     fn write_in_place(&self, offset: u64, len: usize) -> Option<InPlaceWrite> {
-        if !self.in_memory || self.read_only || len == 0 {
+        if !self.can_write_in_place() || len == 0 {
             return None;
         }
         let end = offset.checked_add(len as u64)?;

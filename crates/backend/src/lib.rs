@@ -323,6 +323,12 @@ pub trait BlockDevice: Send + Sync + 'static {
     }
     /// Write `data` at `offset`.
     fn write(&self, offset: u64, data: Bytes, mode: WriteMode) -> IoFuture<'_, ()>;
+    /// Whether [`write_in_place`](Self::write_in_place) can ever give `Some` (a cheap check,
+    /// so a transport does not prepare for writes in place on a LUN that never takes them).
+    fn can_write_in_place(&self) -> bool {
+        false
+    }
+
     /// Where `len` bytes at `offset` can be received in place (see [`InPlaceWrite`]), or
     /// `None` (the default): the write then comes through [`write`](Self::write).
     fn write_in_place(&self, offset: u64, len: usize) -> Option<InPlaceWrite> {

@@ -299,6 +299,14 @@ impl Target {
         }
     }
 
+    /// Whether writes to `lun` may ever be placed ([`place_write`](Self::place_write)): the
+    /// transport then prepares no buffer for a large write's data before asking.
+    pub fn can_place_writes(&self, lun: u64) -> bool {
+        self.luns
+            .get(&lun)
+            .is_some_and(|lu| lu.backend().can_write_in_place())
+    }
+
     /// Begin a WRITE whose `data_len` bytes of Data-Out the transport will receive straight
     /// into the medium: every check [`execute`](Self::execute) would make of it (unit
     /// attention, CDB, reservations, write protect, range) is made now, before the data, and
@@ -318,14 +326,15 @@ impl Target {
     ) -> Option<PlacedWrite> {
         let lu = self.luns.get(&lun)?;
         let c = Cdb(cdb);
-        if cdb.is_empty() || !lu.nothing_to_report(nexus.id) {
+        if cdb.is_empty() {
             return None;
         }
         validate_cdb(c).ok()?;
-        if lock(&lu.reservation).is_some() || lock(&lu.pr).reserved() {
-            return None;
-        }
-        sbc::place_write(lu, c, data_len)
+        sbc::place_write(lu, c, data_len, || {
+            lu.nothing_to_report(nexus.id)
+                && lock(&lu.reservation).is_none()
+                && !lock(&lu.pr).reserved()
+        })
     }
 
     /// Execute one command addressed to `lun` over `nexus`. Never panics on any CDB or data.

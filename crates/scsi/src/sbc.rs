@@ -227,13 +227,16 @@ impl PlacedWrite {
 }
 
 /// The checks of [`write`] for a WRITE (10/12/16) whose Data-Out is `data_len` bytes, made
-/// before the data arrives; `Some` when they pass, the range is free at once, the data covers
-/// the whole transfer, and the backend can receive it in place. Anything else is `None` and
-/// the command takes the usual path, which makes (and reports) the same checks itself.
+/// before the data arrives; `Some` when they pass, the data covers the whole transfer, the
+/// backend can receive it in place, `may_begin` (the caller's checks of the nexus) agrees, and
+/// the range is free at once. Anything else is `None` and the command takes the usual path,
+/// which makes (and reports) the same checks itself. The backend is asked first, so a LUN
+/// that cannot take bytes in place (RAM, null, disk files) costs no lock here.
 pub(crate) fn place_write(
     lu: &Arc<LogicalUnit>,
     cdb: Cdb<'_>,
     data_len: u32,
+    may_begin: impl FnOnce() -> bool,
 ) -> Option<PlacedWrite> {
     if !matches!(cdb.op(), WRITE_10 | WRITE_12 | WRITE_16) {
         return None;
@@ -243,11 +246,14 @@ pub(crate) fn place_write(
     if r.blocks == 0 || len != u64::from(data_len) {
         return None;
     }
-    let range = lu.writes.try_lock(r.lba, r.lba + u64::from(r.blocks))?;
     let target = lu
         .backend()
         .write_in_place(bytes_of(lu, r.lba), len as usize)?
         .in_grains_of(lu.block_size() as usize);
+    if !may_begin() {
+        return None;
+    }
+    let range = lu.writes.try_lock(r.lba, r.lba + u64::from(r.blocks))?;
     Some(PlacedWrite {
         lu: Arc::clone(lu),
         target,

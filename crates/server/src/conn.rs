@@ -1016,7 +1016,12 @@ impl Connection {
             None
         };
         // A write that may be received in place needs a buffer for its immediate data only.
-        let may_place = buffered && self.place_min.is_some_and(|m| edtl >= m);
+        let may_place = buffered
+            && self.place_min.is_some_and(|m| edtl >= m)
+            && self.session.target.as_ref().is_some_and(|t| {
+                t.scsi()
+                    .can_place_writes(cmd.lun.number().unwrap_or(u64::MAX))
+            });
         let mut buf = if buffered && shared.is_none() {
             // Capacity only: data is appended as it arrives (`io::read_data_at`).
             BytesMut::with_capacity(if may_place { immediate_len } else { edtl } as usize)
