@@ -1980,9 +1980,6 @@ fn extended_cdb(cdb16: &[u8; 16], ahs: &Bytes) -> Option<Bytes> {
 /// into one batched vectored write is cheaper (docs/PERFORMANCE.md).
 const IN_PLACE_MIN: u32 = 64 * 1024;
 
-/// The smallest read a connection sends straight from a file LUN's page cache, if it does
-/// ([`crate::ZeroCopyReads`]): never with a data digest (it needs the bytes) or with segments
-/// under [`IN_PLACE_MIN`].
 /// Writes whose Data-Out is received in place: from 64 KiB (below that the data mostly
 /// arrives with the command, already buffered), and only without a data digest, which must be
 /// checked before a byte may reach the medium.
@@ -1990,6 +1987,9 @@ fn place_min(on: bool, params: &ConnParams) -> Option<u32> {
     (on && !params.data_digest).then_some(IN_PLACE_MIN)
 }
 
+/// The smallest read a connection sends straight from a file LUN's page cache, if it does
+/// ([`crate::ZeroCopyReads`]): never with a data digest (it needs the bytes) or with segments
+/// under [`IN_PLACE_MIN`].
 fn in_place_min(
     mode: crate::ZeroCopyReads,
     params: &ConnParams,
