@@ -530,11 +530,9 @@ pub fn recv_into(
     at: usize,
     len: usize,
 ) -> io::Result<usize> {
-    let end = at
-        .checked_add(len)
+    at.checked_add(len)
         .filter(|&e| e <= map.len)
         .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
-    debug_assert!(end <= map.len);
     // SAFETY: `at + len <= map.len` (checked above), so the kernel writes only inside the
     // mapping, which `map` keeps alive for the call. No Rust reference to that memory exists:
     // it is written only by the kernel, so no aliasing rule is involved. `src` is a borrowed

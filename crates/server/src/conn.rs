@@ -1016,12 +1016,17 @@ impl Connection {
             None
         };
         // A write that may be received in place needs a buffer for its immediate data only.
-        let may_place = buffered
-            && self.place_min.is_some_and(|m| edtl >= m)
-            && self.session.target.as_ref().is_some_and(|t| {
-                t.scsi()
-                    .can_place_writes(cmd.lun.number().unwrap_or(u64::MAX))
-            });
+        let place_on = if buffered && self.place_min.is_some_and(|m| edtl >= m) {
+            let lun = cmd.lun.number().unwrap_or(u64::MAX);
+            self.session
+                .target
+                .as_ref()
+                .map(|t| t.scsi())
+                .filter(|scsi| scsi.can_place_writes(lun))
+        } else {
+            None
+        };
+        let may_place = place_on.is_some();
         let mut buf = if buffered && shared.is_none() {
             // Capacity only: data is appended as it arrives (`io::read_data_at`).
             BytesMut::with_capacity(if may_place { immediate_len } else { edtl } as usize)
@@ -1150,11 +1155,7 @@ impl Connection {
             }
             buf.extend_from_slice(&data);
         }
-        let placed = if may_place {
-            self.place(&cmd, &cdb, &buf)
-        } else {
-            None
-        };
+        let placed = place_on.and_then(|scsi| self.place(&scsi, &cmd, &cdb, &buf));
         if placed.is_some() {
             buf = BytesMut::new();
         }
@@ -1175,13 +1176,13 @@ impl Connection {
     /// `immediate` data already there; `None`: it takes the usual path.
     fn place(
         &self,
+        scsi: &ironsan_scsi::Target,
         cmd: &ScsiCommand,
         cdb: &Bytes,
         immediate: &[u8],
     ) -> Option<(PlacedWrite, io::Placement)> {
-        let target = self.session.target.as_ref()?;
         let lun = cmd.lun.number()?;
-        let placed = target.scsi().place_write(
+        let placed = scsi.place_write(
             lun,
             &self.session.nexus,
             cdb,

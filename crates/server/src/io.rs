@@ -149,7 +149,6 @@ impl Placement {
         while pos < end {
             let block = pos - pos % grain;
             let n = (block + grain).min(end) - pos;
-            let bytes = &data[pos - at..pos - at + n];
             if n == grain {
                 // A whole block (and the ones after it) in this piece.
                 let whole = (end - pos) - (end - pos) % grain;
@@ -165,7 +164,7 @@ impl Placement {
                 }
             };
             let p = &mut self.partial[i];
-            p.1[pos - block..pos - block + n].copy_from_slice(bytes);
+            p.1[pos - block..pos - block + n].copy_from_slice(&data[pos - at..pos - at + n]);
             p.2 += n;
             if p.2 >= grain {
                 let (b, bytes, _) = self.partial.swap_remove(i);
@@ -213,51 +212,43 @@ impl Placement {
                 pos += buffered;
                 continue;
             }
-            // From `pos` to the next block boundary, and a last piece shorter than a block,
-            // come through memory; whole blocks from the socket.
+            // Whole blocks still in the socket go straight into the file; the rest of a block
+            // begun elsewhere, a last piece shorter than a block, or less than a block waiting
+            // (`Ok(0)`) come through memory, where a block waits for its last byte.
             let whole = if pos.is_multiple_of(grain) {
                 (end - pos) - (end - pos) % grain
             } else {
                 0
             };
-            if whole == 0 {
-                let n = if pos.is_multiple_of(grain) {
-                    end - pos
-                } else {
-                    (grain - pos % grain).min(end - pos)
-                };
+            let to_memory = if whole == 0 {
+                Some((grain - pos % grain).min(end - pos))
+            } else {
+                let stream = r.inner.as_ref();
+                match stream.try_io(tokio::io::Interest::READABLE, || {
+                    target.recv_from(stream.as_fd(), pos, whole)
+                }) {
+                    Ok(0) => Some((grain - pos % grain).min(end - pos)),
+                    Ok(n) => {
+                        pos += n;
+                        None
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(e),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        stream.readable().await?;
+                        None
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => None,
+                    // The kernel could not copy into the file's pages (EFAULT: the file was
+                    // cut short behind our back, or tmpfs is full): the rest through memory,
+                    // written as any write is, which extends the file or says why not.
+                    Err(_) => Some(end - pos),
+                }
+            };
+            if let Some(n) = to_memory {
                 let mut piece = vec![0u8; n];
                 r.read_exact(&mut piece).await?;
                 failed = self.put(target, pos, &piece).err();
                 pos += n;
-                continue;
-            }
-            let stream = r.inner.as_ref();
-            match stream.try_io(tokio::io::Interest::READABLE, || {
-                target.recv_from(stream.as_fd(), pos, whole)
-            }) {
-                Ok(0) => {
-                    // Less than a block is there: through memory, where a block waits for
-                    // its last byte (a broken transfer must not leave it torn).
-                    let mut piece = vec![0u8; grain];
-                    r.read_exact(&mut piece).await?;
-                    failed = self.put(target, pos, &piece).err();
-                    pos += grain;
-                }
-                Ok(n) => pos += n,
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(e),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => stream.readable().await?,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => {
-                    // The kernel could not copy into the file's pages (EFAULT: the file was
-                    // cut short behind our back, or tmpfs is full): receive the rest into
-                    // memory and write it as any write is written, which extends the file or
-                    // says why not.
-                    let mut rest = vec![0u8; end - pos];
-                    r.read_exact(&mut rest).await?;
-                    failed = self.put(target, pos, &rest).err();
-                    pos = end;
-                }
             }
         }
         if pos < end {
@@ -778,6 +769,8 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecvBuf<R> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
 
     /// A block reaches the file only once every byte of it has arrived, whatever pieces the
     /// bytes come in (the ends of Data-Out segments); whole blocks go at once. A real file on
@@ -824,8 +817,6 @@ mod tests {
         assert!(!p.is_pending());
         let _ = std::fs::remove_file(&path);
     }
-    use super::*;
-    use tokio::io::AsyncWriteExt;
 
     /// Stream 256 KiB through `rb` in 1 KiB reads (each checked): enough fills of a full
     /// buffer to grow it to its largest.
