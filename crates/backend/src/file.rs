@@ -510,13 +510,13 @@ impl BlockDevice for FileBackend {
     }
 
     /// tmpfs/ramfs files only: there the kernel's copy from the socket into the file's pages
-    /// never waits for a device, like the inline writes. The mapping covers the LUN's size
-    /// when it is made (remade larger when the LUN has grown past it); a mapping that cannot
-    /// be made means `None` (the write takes the usual path).
+    /// never waits for a device, like the inline writes.
     fn can_write_in_place(&self) -> bool {
         self.in_memory && !self.read_only
     }
 
+    /// The mapping covers the LUN's size when it is made (remade larger when the LUN has grown
+    /// past it); a mapping that cannot be made means `None` (the write takes the usual path).
     fn write_in_place(&self, offset: u64, len: usize) -> Option<InPlaceWrite> {
         if !self.can_write_in_place() || len == 0 {
             return None;
