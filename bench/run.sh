@@ -37,6 +37,10 @@
 #     /proc/PID/stat before and after each run. CPU % = CPU s / wall s,
 #     CPU us/IO = CPU s / I/Os done. With the target confined to one core,
 #     CPU per I/O is a fair efficiency figure even when IOPS are client-bound.
+#   * Client % = busy time of the clients' core (user, system, irq and softirq
+#     from /proc/stat) over the run's wall time: near 100 % the client, not
+#     the target, set the IOPS (on loopback the client's core also does the
+#     kernel's TCP work for the segments the client sends).
 #   * Sections:
 #     ram     ironsan ram:1G LUN vs tgt bstype null (no data copy at all; tgt
 #             discards writes): 4K QD32 random read, 512K QD8 sequential read
@@ -47,8 +51,9 @@
 #             With ram too, ironsan-poll also runs the 4K QD32 random read:
 #             the opt-in polling mode is what SPDK's figure in issue #4 is.
 #     scale   16 iscsi-perf processes (16 sessions) x -m 8 -b 8 -r, summed,
-#             vs one session -m 32 (the ram/file randread figure is reused
-#             when present, else measured here).
+#             vs one session -m 32, run just before and just after the 16
+#             against the same target (row 1x-randread-4k-qd32: the two
+#             together), so a drifting host cannot tip the ratio.
 #     idle    target CPU over 10 s with one logged-in idle session.
 #     memory  VmRSS delta of the target with 100 idle logged-in sessions
 #             (bench/idle-sessions.py, one Python process holding them and
@@ -57,7 +62,8 @@
 #     file    the same four data workloads on one 256 MiB file on tmpfs
 #             (/dev/shm), preallocated: ironsan file LUN (--write-cache, so
 #             WCE=1 like tgt rdwr and istgt), tgt bstype rdwr, istgt.
-#     load    the data workloads, QD1 and 16 sessions x QD8 again with
+#     load    the data workloads, QD1 and 16 sessions x QD8 (between two
+#             1 x QD32 runs, as in scale) again with
 #             ironsan's own load generator (`ironsan load`, one client
 #             thread, pipelined; see docs/PERFORMANCE.md), on the RAM/null
 #             setup (ironsan, tgt) and the tmpfs file setup (all three).
@@ -228,6 +234,22 @@ sched_ns_switches() {
     cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^(voluntary|nonvoluntary)_ctxt_switches/ { n += $2 } END { print n + 0 }'
 }
 rss_kb() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status"; }
+# Busy clock ticks of one CPU (user + nice + system + irq + softirq, /proc/stat): every client
+# runs on CPU $CLIENT_CPU, so this is how hard the clients worked, loopback TCP processing
+# included; a row whose client core is near 100 % was limited by its client, not its target.
+core_ticks() { awk -v c="cpu$1" '$1 == c { print $2 + $3 + $4 + $7 + $8; exit }' /proc/stat; }
+# measured FUNCTION ARGS...: runs FUNCTION, which prints the IOPS it measured, with the
+# target's CPU, the client core's busy ticks and the wall clock sampled around it; sets
+# M_IOPS, M_TICKS, M_CLIENT and M_WALL (ns).
+M_IOPS=0 M_TICKS=0 M_CLIENT=0 M_WALL=0
+measured() {
+    local c0 k0 t0
+    c0=$(cpu_ticks "$TARGET_PID"); k0=$(core_ticks "$CLIENT_CPU"); t0=$(date +%s%N)
+    M_IOPS=$("$@")
+    M_WALL=$(($(date +%s%N) - t0))
+    M_TICKS=$(($(cpu_ticks "$TARGET_PID") - c0))
+    M_CLIENT=$(($(core_ticks "$CLIENT_CPU") - k0))
+}
 
 # start_target NAME SETUP: NAME is ironsan, ironsan-poll (ironsan in the opt-in busy-polling
 # mode, for the QD1 and RAM 4K QD32 rows only), ironsan-threads (--io-engine threads, disk
@@ -305,8 +327,8 @@ ROWS=$WORK/rows.tsv
 FAILURES=$WORK/failures
 : >"$FAILURES"
 failed() { note "$*"; echo "$*" >>"$FAILURES"; }
-# row SETUP WORKLOAD TARGET IOPS IO_BYTES TICKS WALL_NS TOOL
-row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" "$CLK_TCK" >>"$ROWS"; }
+# row SETUP WORKLOAD TARGET IOPS IO_BYTES TICKS WALL_NS TOOL CLIENT_TICKS
+row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" "$CLK_TCK" >>"$ROWS"; }
 
 # iscsi-perf once; echoes the final "iops average".
 perf_once() {
@@ -327,12 +349,9 @@ perf_once() {
 # perf SETUP WORKLOAD BYTES iscsi-perf-args...
 perf() {
     local setup=$1 workload=$2 bytes=$3; shift 3
-    local c0 t0 c1 t1 iops
-    c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
-    iops=$(perf_once "$WORK/$TARGET_NAME-$setup-$workload.log" "$@")
-    t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
-    row "$setup" "$workload" "$TARGET_NAME" "$iops" "$bytes" $((c1 - c0)) $((t1 - t0)) iscsi-perf
-    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$iops")"
+    measured perf_once "$WORK/$TARGET_NAME-$setup-$workload.log" "$@"
+    row "$setup" "$workload" "$TARGET_NAME" "$M_IOPS" "$bytes" "$M_TICKS" "$M_WALL" iscsi-perf "$M_CLIENT"
+    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$M_IOPS")"
 }
 
 # qemu-img bench write; echoes "IOPS" of one run of COUNT requests (0 on failure).
@@ -355,16 +374,14 @@ qwrite() {
     local setup=$1 workload=$2 depth=$3 size=$4
     # Calibrate: a short run (also warms the target), then size the real one.
     local cal=$(( size >= 65536 ? 200 : 3000 ))
-    local est count c0 t0 c1 t1 iops
+    local est count
     est=$(qbench_once "$cal" "$depth" "$size" "$WORK/qcal.log")
     count=$(( est * DURATION )); [[ $count -ge $cal ]] || count=$cal
-    c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
-    iops=$(qbench_once "$count" "$depth" "$size" "$WORK/$TARGET_NAME-$setup-$workload.log")
-    t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
+    measured qbench_once "$count" "$depth" "$size" "$WORK/$TARGET_NAME-$setup-$workload.log"
     # CPU is charged over the whole qemu-img process lifetime (login, probing
     # and logout included); the run itself dominates at >= 3 s.
-    row "$setup" "$workload" "$TARGET_NAME" "$iops" "$size" $((c1 - c0)) $((t1 - t0)) qemu-img
-    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$iops")"
+    row "$setup" "$workload" "$TARGET_NAME" "$M_IOPS" "$size" "$M_TICKS" "$M_WALL" qemu-img "$M_CLIENT"
+    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$M_IOPS")"
 }
 
 # The four data workloads of a setup, each against every target in turn; ironsan-poll, where
@@ -377,22 +394,37 @@ data_workloads() {
     each_target qwrite "$setup" write-512k-qd8 8 524288
 }
 
-scale() {
-    local setup=$1 i c0 t0 c1 t1 total=0 pids=()
-    if ! awk -F'\t' -v s="$setup" -v t="$TARGET_NAME" '$1 == s && $2 == "randread-4k-qd32" && $3 == t { f = 1 } END { exit !f }' "$ROWS"; then
-        perf "$setup" randread-4k-qd32 4096 -m 32 -b 8 -r
-    fi
-    c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
+# sixteen_perf LOG: 16 iscsi-perf processes (16 sessions) x QD8 at once, logging to
+# $WORK/scale-N.log (not LOG); prints their summed IOPS.
+sixteen_perf() {
+    local i total=0 pids=()
     for i in $(seq 16); do
         perf_once "$WORK/scale-$i.log" -m 8 -b 8 -r >"$WORK/scale-$i.iops" &
         pids+=($!)
     done
     wait "${pids[@]}"
-    t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
     for i in $(seq 16); do total=$((total + $(<"$WORK/scale-$i.iops"))); done
-    row "$setup" 16x-randread-4k-qd8 "$TARGET_NAME" "$total" 4096 $((c1 - c0)) $((t1 - t0)) iscsi-perf
-    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" 16x-randread-4k-qd8 "$total")"
+    echo "$total"
 }
+
+# scale_pair SETUP TOOL ONE SIXTEEN: one session x QD32, then 16 sessions x QD8, then one
+# session x QD32 again, back to back against one target (ONE and SIXTEEN print the IOPS of a
+# run), so the scaling ratio compares runs seconds apart on a host whose speed drifts; the
+# 1x-randread-4k-qd32 row is the two single-session runs together (mean IOPS, summed CPU).
+scale_pair() {
+    local setup=$1 tool=$2 one=$3 sixteen=$4 i1 c1 k1 w1
+    measured "$one" "$WORK/$TARGET_NAME-$setup-1x32a.log"
+    i1=$M_IOPS c1=$M_TICKS k1=$M_CLIENT w1=$M_WALL
+    measured "$sixteen" "$WORK/$TARGET_NAME-$setup-16x8.log"
+    row "$setup" 16x-randread-4k-qd8 "$TARGET_NAME" "$M_IOPS" 4096 "$M_TICKS" "$M_WALL" "$tool" "$M_CLIENT"
+    note "$(printf '%-8s %-10s %-18s %8s IOPS' "$TARGET_NAME" "$setup" 16x-randread-4k-qd8 "$M_IOPS")"
+    measured "$one" "$WORK/$TARGET_NAME-$setup-1x32b.log"
+    row "$setup" 1x-randread-4k-qd32 "$TARGET_NAME" $(((i1 + M_IOPS) / 2)) 4096 $((c1 + M_TICKS)) \
+        $((w1 + M_WALL)) "$tool" $((k1 + M_CLIENT))
+    note "$(printf '%-8s %-10s %-18s %8s IOPS' "$TARGET_NAME" "$setup" 1x-randread-4k-qd32 $(((i1 + M_IOPS) / 2)))"
+}
+one_perf() { perf_once "$1" -m 32 -b 8 -r; }
+scale() { scale_pair "$1" iscsi-perf one_perf sixteen_perf; }
 
 # hold_sessions N [idle-sessions.py options]: returns once they are logged in.
 hold_sessions() {
@@ -425,7 +457,7 @@ idle() {
     read -r n1 s1 < <(sched_ns_switches "$TARGET_PID")
     release_sessions
     # Idle rows: IOPS = CPU ns (schedstat), IO_BYTES = context switches.
-    row "$setup" idle-1-session "$TARGET_NAME" $((n1 - n0)) $((s1 - s0)) $((c1 - c0)) $((t1 - t0)) -
+    row "$setup" idle-1-session "$TARGET_NAME" $((n1 - n0)) $((s1 - s0)) $((c1 - c0)) $((t1 - t0)) - 0
     note "$TARGET_NAME idle: $(( (n1 - n0) / 1000 )) us CPU, $((s1 - s0)) context switches in ${IDLE_SECS}s"
 }
 
@@ -438,7 +470,7 @@ memory() {
         sleep 1
         r1=$(rss_kb "$TARGET_PID")
         release_sessions
-        row "$setup" mem-idle-session "$TARGET_NAME" "$r0" "$r1" "$SESSIONS" 0 -
+        row "$setup" mem-idle-session "$TARGET_NAME" "$r0" "$r1" "$SESSIONS" 0 - 0
         note "$TARGET_NAME RSS ${r0} kB -> ${r1} kB with $SESSIONS idle sessions"
     else
         failed "memory: $SESSIONS sessions against $TARGET_NAME failed"
@@ -455,7 +487,7 @@ memory() {
         sleep 1
         r1=$(rss_kb "$TARGET_PID")
         release_sessions
-        row "$setup" mem-bare-connection "$TARGET_NAME" "$r0" "$r1" "$SESSIONS" 0 -
+        row "$setup" mem-bare-connection "$TARGET_NAME" "$r0" "$r1" "$SESSIONS" 0 - 0
         note "$TARGET_NAME RSS ${r0} kB -> ${r1} kB with $SESSIONS bare connections"
     else
         failed "memory: $SESSIONS bare connections to $TARGET_NAME failed"
@@ -465,24 +497,32 @@ memory() {
 
 qd1() { perf "$1" qd1-randread-4k 4096 -m 1 -b 8 -r; }
 
-# lrun SETUP WORKLOAD BYTES ironsan-load-args...: one `ironsan load` run; the row goes to
-# the table "SETUP+load".
-lrun() {
-    local setup=$1 workload=$2 bytes=$3; shift 3
-    local c0 t0 c1 t1 out iops rc=0 log=$WORK/$TARGET_NAME-$setup-load-$workload.log
-    c0=$(cpu_ticks "$TARGET_PID"); t0=$(date +%s%N)
+# lload_once LOG ironsan-load-args...: one `ironsan load` run; prints its IOPS (0 on failure).
+lload_once() {
+    local log=$1; shift
+    local out iops rc=0
     out=$(RUST_BACKTRACE=0 taskset -c "$CLIENT_CPU" timeout -k 10 $((DURATION + 60)) \
         "$BIN" load "$TARGET_URL" -t "$DURATION" --json "$@" 2>"$log") || rc=$?
-    t1=$(date +%s%N); c1=$(cpu_ticks "$TARGET_PID")
     iops=$(python3 -c 'import json, sys; print(round(json.load(sys.stdin)["iops"]))' <<<"$out" 2>/dev/null) || iops=0
     if [[ $rc -ne 0 || $iops -eq 0 ]]; then
         tail -n 3 "$log" >&2
         failed "ironsan load against $TARGET_NAME failed (exit $rc): $*"
         iops=0
     fi
-    row "$setup+load" "$workload" "$TARGET_NAME" "$iops" "$bytes" $((c1 - c0)) $((t1 - t0)) ironsan-load
-    note "$(printf '%-8s %-10s %-18s %8s IOPS (ironsan load)' "$TARGET_NAME" "$setup" "$workload" "$iops")"
+    echo "$iops"
 }
+
+# lrun SETUP WORKLOAD BYTES ironsan-load-args...: one `ironsan load` run; the row goes to
+# the table "SETUP+load".
+lrun() {
+    local setup=$1 workload=$2 bytes=$3; shift 3
+    measured lload_once "$WORK/$TARGET_NAME-$setup-load-$workload.log" "$@"
+    row "$setup+load" "$workload" "$TARGET_NAME" "$M_IOPS" "$bytes" "$M_TICKS" "$M_WALL" ironsan-load "$M_CLIENT"
+    note "$(printf '%-8s %-10s %-18s %8s IOPS (ironsan load)' "$TARGET_NAME" "$setup" "$workload" "$M_IOPS")"
+}
+one_load() { lload_once "$1" --rw randread --bs 4096 --qd 32; }
+sixteen_load() { lload_once "$1" --rw randread --bs 4096 --qd 8 --sessions 16; }
+lscale() { scale_pair "$1+load" ironsan-load one_load sixteen_load; }
 
 load_workloads() {
     local setup=$1
@@ -491,7 +531,7 @@ load_workloads() {
     each_target lrun "$setup" write-4k-qd32 4096 --rw write --bs 4096 --qd 32
     each_target lrun "$setup" write-512k-qd8 524288 --rw write --bs 524288 --qd 8
     each_target lrun "$setup" qd1-randread-4k 4096 --rw randread --bs 4096 --qd 1
-    each_target lrun "$setup" 16x-randread-4k-qd8 4096 --rw randread --bs 4096 --qd 8 --sessions 16
+    each_target lscale "$setup"
 }
 
 T_START=$(date +%s)
@@ -548,19 +588,20 @@ runs = {}
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 perf, idle, mem = {}, {}, {}
 order = {}
-for setup, w, t, a, b, ticks, wall_ns, tool, hz in rows:
+for setup, w, t, a, b, ticks, wall_ns, tool, client_ticks, hz in rows:
     if w.startswith("mem-"):
         mem[(w, t)] = (int(a), int(b), int(ticks))
         continue
     cpu_s = int(ticks) / int(hz)
     wall_s = int(wall_ns) / 1e9
     cpu_pct = 100.0 * cpu_s / wall_s
+    client_pct = 100.0 * int(client_ticks) / int(hz) / wall_s
     if w.startswith("idle"):
         idle[t] = (int(a), int(b), wall_s)
         continue
     iops = int(a)
     us = cpu_pct / 100.0 * 1e6 / iops if iops else float("nan")
-    runs.setdefault((setup, w, t), []).append((iops, iops * int(b) / 1048576, cpu_pct, us, tool))
+    runs.setdefault((setup, w, t), []).append((iops, iops * int(b) / 1048576, cpu_pct, us, tool, client_pct))
     order.setdefault(setup, [])
     if w not in order[setup]:
         order[setup].append(w)
@@ -575,13 +616,13 @@ def table(setup, title, targets, bases):
     if setup not in order:
         return
     print(f"\n{title}")
-    hdr = f"{'workload':<22} {'target':<24} {'IOPS':>9} {'MiB/s':>9} {'CPU %':>7} {'CPU us/IO':>10}  tool"
+    hdr = f"{'workload':<22} {'target':<24} {'IOPS':>9} {'MiB/s':>9} {'CPU %':>7} {'CPU us/IO':>10} {'client %':>9}  tool"
     print(hdr); print("-" * len(hdr))
     for w in order[setup]:
         for t in targets:
             if (setup, w, t) in perf:
-                i, m, c, u, tool = perf[(setup, w, t)]
-                print(f"{w:<22} {t:<24} {i:>9d} {m:>9.1f} {c:>7.1f} {u:>10.2f}  {tool}")
+                i, m, c, u, tool, k = perf[(setup, w, t)]
+                print(f"{w:<22} {t:<24} {i:>9d} {m:>9.1f} {c:>7.1f} {u:>10.2f} {k:>9.1f}  {tool}")
         for base in bases:
             a = perf.get((setup, w, base))
             for t in targets:
@@ -608,12 +649,19 @@ if lat:
     if "ironsan-poll" in lat:
         print(f"  (ironsan-poll: --busy-poll-us {POLL_US}, opt-in; the default never polls)")
 
-sc = [(t, perf.get(("ram", "16x-randread-4k-qd8", t)), perf.get(("ram", "randread-4k-qd32", t))) for t in ("ironsan", "tgt")]
-if any(m for _, m, _ in sc):
-    print("\nScaling: 16 sessions x QD8 (16 iscsi-perf processes, summed) vs 1 session x QD32, 4K random read")
-    for t, m, o in sc:
+# The single-session figure measured around the 16-session run (scale_pair), else the setup's
+# randread row.
+scaling = []
+for setup, how in (("ram", "16 iscsi-perf processes, summed"), ("ram+load", "ironsan load --sessions 16"), ("file+load", "ironsan load --sessions 16, tmpfs file LUN")):
+    for t in ("ironsan", "tgt", "istgt"):
+        m = perf.get((setup, "16x-randread-4k-qd8", t))
+        o = perf.get((setup, "1x-randread-4k-qd32", t)) or perf.get((setup, "randread-4k-qd32", t))
         if m and o:
-            print(f"  {t:<8} 16x8: {m[0]:>8d} IOPS {m[3]:7.2f} us/IO   1x32: {o[0]:>8d} IOPS {o[3]:7.2f} us/IO   16x8/1x32 = {m[0] / o[0] if o[0] else float('nan'):.2f}")
+            scaling.append((setup, how, t, m, o))
+if scaling:
+    print("\nScaling: 16 sessions x QD8 vs 1 session x QD32, 4K random read (1x32: the runs just before and after the 16x8)")
+    for setup, how, t, m, o in scaling:
+        print(f"  {setup:<9} {t:<8} 16x8: {m[0]:>8d} IOPS {m[3]:7.2f} us/IO   1x32: {o[0]:>8d} IOPS {o[3]:7.2f} us/IO   16x8/1x32 = {m[0] / o[0] if o[0] else float('nan'):.2f}   ({how})")
 
 if idle:
     print(f"\nIdle: target CPU with one logged-in idle session over {sys.argv[2]} s")
