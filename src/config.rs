@@ -40,7 +40,7 @@
 //! # max_connections = 1024
 //! # shutdown_grace = "10s"   # SIGTERM: how long initiators get to log out
 //! # busy_poll_us = 0         # opt-in: spin up to N us per connection before sleeping
-//! # zero_copy_reads = "auto" # file LUNs: large reads sendfile'd from the page cache (auto|on|off)
+//! # zero_copy_reads = "auto" # file LUNs: large reads sent from the page cache (auto|on|mapped|off)
 //! # zero_copy_writes = "on"  # tmpfs file LUNs: large writes received into the file's pages (on|off)
 //! # io_engine = "auto"       # file LUNs' blocking I/O: io_uring, else threads (auto|uring|threads)
 //!
@@ -1546,13 +1546,20 @@ spec = "ram:1M"
             plan.limits.zero_copy_reads,
             ironsan_server::ZeroCopyReads::Off
         );
+        let text = format!("{base}[limits]\nzero_copy_reads = \"mapped\"\n");
+        let plan = parse_file(&text, Path::new("t.toml")).unwrap();
+        assert_eq!(
+            plan.limits.zero_copy_reads,
+            ironsan_server::ZeroCopyReads::Mapped
+        );
         let err = parse_file(
             &format!("{base}[limits]\nzero_copy_reads = \"always\"\n"),
             Path::new("t.toml"),
         )
         .unwrap_err();
         assert!(
-            err.contains("t.toml:6") && err.contains("'always' is not one of auto, on, off"),
+            err.contains("t.toml:6")
+                && err.contains("'always' is not one of auto, on, mapped, off"),
             "{err}"
         );
         let text = format!("{base}[limits]\nio_engine = \"threads\"\n");

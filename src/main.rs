@@ -113,10 +113,11 @@ struct ServeArgs {
     /// while initiators are active. Overrides `busy_poll_us` in [limits]. Default: 0 (off).
     #[arg(long, value_name = "US", value_parser = clap::value_parser!(u64).range(0..=10_000))]
     busy_poll_us: Option<u64>,
-    /// Large reads (64 KiB and more) of file LUNs go from the page cache to the socket with
-    /// sendfile, no copy through ironsan, on connections without a data digest: auto (on
-    /// unless the connection's TCP congestion control is BBR, which paces each chunk), on,
-    /// off. Overrides `zero_copy_reads` in [limits]. Default: auto.
+    /// Large reads (64 KiB and more) of file LUNs go from the page cache to the socket with no
+    /// copy through ironsan, on connections without a data digest: on (sendfile), mapped
+    /// (tmpfs/ramfs LUNs: one vectored send from a mapping of the file), auto (on, or mapped
+    /// where the connection's TCP congestion control is BBR, which paces each sendfile
+    /// chunk), off. Overrides `zero_copy_reads` in [limits]. Default: auto.
     #[arg(long, value_name = "MODE")]
     zero_copy_reads: Option<ironsan_server::ZeroCopyReads>,
     /// Large writes (64 KiB and more) to file LUNs on tmpfs/ramfs receive their data straight

@@ -17,7 +17,7 @@ use crate::pool::IoPool;
 use crate::uring::{Buf, Ring, SubmitError};
 use crate::{
     sys, BackendError, BlockDevice, Capabilities, FileRange, InPlaceWrite, IoFuture, Keep,
-    WriteMode,
+    SendFrom, WriteMode,
 };
 use bytes::Bytes;
 use std::fs::{File, OpenOptions};
@@ -287,6 +287,34 @@ impl FileBackend {
     }
 
     /// The ring, when there is one and this thread is on a tokio runtime to drive it.
+    /// The file's shared mapping, covering at least `end` bytes: made on first use with the
+    /// LUN's size, remade when the LUN has grown past it; `None` when it cannot be made.
+    fn mapping_to(&self, end: u64) -> Option<Arc<sys::Mapping>> {
+        let mut m = self.mapping.lock().unwrap_or_else(|p| p.into_inner());
+        match &*m {
+            Some(map) if map.len() as u64 >= end => Some(Arc::clone(map)),
+            _ => {
+                let want = usize::try_from(self.size()).ok()?;
+                let map = Arc::new(sys::Mapping::shared(&*self.file, want).ok()?);
+                *m = Some(Arc::clone(&map));
+                Some(map)
+            }
+        }
+    }
+
+    /// Whether `cachestat` reports every page of the range in memory; `false` (and never
+    /// asked again) when the kernel has no `cachestat`.
+    fn all_cached(&self, offset: u64, len: u64) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !self.cachestat.load(Relaxed) {
+            return false;
+        }
+        sys::fully_cached(&*self.file, offset, len).unwrap_or_else(|| {
+            self.cachestat.store(false, Relaxed);
+            false
+        })
+    }
+
     fn ring(&self) -> Option<&Ring> {
         self.ring.as_ref().filter(|r| r.ensure_driver().is_ok())
     }
@@ -479,29 +507,39 @@ impl BlockDevice for FileBackend {
         })
     }
 
-    /// Buffered files only: always on tmpfs/ramfs, elsewhere when `cachestat` reports every
-    /// page of the range cached. A page evicted between this check and the send (moments
-    /// later, under memory pressure) makes that `sendfile` read it from the device on the
-    /// connection's thread, where a copied read would have gone to an I/O thread: rare, and
-    /// the price of not copying.
-    fn read_in_place(&self, offset: u64, len: usize) -> Option<FileRange> {
+    /// Buffered files only. From the page cache (`sendfile`): always on tmpfs/ramfs,
+    /// elsewhere when `cachestat` reports every page of the range cached. A page evicted
+    /// between this check and the send (moments later, under memory pressure) makes that
+    /// `sendfile` read it from the device on the connection's thread, where a copied read
+    /// would have gone to an I/O thread: rare, and the price of not copying. From the mapping:
+    /// tmpfs/ramfs only, and only when every page of the range exists (`cachestat`), so a
+    /// hole is never allocated by the send's read fault and a swapped-out page is read the
+    /// usual way.
+    fn read_in_place(&self, offset: u64, len: usize, from: SendFrom) -> Option<FileRange> {
         if self.direct {
             return None;
         }
-        let cached = self.in_memory
-            || (self.cachestat.load(std::sync::atomic::Ordering::Relaxed)
-                && match sys::fully_cached(&*self.file, offset, len as u64) {
-                    Some(c) => c,
-                    None => {
-                        self.cachestat
-                            .store(false, std::sync::atomic::Ordering::Relaxed);
-                        false
-                    }
-                });
-        cached.then(|| FileRange {
+        let end = offset.checked_add(len as u64)?;
+        let map = match from {
+            SendFrom::PageCache => {
+                let cached = self.in_memory || self.all_cached(offset, len as u64);
+                if !cached {
+                    return None;
+                }
+                None
+            }
+            SendFrom::Mapping => {
+                if !self.in_memory || end > self.size() || !self.all_cached(offset, len as u64) {
+                    return None;
+                }
+                Some(self.mapping_to(end)?)
+            }
+        };
+        Some(FileRange {
             file: Arc::clone(&self.file),
             offset,
             len,
+            map,
         })
     }
 
@@ -525,18 +563,7 @@ impl BlockDevice for FileBackend {
         if end > self.size() {
             return None;
         }
-        let map = {
-            let mut m = self.mapping.lock().unwrap_or_else(|p| p.into_inner());
-            match &*m {
-                Some(map) if map.len() as u64 >= end => Arc::clone(map),
-                _ => {
-                    let want = usize::try_from(self.size()).ok()?;
-                    let map = Arc::new(sys::Mapping::shared(&*self.file, want).ok()?);
-                    *m = Some(Arc::clone(&map));
-                    map
-                }
-            }
-        };
+        let map = self.mapping_to(end)?;
         Some(InPlaceWrite::new(Arc::clone(&self.file), map, offset, len))
     }
 
@@ -676,6 +703,60 @@ mod tests {
         assert!(hole.iter().all(|&x| x == 0));
         assert_eq!(std::fs::read(&path).unwrap()[4096..4096 + a.len()], a[..]);
         assert!(be.read((8 << 20) - 512, 4096).await.is_err());
+    }
+
+    /// Reads to send from the file's mapping: only over pages of a tmpfs file that exist (a
+    /// hole stays a hole: the send's read fault would allocate it), with a mapping that covers
+    /// the range; from the page cache, holes included, without one; never for a disk file.
+    #[tokio::test]
+    async fn reads_in_place_from_the_mapping_only_over_existing_tmpfs_pages() {
+        use std::os::unix::fs::MetadataExt;
+        if !Path::new("/dev/shm").is_dir() {
+            eprintln!("no /dev/shm: skipped");
+            return;
+        }
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let path = dir.path().join("lun.img");
+        let opts = FileOptions {
+            size: Some(8 << 20),
+            ..Default::default()
+        };
+        let be = FileBackend::open(&path, &opts).unwrap();
+        be.write(1 << 20, Bytes::from(vec![7u8; 1 << 20]), WriteMode::Cached)
+            .await
+            .unwrap();
+        let blocks = std::fs::metadata(&path).unwrap().blocks();
+        let hole = be.read_in_place(4 << 20, 512 << 10, SendFrom::Mapping);
+        assert!(
+            hole.is_none(),
+            "a hole of a tmpfs file is not sent from the mapping"
+        );
+        let part = be.read_in_place((2 << 20) - 4096, 8192, SendFrom::Mapping);
+        assert!(part.is_none(), "half written, half hole: copied");
+        let r = be
+            .read_in_place(1 << 20, 1 << 20, SendFrom::Mapping)
+            .expect("written pages of a tmpfs file are sent from the mapping");
+        let map = r.map.as_ref().expect("with the file's mapping");
+        assert!(map.len() >= 2 << 20 && map.iovec(1 << 20, 1 << 20).is_some());
+        assert!(be.read_in_place(8 << 20, 4096, SendFrom::Mapping).is_none());
+        let r = be
+            .read_in_place(4 << 20, 512 << 10, SendFrom::PageCache)
+            .expect("tmpfs sends holes from the page cache (as zeros)");
+        assert!(r.map.is_none());
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().blocks(),
+            blocks,
+            "nothing allocated"
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let be = FileBackend::open(&dir.path().join("disk.img"), &opts).unwrap();
+        if !be.in_memory {
+            be.write(0, Bytes::from(vec![1u8; 1 << 20]), WriteMode::Cached)
+                .await
+                .unwrap();
+            assert!(be.read_in_place(0, 1 << 20, SendFrom::Mapping).is_none());
+        }
     }
 
     #[tokio::test]

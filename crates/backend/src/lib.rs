@@ -76,13 +76,40 @@ pub use sys::{no_transparent_huge_pages, Allocator};
 
 /// Data that stays in a file until it is sent: `len` bytes at `offset` of `file`. A backend
 /// returns one from [`BlockDevice::read_in_place`] when the kernel can send the range straight
-/// from the page cache (`sendfile`) without waiting for a device, so the transport sends it
-/// with no copy through user space. The bytes are those in the file when they are sent.
+/// from the page cache without waiting for a device, so the transport sends it with no copy
+/// through user space: with `sendfile`, or, when `map` is set, with a vectored send whose
+/// iovec points into that shared mapping of the file ([`SendFrom`]). The bytes are those in
+/// the file when they are sent.
 #[derive(Clone, Debug)]
 pub struct FileRange {
     pub file: Arc<std::fs::File>,
     pub offset: u64,
     pub len: usize,
+    /// A shared mapping of `file` from offset 0 that covers the range: send from it
+    /// ([`sys::Mapping::iovec`]) instead of with `sendfile`.
+    pub map: Option<Arc<sys::Mapping>>,
+}
+
+/// How a transport can send a READ's data without a copy through user space; what it asks
+/// for depends on the connection (docs/PERFORMANCE.md, "zero_copy_reads").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendFrom {
+    /// `sendfile` from the page cache: no copy by the target at all. Any buffered file whose
+    /// range is in memory.
+    PageCache,
+    /// A vectored send from a shared mapping of the file, among the other parts of the same
+    /// write: the kernel's one copy into the socket, none through a buffer of ours. tmpfs and
+    /// ramfs files only (a disk file's mapping could fault to the device on the network side),
+    /// and only over pages that exist (a read fault on a hole of a tmpfs mapping would
+    /// allocate it).
+    Mapping,
+}
+
+/// Reads of at least `min` bytes may answer with a [`FileRange`] sent as `from` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InPlaceRead {
+    pub min: u32,
+    pub from: SendFrom,
 }
 
 impl PartialEq for FileRange {
@@ -100,6 +127,7 @@ impl FileRange {
             file: Arc::clone(&self.file),
             offset: self.offset,
             len: n,
+            map: self.map.clone(),
         };
         self.offset += n as u64;
         self.len -= n;
@@ -313,12 +341,12 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn capabilities(&self) -> Capabilities;
     /// Read `len` bytes at `offset`.
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes>;
-    /// `len` bytes at `offset` as a [`FileRange`] the transport can send from the page cache,
-    /// if the backend is a buffered file and the kernel would not wait for a device to send
-    /// it (tmpfs, or every page cached). `None` (the default): use [`read`](Self::read).
-    /// Called on the network side: must not block.
-    fn read_in_place(&self, offset: u64, len: usize) -> Option<FileRange> {
-        let _ = (offset, len);
+    /// `len` bytes at `offset` as a [`FileRange`] the transport can send `from` the page
+    /// cache or a mapping, if the backend is a buffered file and the kernel would not wait for
+    /// a device to send it. `None` (the default): use [`read`](Self::read). Called on the
+    /// network side: must not block.
+    fn read_in_place(&self, offset: u64, len: usize, from: SendFrom) -> Option<FileRange> {
+        let _ = (offset, len, from);
         None
     }
     /// Write `data` at `offset`.

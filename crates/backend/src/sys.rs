@@ -507,6 +507,18 @@ impl Mapping {
     pub fn len(&self) -> usize {
         self.len
     }
+
+    /// An `iovec` naming `len` bytes at byte `at` of the mapping, for a system call that reads
+    /// them (a vectored send of Data-In); `None` when the range is not inside the mapping.
+    /// Making one reads nothing, and nothing in user space reads through it: the kernel's
+    /// copy out of a page past the file's end fails with EFAULT.
+    pub fn iovec(&self, at: usize, len: usize) -> Option<libc::iovec> {
+        at.checked_add(len).filter(|&e| e <= self.len)?;
+        Some(libc::iovec {
+            iov_base: self.ptr.as_ptr().cast::<u8>().wrapping_add(at).cast(),
+            iov_len: len,
+        })
+    }
 }
 
 impl Drop for Mapping {

@@ -22,9 +22,9 @@
 //!   the first `data_out_len` bytes.
 //! * EXTENDED COPY (83h) is executed by [`Target::execute`] itself: its copy targets are the
 //!   LUs of this `Target` (named by their NAA designator), so a `Target` is the copy domain.
-//! * Data-In is in memory unless [`Command::in_place_min`] allows a READ to answer with a
+//! * Data-In is in memory unless [`Command::in_place`] allows a READ to answer with a
 //!   range of its file LUN's backing file ([`DataIn::File`]), which the transport sends from the
-//!   page cache itself.
+//!   page cache (or a mapping of the file) itself.
 //! * `data_in` is never longer than the CDB's ALLOCATION LENGTH or TRANSFER LENGTH. It may be
 //!   longer than the task's EDTL; the transport truncates and reports the overflow residual
 //!   (RFC 7143 SCSI Response residual count).
@@ -114,11 +114,10 @@ pub struct Command {
     pub data_out: Bytes,
     /// iSCSI Expected Data Transfer Length for reads (informational; see the crate docs).
     pub expected_in_len: u32,
-    /// The transport can send Data-In of at least this many bytes straight from a file
-    /// ([`DataIn::File`]); `None`: Data-In is always in memory. (iSCSI allows it when no data
-    /// digest is computed over the bytes and segments are large enough to pay for a syscall
-    /// each.)
-    pub in_place_min: Option<u32>,
+    /// The transport can send Data-In of at least `min` bytes straight from a file
+    /// ([`DataIn::File`]), in the way `from` says; `None`: Data-In is always in memory.
+    /// (iSCSI allows it when no data digest is computed over the bytes.)
+    pub in_place: Option<ironsan_backend::InPlaceRead>,
 }
 
 /// A command's Data-In: bytes in memory, or a range of the backing file that the transport
@@ -421,9 +420,7 @@ impl Target {
                 _ => Err(SenseReason::cdb_bit(1, 4)),
             },
             READ_6 | READ_10 | READ_12 | READ_16 => {
-                return sbc::read(lu, cdb, cmd.in_place_min)
-                    .await
-                    .map(Response::good);
+                return sbc::read(lu, cdb, cmd.in_place).await.map(Response::good);
             }
             WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 => {
                 // The data goes down by value: a backend may keep the buffer (RAM adopts

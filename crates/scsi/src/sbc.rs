@@ -101,13 +101,13 @@ async fn read_settled(lu: &LogicalUnit, lba: u64, blocks: u32) -> Result<Bytes, 
 
 /// SBC-3 READ (6), READ (10), READ (12), READ (16). DPO and FUA are accepted;
 /// FUA on a read is satisfied trivially because every backend reads what it last wrote.
-/// With `in_place_min` (the transport can send from a file), a read of at least that many
-/// bytes that the backend can leave in the page cache answers with the file range; it waits
-/// for orphaned writes first, like every read.
+/// With `in_place` (the transport can send from a file), a read of at least `min` bytes that
+/// the backend can leave in the page cache answers with the file range; it waits for orphaned
+/// writes first, like every read.
 pub(crate) async fn read(
     lu: &LogicalUnit,
     cdb: Cdb<'_>,
-    in_place_min: Option<u32>,
+    in_place: Option<ironsan_backend::InPlaceRead>,
 ) -> Result<DataIn, SenseReason> {
     check_no_protection(cdb)?;
     let r = block_range(cdb);
@@ -118,10 +118,10 @@ pub(crate) async fn read(
     }
     lu.writes.settled(r.lba, r.lba + u64::from(r.blocks)).await;
     let len = bytes_of(lu, u64::from(r.blocks));
-    if in_place_min.is_some_and(|min| len >= u64::from(min)) {
+    if let Some(ip) = in_place.filter(|ip| len >= u64::from(ip.min)) {
         if let Some(range) = lu
             .backend()
-            .read_in_place(bytes_of(lu, r.lba), len as usize)
+            .read_in_place(bytes_of(lu, r.lba), len as usize, ip.from)
         {
             return Ok(DataIn::File(range));
         }

@@ -64,7 +64,7 @@ async fn run_on(t: &Target, lun: u64, n: &Nexus, cdb: &[u8], data: &[u8]) -> Res
             cdb: Bytes::copy_from_slice(cdb),
             data_out: Bytes::copy_from_slice(data),
             expected_in_len: 0,
-            in_place_min: None,
+            in_place: None,
         },
     )
     .await
@@ -3108,7 +3108,7 @@ async fn reads_wait_for_an_aborted_task_that_is_not_yet_dropped() {
             cdb: Bytes::copy_from_slice(&cdb),
             data_out: data,
             expected_in_len: 0,
-            in_place_min: None,
+            in_place: None,
         },
     ));
     let noop = std::task::Waker::noop();

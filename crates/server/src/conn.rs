@@ -194,9 +194,9 @@ struct Connection {
     /// Continuations of long Text responses: (ITT, TTT) → remaining segments.
     text_pending: Option<(Itt, Ttt, Vec<Bytes>)>,
     tasks: tokio::task::JoinSet<()>,
-    /// Reads of at least this many bytes may answer from a file LUN's page cache
-    /// ([`in_place_min`]).
-    in_place_min: Option<u32>,
+    /// Reads of at least this many bytes may answer from a file LUN's page cache or mapping
+    /// ([`in_place_reads`]).
+    in_place: Option<ironsan_backend::InPlaceRead>,
     /// Writes of at least this many bytes may receive their Data-Out straight into a file
     /// LUN's pages ([`place_min`]).
     place_min: Option<u32>,
@@ -320,7 +320,7 @@ pub async fn run(
         writer: direct_writer,
         polling: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         place_min: place_min(shared.cfg.zero_copy_writes, &params),
-        in_place_min: in_place_min(shared.cfg.zero_copy_reads, &params, {
+        in_place: in_place_reads(shared.cfg.zero_copy_reads, &params, {
             use std::os::fd::AsRawFd;
             rd.get_ref().as_ref().as_raw_fd()
         }),
@@ -1396,7 +1396,7 @@ impl Connection {
         let scmd_op = cdb.first().copied().unwrap_or(0);
         let max_xmit = self.params.max_xmit_data_segment_length;
         let max_burst = session.params.max_burst_length;
-        let in_place_min = self.in_place_min;
+        let in_place = self.in_place;
         let lun = cmd.lun.number().unwrap_or(u64::MAX);
         let itt = cmd.itt;
         // The LUN map as of this command: a LUN removed meanwhile still finishes this command.
@@ -1471,7 +1471,7 @@ impl Connection {
                             cdb,
                             data_out,
                             expected_in_len: cmd.expected_data_transfer_length,
-                            in_place_min,
+                            in_place,
                         };
                         scsi.execute(lun, &session.nexus, scmd).await
                     }
@@ -1975,8 +1975,9 @@ fn extended_cdb(cdb16: &[u8; 16], ahs: &Bytes) -> Option<Bytes> {
     Some(Bytes::from(cdb))
 }
 
-/// The smallest read sent straight from a file LUN's page cache, and the smallest
-/// MaxRecvDataSegmentLength for which that is done: each Data-In segment then costs a
+/// The smallest read sent straight from a file LUN's page cache or mapping (below it the
+/// `cachestat` a mapped read asks costs about what the copy saves), and the smallest
+/// MaxRecvDataSegmentLength for which `sendfile` is used: each Data-In segment then costs a
 /// `sendfile` (and a `sendmsg` for its header) instead of two copies; below this, copying
 /// into one batched vectored write is cheaper (docs/PERFORMANCE.md).
 const IN_PLACE_MIN: u32 = 64 * 1024;
@@ -1988,25 +1989,40 @@ fn place_min(on: bool, params: &ConnParams) -> Option<u32> {
     (on && !params.data_digest).then_some(IN_PLACE_MIN)
 }
 
-/// The smallest read a connection sends straight from a file LUN's page cache, if it does
-/// ([`crate::ZeroCopyReads`]): never with a data digest (it needs the bytes) or with segments
-/// under [`IN_PLACE_MIN`].
-fn in_place_min(
+/// Whether and how a connection sends large file-LUN reads without copying them
+/// ([`crate::ZeroCopyReads`]): never with a data digest (it needs the bytes); `sendfile` only
+/// with segments of at least [`IN_PLACE_MIN`] and, in `auto`, on a connection whose congestion
+/// control does not pace inside TCP (BBR), where a mapping of a tmpfs file is sent from
+/// instead (docs/PERFORMANCE.md).
+fn in_place_reads(
     mode: crate::ZeroCopyReads,
     params: &ConnParams,
     fd: std::os::fd::RawFd,
-) -> Option<u32> {
-    if params.data_digest || params.max_xmit_data_segment_length < IN_PLACE_MIN {
+) -> Option<ironsan_backend::InPlaceRead> {
+    use crate::ZeroCopyReads as Z;
+    use ironsan_backend::SendFrom;
+    if params.data_digest {
         return None;
     }
-    let on = match mode {
-        crate::ZeroCopyReads::On => true,
-        crate::ZeroCopyReads::Off => false,
-        crate::ZeroCopyReads::Auto => {
-            !crate::sys::tcp_congestion(fd).is_ok_and(|cc| cc.starts_with("bbr"))
+    let big_segments = params.max_xmit_data_segment_length >= IN_PLACE_MIN;
+    let from = match mode {
+        Z::Off => return None,
+        Z::On if big_segments => SendFrom::PageCache,
+        Z::On => return None,
+        Z::Mapped => SendFrom::Mapping,
+        Z::Auto => {
+            let paced = crate::sys::tcp_congestion(fd).is_ok_and(|cc| cc.starts_with("bbr"));
+            if big_segments && !paced {
+                SendFrom::PageCache
+            } else {
+                SendFrom::Mapping
+            }
         }
     };
-    on.then_some(IN_PLACE_MIN)
+    Some(ironsan_backend::InPlaceRead {
+        min: IN_PLACE_MIN,
+        from,
+    })
 }
 
 /// Turn a SCSI response into iSCSI PDUs: Data-In (with the status collapsed into the last

@@ -6,7 +6,6 @@ use bytes::{Bytes, BytesMut};
 use ironsan_backend::{FileRange, InPlaceWrite};
 use ironsan_proto::digest;
 use ironsan_proto::pdu::{pad_len, Bhs, Header, Pdu, ReceivePlan, BHS_LEN};
-use std::io::IoSlice;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -347,7 +346,8 @@ enum Part {
     Small([u8; BHS_LEN + 4], usize),
     Tail([u8; 8], usize),
     Data(Bytes),
-    /// Sent with `sendfile` (zero-copy Data-In from the page cache).
+    /// Zero-copy Data-In: sent with `sendfile` from the page cache, or, when the range carries
+    /// a mapping of its file, named by an iovec into it in the vectored write.
     File(FileRange),
 }
 
@@ -367,6 +367,23 @@ impl Part {
             p => p.as_slice().len(),
         }
     }
+    /// The part from byte `skip` on, for a vectored send; `None` for a file range sent with
+    /// `sendfile`.
+    fn iovec(&self, skip: usize) -> Option<libc::iovec> {
+        match self {
+            Part::File(r) => r
+                .map
+                .as_ref()?
+                .iovec(r.offset as usize + skip, r.len - skip),
+            p => {
+                let s = &p.as_slice()[skip..];
+                Some(libc::iovec {
+                    iov_base: s.as_ptr() as *mut libc::c_void,
+                    iov_len: s.len(),
+                })
+            }
+        }
+    }
 }
 
 impl WriteBatch {
@@ -377,7 +394,7 @@ impl WriteBatch {
     pub fn is_empty(&self) -> bool {
         self.bytes == 0
     }
-    /// Bytes queued in file ranges (sent with `sendfile`).
+    /// Bytes queued in file ranges (sent with `sendfile` or from a mapping).
     pub fn file_len(&self) -> usize {
         self.file_bytes
     }
@@ -395,8 +412,8 @@ impl WriteBatch {
         self.parts.push(Part::Small(head, n));
     }
 
-    /// Append one PDU whose data segment is `range` of a file, sent with `sendfile` (no data
-    /// digest: the caller reads the range into memory when one is on).
+    /// Append one PDU whose data segment is `range` of a file, sent with `sendfile` or from the
+    /// range's mapping (no data digest: the caller reads the range into memory when one is on).
     pub fn push_file(&mut self, bhs: &Bhs, range: FileRange, digests: Digests) {
         debug_assert!(!digests.data);
         self.push_header(bhs, digests);
@@ -442,8 +459,9 @@ impl WriteBatch {
     /// is written (the batch is then empty), `Ok(false)` when the socket is full (call again
     /// when it is writable: progress is kept).
     ///
-    /// In-memory parts go out in one vectored write; a file range with `sendfile`, the parts
-    /// before it with MSG_MORE so its header does not leave as a packet of its own.
+    /// In-memory parts and mapped file ranges go out in one vectored write; a file range
+    /// without a mapping with `sendfile`, the parts before it with MSG_MORE so its header does
+    /// not leave as a packet of its own.
     pub fn try_write(&mut self, sock: &tokio::net::tcp::OwnedWriteHalf) -> std::io::Result<bool> {
         if let Some(e) = self.failed.take() {
             return Err(e);
@@ -452,22 +470,13 @@ impl WriteBatch {
         let fd = stream.as_raw_fd();
         while self.part < self.parts.len() {
             let (part, off) = (self.part, self.off);
-            if let Part::File(r) = &self.parts[part] {
+            let first = &self.parts[part];
+            if let (Part::File(r), None) = (first, first.iovec(off)) {
                 let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
                     crate::sys::sendfile(fd, &r.file, r.offset + off as u64, r.len - off)
                 });
                 let n = match sent {
-                    Ok(0) => {
-                        tracing::warn!(
-                            offset = r.offset + off as u64,
-                            "backing file ended before the Data-In it was to send (cut short \
-                             behind the target's back?); closing the connection"
-                        );
-                        return Err(std::io::Error::new(
-                            std::io::ErrorKind::UnexpectedEof,
-                            "backing file ended before the Data-In it was to send",
-                        ));
-                    }
+                    Ok(0) => return Err(file_cut_short()),
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -482,34 +491,26 @@ impl WriteBatch {
                 continue;
             }
             let mut file_follows = false;
-            let slices: Vec<IoSlice<'_>> = self.parts[part..]
+            let iov: Vec<libc::iovec> = self.parts[part..]
                 .iter()
                 .take(1024)
-                .take_while(|p| {
-                    file_follows = matches!(p, Part::File(_));
-                    !file_follows
-                })
                 .enumerate()
-                .map(|(i, p)| {
-                    if i == 0 {
-                        IoSlice::new(&p.as_slice()[off..])
-                    } else {
-                        IoSlice::new(p.as_slice())
-                    }
+                .map_while(|(i, p)| {
+                    let v = p.iovec(if i == 0 { off } else { 0 });
+                    file_follows = v.is_none();
+                    v
                 })
                 .collect();
-            let sent = if file_follows {
-                stream.try_io(tokio::io::Interest::WRITABLE, || {
-                    crate::sys::send_more(fd, &slices)
-                })
-            } else {
-                sock.try_write_vectored(&slices)
-            };
+            let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                crate::sys::send_iovecs(fd, &iov, file_follows)
+            });
             let mut n = match sent {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // Only a mapped file range can fault: its file no longer reaches that far.
+                Err(e) if e.raw_os_error() == Some(libc::EFAULT) => return Err(file_cut_short()),
                 Err(e) => return Err(e),
             };
             while n > 0 && self.part < self.parts.len() {
@@ -531,6 +532,19 @@ impl WriteBatch {
         self.off = 0;
         Ok(true)
     }
+}
+
+/// A file range's Data-In could not be sent because its backing file no longer reaches that
+/// far: its header is already on the wire, so the connection ends rather than send other bytes.
+fn file_cut_short() -> std::io::Error {
+    tracing::warn!(
+        "backing file ended before the Data-In it was to send (cut short behind the target's \
+         back?); closing the connection"
+    );
+    std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        "backing file ended before the Data-In it was to send",
+    )
 }
 
 /// The smallest and largest receive buffer of a connection.
@@ -771,6 +785,105 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecvBuf<R> {
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
+
+    /// Write `batch` to `wr` until it is all written or the write fails.
+    async fn write_all(
+        batch: &mut WriteBatch,
+        wr: &tokio::net::tcp::OwnedWriteHalf,
+    ) -> std::io::Result<()> {
+        while !batch.try_write(wr)? {
+            let s: &tokio::net::TcpStream = wr.as_ref();
+            s.writable().await?;
+        }
+        Ok(())
+    }
+
+    /// A file range carrying its tmpfs file's mapping goes out inside the one vectored write,
+    /// between the parts around it, byte for byte; a file cut short behind the target's back
+    /// fails the write (EFAULT from the kernel's copy, never SIGBUS) after at most the bytes
+    /// before the cut, instead of sending other bytes.
+    #[tokio::test]
+    async fn mapped_file_ranges_go_out_in_the_vectored_write_and_a_cut_file_fails_it() {
+        use ironsan_backend::{BlockDevice, FileBackend, FileOptions, SendFrom, WriteMode};
+        use tokio::io::AsyncReadExt;
+        let path = std::path::PathBuf::from(format!(
+            "/dev/shm/ironsan-mapped-send-{}.img",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let be = FileBackend::open(
+            &path,
+            &FileOptions {
+                size: Some(4 << 20),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let data: Vec<u8> = (0..2u32 << 20).map(|i| (i * 7 % 251) as u8).collect();
+        be.write(1 << 20, Bytes::from(data.clone()), WriteMode::Cached)
+            .await
+            .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = tokio::spawn(async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let mut got = Vec::new();
+            let _ = s.read_to_end(&mut got).await;
+            got
+        });
+        let (sock, _) = listener.accept().await.unwrap();
+        let (_rd, wr) = sock.into_split();
+        let no = Digests::default();
+
+        let range = be
+            .read_in_place(1 << 20, 1 << 20, SendFrom::Mapping)
+            .unwrap();
+        assert!(range.map.is_some());
+        let mut batch = WriteBatch::default();
+        batch.push(&Bhs([1; BHS_LEN]), Bytes::from_static(b"abc"), no);
+        batch.push_file(&Bhs([2; BHS_LEN]), range, no);
+        batch.push(&Bhs([3; BHS_LEN]), Bytes::new(), no);
+        assert_eq!(batch.file_len(), 1 << 20);
+        write_all(&mut batch, &wr).await.unwrap();
+        assert!(batch.is_empty());
+
+        // The second MiB, with the file cut half way through it.
+        let range = be
+            .read_in_place(2 << 20, 1 << 20, SendFrom::Mapping)
+            .unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len((2 << 20) + (256 << 10))
+            .unwrap();
+        batch.push_file(&Bhs([4; BHS_LEN]), range, no);
+        let err = write_all(&mut batch, &wr).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "{err}");
+        drop(wr);
+        drop(_rd);
+
+        let got = client.await.unwrap();
+        let mut want = Vec::new();
+        want.extend_from_slice(&[1; BHS_LEN]);
+        want.extend_from_slice(b"abc\0");
+        want.extend_from_slice(&[2; BHS_LEN]);
+        want.extend_from_slice(&data[..1 << 20]);
+        want.extend_from_slice(&[3; BHS_LEN]);
+        want.extend_from_slice(&[4; BHS_LEN]);
+        assert!(got.len() >= want.len(), "{} bytes arrived", got.len());
+        assert!(
+            got[..want.len()] == want[..],
+            "the bytes sent are not the file's"
+        );
+        let rest = &got[want.len()..];
+        assert!(
+            rest.len() <= 256 << 10 && rest[..] == data[1 << 20..(1 << 20) + rest.len()],
+            "after the cut: {} bytes, not all the file's",
+            rest.len()
+        );
+        let _ = std::fs::remove_file(&path);
+    }
 
     /// A block reaches the file only once every byte of it has arrived, whatever pieces the
     /// bytes come in (the ends of Data-Out segments); whole blocks go at once. A real file on

@@ -130,27 +130,38 @@ pub struct ServerConfig {
     pub zero_copy_writes: bool,
 }
 
-/// When a connection sends large file-LUN reads straight from the page cache (`sendfile`).
-/// Only ever without a data digest (the digest needs the bytes) and for reads and segments of
-/// at least 64 KiB (below that one batched copy is cheaper than a syscall per segment).
+/// How a connection sends large file-LUN reads without copying them through a buffer. Only
+/// ever without a data digest (the digest needs the bytes) and for reads of at least 64 KiB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ZeroCopyReads {
-    /// On, unless the connection's TCP congestion control paces inside TCP (BBR without an
-    /// fq qdisc): there each 64 KiB splice chunk is paced on its own, which measured 1.4-1.7x
-    /// the CPU of copying (docs/PERFORMANCE.md).
+    /// `sendfile` from the page cache (as `on`), unless the connection's TCP congestion
+    /// control paces inside TCP (BBR without an fq qdisc): there each 64 KiB splice chunk is
+    /// paced on its own, which measured 1.4-1.7x the CPU of copying, so tmpfs/ramfs LUNs send
+    /// from a mapping instead (as `mapped`) and other file systems copy (docs/PERFORMANCE.md).
     #[default]
     Auto,
+    /// `sendfile` from the page cache, any buffered file whose range is cached, with segments
+    /// (MaxRecvDataSegmentLength) of at least 64 KiB.
     On,
+    /// tmpfs/ramfs LUNs only: a vectored send straight from a shared mapping of the file,
+    /// the kernel's one copy into the socket (pages that do not exist yet are copied as usual).
+    Mapped,
     Off,
 }
 
 impl ZeroCopyReads {
-    const ALL: [ZeroCopyReads; 3] = [ZeroCopyReads::Auto, ZeroCopyReads::On, ZeroCopyReads::Off];
+    const ALL: [ZeroCopyReads; 4] = [
+        ZeroCopyReads::Auto,
+        ZeroCopyReads::On,
+        ZeroCopyReads::Mapped,
+        ZeroCopyReads::Off,
+    ];
     /// The name in the configuration and on the command line.
     pub fn name(self) -> &'static str {
         match self {
             ZeroCopyReads::Auto => "auto",
             ZeroCopyReads::On => "on",
+            ZeroCopyReads::Mapped => "mapped",
             ZeroCopyReads::Off => "off",
         }
     }

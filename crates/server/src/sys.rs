@@ -5,7 +5,6 @@
 
 #![allow(unsafe_code)]
 
-use std::io::IoSlice;
 use std::os::fd::{AsRawFd, RawFd};
 
 fn check(ret: isize) -> std::io::Result<usize> {
@@ -33,19 +32,31 @@ pub fn monotonic_ns() -> u64 {
         .wrapping_add(ts.tv_nsec as u64)
 }
 
-/// `sendmsg(fd, slices, MSG_MORE | MSG_DONTWAIT | MSG_NOSIGNAL)`: queue bytes that more will
-/// follow (the kernel holds a partial segment back for what comes next, here a `sendfile`).
-pub fn send_more(fd: RawFd, slices: &[IoSlice<'_>]) -> std::io::Result<usize> {
+/// `writev(fd, iov)` on the non-blocking socket `fd`, or, when `more`, `sendmsg(fd, iov,
+/// MSG_MORE | MSG_DONTWAIT | MSG_NOSIGNAL)` (the kernel then holds a partial segment back for
+/// what comes next, a `sendfile`). `iov` names memory
+/// the kernel reads: our buffers, or a file's shared mapping that nothing in user space reads
+/// (`Mapping::iovec`); a page of it past the file's end makes the call fail with EFAULT, or
+/// stop short after the bytes before it.
+pub fn send_iovecs(fd: RawFd, iov: &[libc::iovec], more: bool) -> std::io::Result<usize> {
+    let count = iov.len().min(libc::UIO_MAXIOV as usize);
     // SAFETY: all-zero is a valid `msghdr` (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    // `IoSlice` is ABI compatible with `iovec` on Unix (std's documented guarantee); the
-    // kernel only reads through these pointers.
-    msg.msg_iov = slices.as_ptr() as *mut libc::iovec;
-    msg.msg_iovlen = slices.len().min(libc::UIO_MAXIOV as usize) as _;
-    let flags = libc::MSG_MORE | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
-    // SAFETY: `msg` points at `slices`, borrowed (alive, unmoved) for the call, whose buffers
-    // are borrowed too; a bad fd only makes the call fail.
-    let ret = unsafe { libc::sendmsg(fd, &msg, flags) };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = count as _;
+    // SAFETY: `msg` (for sendmsg) points at `iov`, borrowed (alive, unmoved) for the call, and
+    // `count` is at most its length; the kernel only reads the iovecs and the memory they
+    // name, which the caller keeps alive for the call (a bad address only makes the call
+    // fail); a bad fd only makes the call fail. SIGPIPE is ignored by the Rust runtime, so a
+    // peer gone gives EPIPE.
+    let ret = unsafe {
+        if more {
+            let flags = libc::MSG_MORE | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+            libc::sendmsg(fd, &msg, flags)
+        } else {
+            libc::writev(fd, iov.as_ptr(), count as libc::c_int)
+        }
+    };
     check(ret)
 }
 

@@ -1,5 +1,5 @@
 //! Zero-copy Data-In (`zero_copy_reads`): large reads of file LUNs go from the page cache to
-//! the socket with `sendfile`. Zero-copy Data-Out (`zero_copy_writes`): large writes to tmpfs
+//! the socket with `sendfile`, or from a mapping of a tmpfs file in the vectored write. Zero-copy Data-Out (`zero_copy_writes`): large writes to tmpfs
 //! file LUNs are received straight into the file's pages. Real files (tmpfs and the test's
 //! own file system), real sockets, the test initiator: every byte read back is checked
 //! against what was written (and written bytes in the backing file itself), and the server's
@@ -145,7 +145,13 @@ async fn read_and_check(c: &mut Client, data: &Bytes) -> u64 {
 
 #[tokio::test]
 async fn large_reads_of_a_tmpfs_file_lun_are_sent_from_the_page_cache() {
-    let rig = start(Path::new("/dev/shm"), "tmpfs", ZeroCopyReads::On).await;
+    for mode in [ZeroCopyReads::On, ZeroCopyReads::Mapped] {
+        large_reads_of_a_tmpfs_file_lun_go_zero_copy(mode).await;
+    }
+}
+
+async fn large_reads_of_a_tmpfs_file_lun_go_zero_copy(mode: ZeroCopyReads) {
+    let rig = start(Path::new("/dev/shm"), &format!("tmpfs-{mode}"), mode).await;
     let mut c = login(rig.addr, |_| {}).await;
     let data = fill(&mut c).await;
     let before = rig.zero_copy_bytes();
@@ -153,13 +159,13 @@ async fn large_reads_of_a_tmpfs_file_lun_are_sent_from_the_page_cache() {
     assert_eq!(
         rig.zero_copy_bytes() - before,
         large,
-        "every read of 64 KiB or more, and nothing else, goes by sendfile"
+        "{mode}: every read of 64 KiB or more, and nothing else, goes zero-copy"
     );
     // The admin view shows it per connection.
     let sessions = rig.control.sessions();
     let conn = &sessions[0]["connections"][0];
     assert_eq!(conn["tx_zero_copy_bytes"].as_u64(), Some(large), "{conn}");
-    // A header digest covers only the header: the data still goes by sendfile.
+    // A header digest covers only the header: the data still goes zero-copy.
     let mut c = login(rig.addr, |o| {
         o.header_digest = true;
         o.isid.0[5] = 2;
@@ -223,9 +229,16 @@ async fn data_digest_or_mode_off_copies_and_reads_the_same_bytes() {
 
 #[tokio::test]
 async fn many_large_reads_in_flight_fill_the_socket_and_arrive_whole() {
+    for mode in [ZeroCopyReads::On, ZeroCopyReads::Mapped] {
+        many_large_reads_in_flight_arrive_whole(mode).await;
+    }
+}
+
+async fn many_large_reads_in_flight_arrive_whole(mode: ZeroCopyReads) {
     // 16 reads of 2 MiB sent at once and read back slowly: the target's socket fills, so
-    // `sendfile` stops part way through segments and the writer resumes when it drains.
-    let rig = start(Path::new("/dev/shm"), "inflight", ZeroCopyReads::On).await;
+    // `sendfile` (or the vectored send from the mapping) stops part way through segments and
+    // the writer resumes when it drains.
+    let rig = start(Path::new("/dev/shm"), &format!("inflight-{mode}"), mode).await;
     let mut c = login(rig.addr, |_| {}).await;
     let data = fill(&mut c).await;
     let before = rig.zero_copy_bytes();
@@ -290,6 +303,55 @@ async fn a_backing_file_cut_short_under_a_read_closes_the_connection() {
     let mut c = login(rig.addr, |o| o.isid.0[5] = 3).await;
     let r = c.read16(0, 0, 1024, BS).await.unwrap();
     assert_eq!(r.status, 0);
+}
+
+#[tokio::test]
+async fn mapped_reads_leave_holes_unallocated_and_a_cut_file_is_read_the_usual_way() {
+    // `mapped` sends only over pages that exist: a read fault on a hole of the mapping would
+    // allocate it, so holes (and pages past a cut) are copied, as zeros or as an error, and
+    // the sparse file stays sparse.
+    use std::os::unix::fs::MetadataExt;
+    let rig = start(Path::new("/dev/shm"), "mapped-holes", ZeroCopyReads::Mapped).await;
+    let mut c = login(rig.addr, |_| {}).await;
+    let data = pattern(1 << 20, 3);
+    let r = c.write16(0, 2048, data.clone(), BS, false).await.unwrap();
+    assert_eq!(r.status, 0);
+    let blocks = std::fs::metadata(&rig.file.0).unwrap().blocks();
+    let before = rig.zero_copy_bytes();
+    let r = c.read16(0, 2048, 2048, BS).await.unwrap();
+    assert!(
+        r.status == 0 && r.data == data,
+        "the written MiB reads back"
+    );
+    assert_eq!(
+        rig.zero_copy_bytes() - before,
+        1 << 20,
+        "sent from the mapping"
+    );
+    for (lba, blocks) in [(8192u64, 4096u32), (0, 2048)] {
+        let r = c.read16(0, lba, blocks, BS).await.unwrap();
+        assert_eq!(r.status, 0);
+        assert!(
+            r.data.iter().all(|&b| b == 0),
+            "a hole at {lba} reads as zeros"
+        );
+    }
+    assert_eq!(rig.zero_copy_bytes() - before, 1 << 20, "holes were copied");
+    assert_eq!(
+        std::fs::metadata(&rig.file.0).unwrap().blocks(),
+        blocks,
+        "reading holes allocated nothing"
+    );
+    // Cut behind the target's back: the read past the end is not sent from the mapping, so it
+    // fails the usual way, with CHECK CONDITION, and the session goes on.
+    rig.cut_short(3 << 20);
+    let r = tokio::time::timeout(Duration::from_secs(10), c.read16(0, 2048, 8192, BS))
+        .await
+        .expect("read past the cut hung")
+        .unwrap();
+    assert_ne!(r.status, 0, "a read past the end of the file succeeded");
+    let r = c.read16(0, 2048, 2048, BS).await.unwrap();
+    assert!(r.status == 0 && r.data == data);
 }
 
 /// Writes of many sizes and offsets; each is checked in the backing file itself and read back
