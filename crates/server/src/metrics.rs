@@ -495,7 +495,7 @@ pub fn prometheus(control: &Control) -> String {
         &mut o,
         "ironsan_zero_copy_read_bytes_total",
         "counter",
-        "Data-In bytes sent straight from file LUNs' page cache (sendfile, zero_copy_reads).",
+        "Data-In bytes sent straight from file LUNs' page cache (sendfile, or a mapping of a tmpfs file; zero_copy_reads).",
     );
     let _ = writeln!(
         o,
