@@ -117,7 +117,10 @@ fuzz_target!(|input: &[u8]| {
             data_out: Bytes::from(data.clone()),
             expected_in_len: c.expected_in_len,
             // RAM and null LUNs here: nothing to send from a file either way.
-            in_place_min: Some(0),
+            in_place: Some(ironsan_backend::InPlaceRead {
+                min: 0,
+                from: ironsan_backend::SendFrom::Mapping,
+            }),
         };
         let n = &nexuses[c.nexus as usize];
         let r = block_on(t.execute(lun, n, cmd));
@@ -157,7 +160,7 @@ fuzz_target!(|input: &[u8]| {
                         cdb: Bytes::copy_from_slice(&rd),
                         data_out: Bytes::new(),
                         expected_in_len: (sent_blocks * bs as u64) as u32,
-                        in_place_min: None,
+                        in_place: None,
                     },
                 ));
                 // A unit attention or reservation may stand in the way; data must match

@@ -144,8 +144,9 @@ pub struct FileBackend {
     ring: Option<Ring>,
     /// Why `auto` found no io_uring (shown at start-up).
     uring_unavailable: Option<String>,
-    /// The file mapped shared for writes received in place (tmpfs/ramfs only), made at the
-    /// first such write and again when the LUN has grown past it.
+    /// The file mapped shared for writes received in place and reads sent from it
+    /// (tmpfs/ramfs only), made at the first such write or read and again when the LUN has
+    /// grown past it.
     mapping: std::sync::Mutex<Option<Arc<sys::Mapping>>>,
 }
 
@@ -286,7 +287,6 @@ impl FileBackend {
         self.uring_unavailable.as_deref()
     }
 
-    /// The ring, when there is one and this thread is on a tokio runtime to drive it.
     /// The file's shared mapping, covering at least `end` bytes: made on first use with the
     /// LUN's size, remade when the LUN has grown past it; `None` when it cannot be made.
     fn mapping_to(&self, end: u64) -> Option<Arc<sys::Mapping>> {
@@ -315,6 +315,7 @@ impl FileBackend {
         })
     }
 
+    /// The ring, when there is one and this thread is on a tokio runtime to drive it.
     fn ring(&self) -> Option<&Ring> {
         self.ring.as_ref().filter(|r| r.ensure_driver().is_ok())
     }
