@@ -346,12 +346,19 @@ perf_once() {
     echo "$iops"
 }
 
+# record TABLE WORKLOAD BYTES TOOL FUNCTION ARGS...: FUNCTION ARGS, measured (it prints the
+# IOPS of its run), becomes a row of TABLE.
+record() {
+    local table=$1 workload=$2 bytes=$3 tool=$4; shift 4
+    measured "$@"
+    row "$table" "$workload" "$TARGET_NAME" "$M_IOPS" "$bytes" "$M_TICKS" "$M_WALL" "$tool" "$M_CLIENT"
+    note "$(printf '%-8s %-10s %-20s %8s IOPS (%s)' "$TARGET_NAME" "$table" "$workload" "$M_IOPS" "$tool")"
+}
+
 # perf SETUP WORKLOAD BYTES iscsi-perf-args...
 perf() {
     local setup=$1 workload=$2 bytes=$3; shift 3
-    measured perf_once "$WORK/$TARGET_NAME-$setup-$workload.log" "$@"
-    row "$setup" "$workload" "$TARGET_NAME" "$M_IOPS" "$bytes" "$M_TICKS" "$M_WALL" iscsi-perf "$M_CLIENT"
-    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$M_IOPS")"
+    record "$setup" "$workload" "$bytes" iscsi-perf perf_once "$WORK/$TARGET_NAME-$setup-$workload.log" "$@"
 }
 
 # qemu-img bench write; echoes "IOPS" of one run of COUNT requests (0 on failure).
@@ -377,11 +384,10 @@ qwrite() {
     local est count
     est=$(qbench_once "$cal" "$depth" "$size" "$WORK/qcal.log")
     count=$(( est * DURATION )); [[ $count -ge $cal ]] || count=$cal
-    measured qbench_once "$count" "$depth" "$size" "$WORK/$TARGET_NAME-$setup-$workload.log"
     # CPU is charged over the whole qemu-img process lifetime (login, probing
     # and logout included); the run itself dominates at >= 3 s.
-    row "$setup" "$workload" "$TARGET_NAME" "$M_IOPS" "$size" "$M_TICKS" "$M_WALL" qemu-img "$M_CLIENT"
-    note "$(printf '%-8s %-5s %-18s %8s IOPS' "$TARGET_NAME" "$setup" "$workload" "$M_IOPS")"
+    record "$setup" "$workload" "$size" qemu-img \
+        qbench_once "$count" "$depth" "$size" "$WORK/$TARGET_NAME-$setup-$workload.log"
 }
 
 # The four data workloads of a setup, each against every target in turn; ironsan-poll, where
@@ -415,13 +421,11 @@ scale_pair() {
     local setup=$1 tool=$2 one=$3 sixteen=$4 i1 c1 k1 w1
     measured "$one" "$WORK/$TARGET_NAME-$setup-1x32a.log"
     i1=$M_IOPS c1=$M_TICKS k1=$M_CLIENT w1=$M_WALL
-    measured "$sixteen" "$WORK/$TARGET_NAME-$setup-16x8.log"
-    row "$setup" 16x-randread-4k-qd8 "$TARGET_NAME" "$M_IOPS" 4096 "$M_TICKS" "$M_WALL" "$tool" "$M_CLIENT"
-    note "$(printf '%-8s %-10s %-18s %8s IOPS' "$TARGET_NAME" "$setup" 16x-randread-4k-qd8 "$M_IOPS")"
+    record "$setup" 16x-randread-4k-qd8 4096 "$tool" "$sixteen" "$WORK/$TARGET_NAME-$setup-16x8.log"
     measured "$one" "$WORK/$TARGET_NAME-$setup-1x32b.log"
     row "$setup" 1x-randread-4k-qd32 "$TARGET_NAME" $(((i1 + M_IOPS) / 2)) 4096 $((c1 + M_TICKS)) \
         $((w1 + M_WALL)) "$tool" $((k1 + M_CLIENT))
-    note "$(printf '%-8s %-10s %-18s %8s IOPS' "$TARGET_NAME" "$setup" 1x-randread-4k-qd32 $(((i1 + M_IOPS) / 2)))"
+    note "$(printf '%-8s %-10s %-20s %8s IOPS (%s)' "$TARGET_NAME" "$setup" 1x-randread-4k-qd32 $(((i1 + M_IOPS) / 2)) "$tool")"
 }
 one_perf() { perf_once "$1" -m 32 -b 8 -r; }
 scale() { scale_pair "$1" iscsi-perf one_perf sixteen_perf; }
@@ -516,9 +520,8 @@ lload_once() {
 # the table "SETUP+load".
 lrun() {
     local setup=$1 workload=$2 bytes=$3; shift 3
-    measured lload_once "$WORK/$TARGET_NAME-$setup-load-$workload.log" "$@"
-    row "$setup+load" "$workload" "$TARGET_NAME" "$M_IOPS" "$bytes" "$M_TICKS" "$M_WALL" ironsan-load "$M_CLIENT"
-    note "$(printf '%-8s %-10s %-18s %8s IOPS (ironsan load)' "$TARGET_NAME" "$setup" "$workload" "$M_IOPS")"
+    record "$setup+load" "$workload" "$bytes" ironsan-load \
+        lload_once "$WORK/$TARGET_NAME-$setup-load-$workload.log" "$@"
 }
 one_load() { lload_once "$1" --rw randread --bs 4096 --qd 32; }
 sixteen_load() { lload_once "$1" --rw randread --bs 4096 --qd 8 --sessions 16; }

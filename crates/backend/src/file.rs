@@ -676,13 +676,11 @@ fn file_map(file: &File, offset: u64, end: u64) -> std::io::Result<Vec<(u64, u64
 mod tests {
     use super::*;
 
-    /// tmpfs files take the inline path (no I/O thread): data round trips, holes read as
-    /// zeros, durable and cached writes both land, and a read past the end is an error.
-    #[tokio::test]
-    async fn tmpfs_file_does_io_inline_and_round_trips() {
+    /// A new 8 MiB LUN file on tmpfs (`/dev/shm`), or `None` (the test skips) without one.
+    fn tmpfs_lun() -> Option<(tempfile::TempDir, PathBuf, FileBackend)> {
         if !Path::new("/dev/shm").is_dir() {
             eprintln!("no /dev/shm: skipped");
-            return;
+            return None;
         }
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let path = dir.path().join("lun.img");
@@ -692,6 +690,16 @@ mod tests {
         };
         let be = FileBackend::open(&path, &opts).unwrap();
         assert!(be.in_memory, "a file on /dev/shm is in memory");
+        Some((dir, path, be))
+    }
+
+    /// tmpfs files take the inline path (no I/O thread): data round trips, holes read as
+    /// zeros, durable and cached writes both land, and a read past the end is an error.
+    #[tokio::test]
+    async fn tmpfs_file_does_io_inline_and_round_trips() {
+        let Some((_dir, path, be)) = tmpfs_lun() else {
+            return;
+        };
         let a = Bytes::from(vec![0xa5u8; 512 * 1024]);
         be.write(4096, a.clone(), WriteMode::Durable).await.unwrap();
         let b = Bytes::from((0..4096u32).map(|i| i as u8).collect::<Vec<u8>>());
@@ -712,17 +720,9 @@ mod tests {
     #[tokio::test]
     async fn reads_in_place_from_the_mapping_only_over_existing_tmpfs_pages() {
         use std::os::unix::fs::MetadataExt;
-        if !Path::new("/dev/shm").is_dir() {
-            eprintln!("no /dev/shm: skipped");
+        let Some((_dir, path, be)) = tmpfs_lun() else {
             return;
-        }
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let path = dir.path().join("lun.img");
-        let opts = FileOptions {
-            size: Some(8 << 20),
-            ..Default::default()
         };
-        let be = FileBackend::open(&path, &opts).unwrap();
         be.write(1 << 20, Bytes::from(vec![7u8; 1 << 20]), WriteMode::Cached)
             .await
             .unwrap();
@@ -751,6 +751,10 @@ mod tests {
         );
 
         let dir = tempfile::tempdir().unwrap();
+        let opts = FileOptions {
+            size: Some(8 << 20),
+            ..Default::default()
+        };
         let be = FileBackend::open(&dir.path().join("disk.img"), &opts).unwrap();
         if !be.in_memory {
             be.write(0, Bytes::from(vec![1u8; 1 << 20]), WriteMode::Cached)
