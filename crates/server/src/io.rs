@@ -470,8 +470,19 @@ impl WriteBatch {
         let fd = stream.as_raw_fd();
         while self.part < self.parts.len() {
             let (part, off) = (self.part, self.off);
-            let first = &self.parts[part];
-            if let (Part::File(r), None) = (first, first.iovec(off)) {
+            let mut file_follows = false;
+            let iov: Vec<libc::iovec> = self.parts[part..]
+                .iter()
+                .take(1024)
+                .enumerate()
+                .map_while(|(i, p)| {
+                    let v = p.iovec(if i == 0 { off } else { 0 });
+                    file_follows = v.is_none();
+                    v
+                })
+                .collect();
+            // Nothing before the first file range that is not mapped: `sendfile` it.
+            if let (true, Part::File(r)) = (iov.is_empty(), &self.parts[part]) {
                 let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
                     crate::sys::sendfile(fd, &r.file, r.offset + off as u64, r.len - off)
                 });
@@ -490,17 +501,6 @@ impl WriteBatch {
                 }
                 continue;
             }
-            let mut file_follows = false;
-            let iov: Vec<libc::iovec> = self.parts[part..]
-                .iter()
-                .take(1024)
-                .enumerate()
-                .map_while(|(i, p)| {
-                    let v = p.iovec(if i == 0 { off } else { 0 });
-                    file_follows = v.is_none();
-                    v
-                })
-                .collect();
             let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
                 crate::sys::send_iovecs(fd, &iov, file_follows)
             });
@@ -786,6 +786,22 @@ mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
 
+    /// A new file LUN of `size` bytes on tmpfs, `/dev/shm/ironsan-NAME-PID.img` (the caller
+    /// removes it).
+    fn shm_file(name: &str, size: u64) -> (std::path::PathBuf, ironsan_backend::FileBackend) {
+        let path = std::path::PathBuf::from(format!(
+            "/dev/shm/ironsan-{name}-{}.img",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let opts = ironsan_backend::FileOptions {
+            size: Some(size),
+            ..Default::default()
+        };
+        let be = ironsan_backend::FileBackend::open(&path, &opts).unwrap();
+        (path, be)
+    }
+
     /// Write `batch` to `wr` until it is all written or the write fails.
     async fn write_all(
         batch: &mut WriteBatch,
@@ -804,21 +820,9 @@ mod tests {
     /// before the cut, instead of sending other bytes.
     #[tokio::test]
     async fn mapped_file_ranges_go_out_in_the_vectored_write_and_a_cut_file_fails_it() {
-        use ironsan_backend::{BlockDevice, FileBackend, FileOptions, SendFrom, WriteMode};
+        use ironsan_backend::{BlockDevice, SendFrom, WriteMode};
         use tokio::io::AsyncReadExt;
-        let path = std::path::PathBuf::from(format!(
-            "/dev/shm/ironsan-mapped-send-{}.img",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&path);
-        let be = FileBackend::open(
-            &path,
-            &FileOptions {
-                size: Some(4 << 20),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let (path, be) = shm_file("mapped-send", 4 << 20);
         let data: Vec<u8> = (0..2u32 << 20).map(|i| (i * 7 % 251) as u8).collect();
         be.write(1 << 20, Bytes::from(data.clone()), WriteMode::Cached)
             .await
@@ -890,20 +894,8 @@ mod tests {
     /// tmpfs, checked after every piece.
     #[test]
     fn placement_writes_a_block_only_when_it_is_complete() {
-        use ironsan_backend::{BlockDevice, FileBackend, FileOptions};
-        let path = std::path::PathBuf::from(format!(
-            "/dev/shm/ironsan-placement-{}.img",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&path);
-        let file = FileBackend::open(
-            &path,
-            &FileOptions {
-                size: Some(1 << 20),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        use ironsan_backend::BlockDevice;
+        let (path, file) = shm_file("placement", 1 << 20);
         // 6 blocks at byte 4096 of the file.
         let target = file.write_in_place(4096, 3072).unwrap().in_grains_of(512);
         let data: Vec<u8> = (0..3072u32).map(|i| (i % 251 + 1) as u8).collect();
