@@ -522,19 +522,13 @@ impl BlockDevice for FileBackend {
         }
         let end = offset.checked_add(len as u64)?;
         let map = match from {
-            SendFrom::PageCache => {
-                let cached = self.in_memory || self.all_cached(offset, len as u64);
-                if !cached {
-                    return None;
-                }
-                None
-            }
-            SendFrom::Mapping => {
-                if !self.in_memory || end > self.size() || !self.all_cached(offset, len as u64) {
-                    return None;
-                }
+            SendFrom::PageCache if self.in_memory || self.all_cached(offset, len as u64) => None,
+            SendFrom::Mapping
+                if self.in_memory && end <= self.size() && self.all_cached(offset, len as u64) =>
+            {
                 Some(self.mapping_to(end)?)
             }
+            _ => return None,
         };
         Some(FileRange {
             file: Arc::clone(&self.file),
