@@ -116,10 +116,11 @@ fuzz_target!(|input: &[u8]| {
             cdb: Bytes::copy_from_slice(c.cdb),
             data_out: Bytes::from(data.clone()),
             expected_in_len: c.expected_in_len,
-            // RAM and null LUNs here: nothing to send from a file either way.
+            // RAM and null LUNs here: holes and null reads may answer from the zero file.
             in_place: Some(ironsan_backend::InPlaceRead {
                 min: 0,
                 from: ironsan_backend::SendFrom::Mapping,
+                zero_page: true,
             }),
         };
         let n = &nexuses[c.nexus as usize];

@@ -16,8 +16,8 @@
 use crate::pool::IoPool;
 use crate::uring::{Buf, Ring, SubmitError};
 use crate::{
-    sys, BackendError, BlockDevice, Capabilities, FileRange, InPlaceWrite, IoFuture, Keep,
-    SendFrom, WriteMode,
+    sys, BackendError, BlockDevice, Capabilities, FileRange, InPlaceRead, InPlaceWrite, IoFuture,
+    Keep, SendFrom, WriteMode,
 };
 use bytes::Bytes;
 use std::fs::{File, OpenOptions};
@@ -516,12 +516,12 @@ impl BlockDevice for FileBackend {
     /// tmpfs/ramfs only, and only when every page of the range exists (`cachestat`), so a
     /// hole is never allocated by the send's read fault and a swapped-out page is read the
     /// usual way.
-    fn read_in_place(&self, offset: u64, len: usize, from: SendFrom) -> Option<FileRange> {
+    fn read_in_place(&self, offset: u64, len: usize, how: InPlaceRead) -> Option<FileRange> {
         if self.direct {
             return None;
         }
         let end = offset.checked_add(len as u64)?;
-        let map = match from {
+        let map = match how.from {
             SendFrom::PageCache if self.in_memory || self.all_cached(offset, len as u64) => None,
             SendFrom::Mapping
                 if self.in_memory && end <= self.size() && self.all_cached(offset, len as u64) =>
@@ -721,21 +721,23 @@ mod tests {
             .await
             .unwrap();
         let blocks = std::fs::metadata(&path).unwrap().blocks();
-        let hole = be.read_in_place(4 << 20, 512 << 10, SendFrom::Mapping);
+        let hole = be.read_in_place(4 << 20, 512 << 10, SendFrom::Mapping.into());
         assert!(
             hole.is_none(),
             "a hole of a tmpfs file is not sent from the mapping"
         );
-        let part = be.read_in_place((2 << 20) - 4096, 8192, SendFrom::Mapping);
+        let part = be.read_in_place((2 << 20) - 4096, 8192, SendFrom::Mapping.into());
         assert!(part.is_none(), "half written, half hole: copied");
         let r = be
-            .read_in_place(1 << 20, 1 << 20, SendFrom::Mapping)
+            .read_in_place(1 << 20, 1 << 20, SendFrom::Mapping.into())
             .expect("written pages of a tmpfs file are sent from the mapping");
         let map = r.map.as_ref().expect("with the file's mapping");
         assert!(map.len() >= 2 << 20 && map.iovec(1 << 20, 1 << 20).is_some());
-        assert!(be.read_in_place(8 << 20, 4096, SendFrom::Mapping).is_none());
+        assert!(be
+            .read_in_place(8 << 20, 4096, SendFrom::Mapping.into())
+            .is_none());
         let r = be
-            .read_in_place(4 << 20, 512 << 10, SendFrom::PageCache)
+            .read_in_place(4 << 20, 512 << 10, SendFrom::PageCache.into())
             .expect("tmpfs sends holes from the page cache (as zeros)");
         assert!(r.map.is_none());
         assert_eq!(
@@ -754,7 +756,9 @@ mod tests {
             be.write(0, Bytes::from(vec![1u8; 1 << 20]), WriteMode::Cached)
                 .await
                 .unwrap();
-            assert!(be.read_in_place(0, 1 << 20, SendFrom::Mapping).is_none());
+            assert!(be
+                .read_in_place(0, 1 << 20, SendFrom::Mapping.into())
+                .is_none());
         }
     }
 

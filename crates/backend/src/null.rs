@@ -1,6 +1,6 @@
 //! NULLIO: reads return zeros, writes are discarded. Measures protocol cost.
 
-use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
+use crate::{BlockDevice, Capabilities, FileRange, InPlaceRead, IoFuture, WriteMode};
 use bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -40,6 +40,10 @@ impl BlockDevice for NullBackend {
     fn read(&self, _offset: u64, len: usize) -> IoFuture<'_, Bytes> {
         let data = crate::zeros(len);
         Box::pin(async move { Ok(data) })
+    }
+    /// Sent from the shared zero file when the connection allows it.
+    fn read_in_place(&self, _offset: u64, len: usize, how: InPlaceRead) -> Option<FileRange> {
+        crate::zeros_in_place(len, how)
     }
     fn write(&self, _offset: u64, _data: Bytes, _mode: WriteMode) -> IoFuture<'_, ()> {
         Box::pin(async { Ok(()) })

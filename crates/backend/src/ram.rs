@@ -14,7 +14,7 @@
 //! replaces the chunk with a modified copy, so the read keeps the contents it saw.
 
 use crate::IntMap;
-use crate::{BlockDevice, Capabilities, IoFuture, WriteMode};
+use crate::{BlockDevice, Capabilities, FileRange, InPlaceRead, IoFuture, WriteMode};
 use bytes::{Bytes, BytesMut};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
@@ -305,6 +305,28 @@ impl BlockDevice for RamBackend {
         let data = self.read_sync(offset, len);
         Box::pin(async move { Ok(data) })
     }
+    /// A range with no allocated chunk (nothing written there yet, or unmapped) is sent from
+    /// the shared zero file when the connection allows it (no copy at all);
+    /// anything else is read as usual. A write that lands after this answer is concurrent
+    /// with the read, which may then return either contents, as SAM allows for overlapping
+    /// commands (the copy-on-write chunks give a read the contents at its start too).
+    fn read_in_place(&self, offset: u64, len: usize, how: InPlaceRead) -> Option<FileRange> {
+        if !how.zero_page {
+            return None;
+        }
+        let hole = pieces(offset, len as u64).all(|(idx, _, _)| {
+            !self
+                .shard(idx)
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&idx)
+        });
+        if hole {
+            crate::zeros_in_place(len, how)
+        } else {
+            None
+        }
+    }
     fn write(&self, offset: u64, data: Bytes, _mode: WriteMode) -> IoFuture<'_, ()> {
         self.write_sync(offset, data);
         Box::pin(async { Ok(()) })
@@ -336,6 +358,48 @@ impl BlockDevice for RamBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn holes_answer_from_a_sealed_zero_file_and_data_does_not() {
+        use std::os::unix::fs::FileExt;
+        let be = RamBackend::new(2 << 30);
+        be.write(CHUNK, Bytes::from(vec![9u8; 4096]), WriteMode::Cached)
+            .await
+            .unwrap();
+        let zero_page = InPlaceRead {
+            min: 0,
+            from: crate::SendFrom::Mapping,
+            zero_page: true,
+        };
+        let r = be
+            .read_in_place(2 * CHUNK, 2 << 20, zero_page)
+            .expect("four chunks never written: the zero file");
+        assert_eq!((r.offset, r.len), (0, 2 << 20));
+        assert!(r.map.is_none(), "sent with sendfile");
+        let mut got = vec![1u8; 2 << 20];
+        r.file.read_exact_at(&mut got, r.offset).unwrap();
+        assert!(is_zero(&got), "the zero file reads as zeros");
+        let e = r.file.write_at(b"x", 0).expect_err("sealed against writes");
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        assert_eq!(r.file.metadata().unwrap().len(), 1 << 30);
+
+        assert!(
+            be.read_in_place(0, 2 * CHUNK as usize, zero_page).is_none(),
+            "a range with a written chunk is read as usual"
+        );
+        let no = InPlaceRead {
+            zero_page: false,
+            ..zero_page
+        };
+        assert!(be.read_in_place(2 * CHUNK, 4096, no).is_none());
+        assert!(
+            be.read_in_place(0, (1 << 30) + 4096, zero_page).is_none(),
+            "longer than the zero file"
+        );
+        // Unmapping the written chunk makes it a hole again.
+        be.unmap(CHUNK, CHUNK).await.unwrap();
+        assert!(be.read_in_place(0, 4 * CHUNK as usize, zero_page).is_some());
+    }
 
     #[test]
     fn is_zero_sees_a_single_set_bit_anywhere() {

@@ -300,6 +300,33 @@ unsafe impl std::alloc::GlobalAlloc for Allocator {
     }
 }
 
+/// A new anonymous file of `size` bytes that holds no pages and can never be written
+/// (`memfd_create` with sealing, `ftruncate`, then `F_SEAL_WRITE | F_SEAL_SHRINK |
+/// F_SEAL_GROW | F_SEAL_SEAL`): every byte reads as zero for as long as it is open, and
+/// `sendfile` from it sends the kernel's shared zero page.
+pub fn sealed_zero_file(name: &std::ffi::CStr, size: u64) -> io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: `name` is a valid NUL-terminated string borrowed for the call; the flags ask for
+    // a new descriptor, closed on exec, that may be sealed.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nothing else; the File
+    // takes sole ownership and closes it.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.set_len(size)?;
+    let seals = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS takes an integer argument and changes only the file's seals; the
+    // descriptor is valid and owned by `file`.
+    let ret = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
 /// Hand the allocator's free memory back to the kernel: used after a RAM LUN frees many
 /// chunks, so the process really shrinks. mimalloc gives freed memory back on its own only
 /// while the process keeps allocating; an idle target would keep it. `malloc_trim` does the

@@ -121,7 +121,7 @@ pub(crate) async fn read(
     if let Some(ip) = in_place.filter(|ip| len >= u64::from(ip.min)) {
         if let Some(range) = lu
             .backend()
-            .read_in_place(bytes_of(lu, r.lba), len as usize, ip.from)
+            .read_in_place(bytes_of(lu, r.lba), len as usize, ip)
         {
             return Ok(DataIn::File(range));
         }

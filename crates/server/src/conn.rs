@@ -2022,6 +2022,7 @@ fn in_place_reads(
     Some(ironsan_backend::InPlaceRead {
         min: IN_PLACE_MIN,
         from,
+        zero_page: big_segments && mode != Z::Mapped,
     })
 }
 

@@ -840,7 +840,7 @@ mod tests {
         let no = Digests::default();
 
         let range = be
-            .read_in_place(1 << 20, 1 << 20, SendFrom::Mapping)
+            .read_in_place(1 << 20, 1 << 20, SendFrom::Mapping.into())
             .unwrap();
         assert!(range.map.is_some());
         let mut batch = WriteBatch::default();
@@ -853,7 +853,7 @@ mod tests {
 
         // The second MiB, with the file cut half way through it.
         let range = be
-            .read_in_place(2 << 20, 1 << 20, SendFrom::Mapping)
+            .read_in_place(2 << 20, 1 << 20, SendFrom::Mapping.into())
             .unwrap();
         std::fs::OpenOptions::new()
             .write(true)

@@ -7,7 +7,7 @@
 
 mod support;
 use bytes::Bytes;
-use ironsan_backend::{FileBackend, FileOptions};
+use ironsan_backend::{BlockDevice, FileBackend, FileOptions, NullBackend, RamBackend};
 use ironsan_initiator::{Client, LoginOptions};
 use ironsan_proto::pdu::{DataOut, Header, Lun, Pdu};
 use ironsan_proto::DataSn;
@@ -31,8 +31,8 @@ impl Drop for TempFile {
 }
 
 struct Rig {
-    /// The backing file (removed with the rig).
-    file: TempFile,
+    /// The backing file (removed with the rig); `None` for a RAM or NULL LUN.
+    file: Option<TempFile>,
     addr: SocketAddr,
     control: ironsan_server::admin::Control,
     _stop: tokio::sync::oneshot::Sender<()>,
@@ -45,11 +45,15 @@ impl Rig {
     fn zero_copy_write_bytes(&self) -> u64 {
         self.control.gauges().zero_copy_write_bytes
     }
+    /// The backing file of a file LUN.
+    fn path(&self) -> &Path {
+        &self.file.as_ref().expect("a file LUN").0
+    }
     /// Truncate the backing file behind the target's back.
     fn cut_short(&self, len: u64) {
         std::fs::OpenOptions::new()
             .write(true)
-            .open(&self.file.0)
+            .open(self.path())
             .unwrap()
             .set_len(len)
             .unwrap();
@@ -76,18 +80,21 @@ async fn start_with(dir: &Path, name: &str, f: impl FnOnce(&mut ServerConfig)) -
         },
     )
     .unwrap();
-    let t = support::target_on(
-        TARGET,
-        Arc::new(backend),
-        ironsan_scsi::local_naa("zero-copy"),
-    );
+    let mut rig = start_on(Arc::new(backend), f).await;
+    rig.file = Some(file);
+    rig
+}
+
+/// A server whose LUN 0 is `backend`, with its configuration as `f` leaves it.
+async fn start_on(backend: Arc<dyn BlockDevice>, f: impl FnOnce(&mut ServerConfig)) -> Rig {
+    let t = support::target_on(TARGET, backend, ironsan_scsi::local_naa("zero-copy"));
     let mut cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
     f(&mut cfg);
     let server = Server::bind(cfg).await.unwrap();
     let addr = server.local_addrs()[0];
     let control = server.control();
     Rig {
-        file,
+        file: None,
         addr,
         control,
         _stop: support::run_in_background(server),
@@ -175,6 +182,75 @@ async fn large_reads_of_a_tmpfs_file_lun_go_zero_copy(mode: ZeroCopyReads) {
     let before = rig.zero_copy_bytes();
     let large = read_and_check(&mut c, &data).await;
     assert_eq!(rig.zero_copy_bytes() - before, large);
+}
+
+/// Read `blocks` at `lba` and check every byte against `want` (the LUN's contents).
+async fn read_expecting(c: &mut Client, lba: u64, blocks: u32, want: &[u8]) {
+    let r = c.read16(0, lba, blocks, BS).await.unwrap();
+    assert_eq!(r.status, 0, "read {blocks} at {lba}: {:?}", r.sense_key());
+    let off = (lba * u64::from(BS)) as usize;
+    let len = (blocks * BS) as usize;
+    assert!(
+        r.data.len() == len && r.data[..] == want[off..off + len],
+        "read {blocks} blocks at LBA {lba} returned other bytes than the LUN holds"
+    );
+}
+
+#[tokio::test]
+async fn reads_of_nothing_stored_are_sent_from_the_zero_page() {
+    // `auto` (BBR on this host: a mapping for file data) and `on` (sendfile) both send reads
+    // of RAM-LUN holes and of NULL LUNs from the zero file; `mapped` and `off` copy.
+    for (mode, zero_page) in [
+        (ZeroCopyReads::Auto, true),
+        (ZeroCopyReads::On, true),
+        (ZeroCopyReads::Mapped, false),
+        (ZeroCopyReads::Off, false),
+    ] {
+        let rig = start_on(Arc::new(RamBackend::new(LUN_BYTES)), |cfg| {
+            cfg.zero_copy_reads = mode
+        })
+        .await;
+        let mut c = login(rig.addr, |_| {}).await;
+        let mut lun = vec![0u8; LUN_BYTES as usize];
+        let sent = |n: u64| if zero_page { n } else { 0 };
+
+        read_expecting(&mut c, 0, 1024, &lun).await; // 512 KiB of a hole
+        read_expecting(&mut c, 12_345, 16_384, &lun).await; // 8 MiB, unaligned
+        assert_eq!(rig.zero_copy_bytes(), sent((512 << 10) + (8 << 20)), "{mode}");
+
+        // 512 KiB written at 1 MiB: reads that touch it copy, holes beside it still do not.
+        let data = pattern(512 << 10, 3);
+        let r = c.write16(0, 2048, data.clone(), BS, false).await.unwrap();
+        assert_eq!(r.status, 0);
+        lun[1 << 20..(1 << 20) + (512 << 10)].copy_from_slice(&data);
+        let before = rig.zero_copy_bytes();
+        read_expecting(&mut c, 0, 4096, &lun).await; // 2 MiB over the written chunk
+        read_expecting(&mut c, 2048, 1024, &lun).await; // the written chunk alone
+        read_expecting(&mut c, 1024, 1024, &lun).await; // the hole before it
+        read_expecting(&mut c, 8, 8, &lun).await; // 4 KiB: always copied
+        assert_eq!(rig.zero_copy_bytes() - before, sent(512 << 10), "{mode}");
+
+        // A data digest needs the bytes; 8 KiB segments would cost a syscall each.
+        for (isid, digest, mrdsl) in [(2u8, true, 256 << 10), (3, false, 8192)] {
+            let mut c = login(rig.addr, |o| {
+                o.isid.0[5] = isid;
+                o.data_digest = digest;
+                o.max_recv_data_segment_length = mrdsl;
+            })
+            .await;
+            let before = rig.zero_copy_bytes();
+            read_expecting(&mut c, 0, 1024, &lun).await;
+            assert_eq!(rig.zero_copy_bytes(), before, "{mode}, digest {digest}, {mrdsl}");
+        }
+    }
+
+    // A NULL LUN: every large read is zeros from the zero page, written data or not.
+    let rig = start_on(Arc::new(NullBackend::new(LUN_BYTES)), |_| {}).await;
+    let mut c = login(rig.addr, |_| {}).await;
+    let r = c.write16(0, 0, pattern(1 << 20, 5), BS, false).await.unwrap();
+    assert_eq!(r.status, 0);
+    read_expecting(&mut c, 0, 2048, &vec![0u8; 1 << 20]).await;
+    assert_eq!(rig.zero_copy_bytes(), 1 << 20);
 }
 
 #[tokio::test]
@@ -316,7 +392,7 @@ async fn mapped_reads_leave_holes_unallocated_and_a_cut_file_is_read_the_usual_w
     let data = pattern(1 << 20, 3);
     let r = c.write16(0, 2048, data.clone(), BS, false).await.unwrap();
     assert_eq!(r.status, 0);
-    let blocks = std::fs::metadata(&rig.file.0).unwrap().blocks();
+    let blocks = std::fs::metadata(rig.path()).unwrap().blocks();
     let before = rig.zero_copy_bytes();
     let r = c.read16(0, 2048, 2048, BS).await.unwrap();
     assert!(
@@ -338,7 +414,7 @@ async fn mapped_reads_leave_holes_unallocated_and_a_cut_file_is_read_the_usual_w
     }
     assert_eq!(rig.zero_copy_bytes() - before, 1 << 20, "holes were copied");
     assert_eq!(
-        std::fs::metadata(&rig.file.0).unwrap().blocks(),
+        std::fs::metadata(rig.path()).unwrap().blocks(),
         blocks,
         "reading holes allocated nothing"
     );
@@ -398,7 +474,7 @@ async fn write_and_check(c: &mut Client, file: &Path, seed: u8) -> u64 {
 async fn large_writes_to_a_tmpfs_file_lun_are_received_into_its_pages() {
     let rig = start(Path::new("/dev/shm"), "wr-tmpfs", ZeroCopyReads::Off).await;
     let mut c = login(rig.addr, |_| {}).await;
-    let large = write_and_check(&mut c, &rig.file.0, 1).await;
+    let large = write_and_check(&mut c, rig.path(), 1).await;
     let placed = rig.zero_copy_write_bytes();
     // All but the data that came with each command (immediate and unsolicited, already in
     // the receive buffer, written from there) was received in place.
@@ -421,7 +497,7 @@ async fn large_writes_to_a_tmpfs_file_lun_are_received_into_its_pages() {
     })
     .await;
     assert!(c.header_digest && !c.data_digest);
-    write_and_check(&mut c, &rig.file.0, 2).await;
+    write_and_check(&mut c, rig.path(), 2).await;
     assert!(rig.zero_copy_write_bytes() > 2 * placed - large / 2);
 }
 
@@ -430,7 +506,7 @@ async fn data_digest_or_writes_off_receive_through_a_buffer() {
     let rig = start(Path::new("/dev/shm"), "wr-digest", ZeroCopyReads::Off).await;
     let mut c = login(rig.addr, |o| o.data_digest = true).await;
     assert!(c.data_digest);
-    write_and_check(&mut c, &rig.file.0, 3).await;
+    write_and_check(&mut c, rig.path(), 3).await;
     assert_eq!(
         rig.zero_copy_write_bytes(),
         0,
@@ -441,12 +517,12 @@ async fn data_digest_or_writes_off_receive_through_a_buffer() {
     })
     .await;
     let mut c = login(rig.addr, |_| {}).await;
-    write_and_check(&mut c, &rig.file.0, 4).await;
+    write_and_check(&mut c, rig.path(), 4).await;
     assert_eq!(rig.zero_copy_write_bytes(), 0, "zero_copy_writes = off");
     // A file on a disk file system is written through a buffer too.
     let rig = start(&std::env::temp_dir(), "wr-disk", ZeroCopyReads::Off).await;
     let mut c = login(rig.addr, |_| {}).await;
-    write_and_check(&mut c, &rig.file.0, 5).await;
+    write_and_check(&mut c, rig.path(), 5).await;
     assert_eq!(rig.zero_copy_write_bytes(), 0, "only tmpfs/ramfs files");
 }
 
