@@ -40,7 +40,7 @@
 //! # max_connections = 1024
 //! # shutdown_grace = "10s"   # SIGTERM: how long initiators get to log out
 //! # busy_poll_us = 0         # opt-in: spin up to N us per connection before sleeping
-//! # zero_copy_reads = "auto" # file LUNs: large reads sent from the page cache (auto|on|mapped|off)
+//! # zero_copy_reads = "auto" # large file-LUN reads sent from the page cache, RAM holes as the zero page (auto|on|mapped|off)
 //! # zero_copy_writes = "on"  # tmpfs file LUNs: large writes received into the file's pages (on|off)
 //! # io_engine = "auto"       # file LUNs' blocking I/O: io_uring, else threads (auto|uring|threads)
 //!

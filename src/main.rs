@@ -117,7 +117,9 @@ struct ServeArgs {
     /// copy through ironsan, on connections without a data digest: on (sendfile), mapped
     /// (tmpfs/ramfs LUNs: one vectored send from a mapping of the file), auto (on, or mapped
     /// where the connection's TCP congestion control is BBR, which paces each sendfile
-    /// chunk), off. Overrides `zero_copy_reads` in [limits]. Default: auto.
+    /// chunk), off. In auto and on, such reads of nothing stored (RAM-LUN holes, NULL LUNs)
+    /// go with sendfile as the kernel's zero page. Overrides `zero_copy_reads` in [limits].
+    /// Default: auto.
     #[arg(long, value_name = "MODE")]
     zero_copy_reads: Option<ironsan_server::ZeroCopyReads>,
     /// Large writes (64 KiB and more) to file LUNs on tmpfs/ramfs receive their data straight

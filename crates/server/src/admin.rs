@@ -70,7 +70,7 @@ pub struct ServerStats {
     /// Failed logins by reason (a status name); rare, so a mutex is fine.
     pub login_failures: Mutex<BTreeMap<String, u64>>,
     pub digest_errors: AtomicU64,
-    /// Data-In bytes sent straight from file LUNs' page cache, every connection ever.
+    /// Data-In bytes sent straight from file LUNs' page cache or as the zero page, every connection ever.
     pub zero_copy_bytes: Arc<AtomicU64>,
     /// Data-Out bytes received straight into file LUNs' pages (zero_copy_writes).
     pub zero_copy_write_bytes: AtomicU64,

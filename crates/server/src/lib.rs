@@ -132,6 +132,9 @@ pub struct ServerConfig {
 
 /// How a connection sends large file-LUN reads without copying them through a buffer. Only
 /// ever without a data digest (the digest needs the bytes) and for reads of at least 64 KiB.
+/// In `Auto` and `On`, with segments of at least 64 KiB, reads of nothing stored (RAM-LUN
+/// holes, NULL LUNs) are sent with `sendfile` from an empty sealed file, the kernel's zero
+/// page ([`ironsan_backend::InPlaceRead::zero_page`]), under BBR too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ZeroCopyReads {
     /// `sendfile` from the page cache (as `on`), unless the connection's TCP congestion

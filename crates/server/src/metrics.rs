@@ -495,7 +495,7 @@ pub fn prometheus(control: &Control) -> String {
         &mut o,
         "ironsan_zero_copy_read_bytes_total",
         "counter",
-        "Data-In bytes sent straight from file LUNs' page cache (sendfile, or a mapping of a tmpfs file; zero_copy_reads).",
+        "Data-In bytes sent straight from file LUNs' page cache (sendfile, or a mapping of a tmpfs file) or as the kernel's zero page (reads of nothing stored in RAM and NULL LUNs); zero_copy_reads.",
     );
     let _ = writeln!(
         o,

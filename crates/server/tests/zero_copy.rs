@@ -216,7 +216,11 @@ async fn reads_of_nothing_stored_are_sent_from_the_zero_page() {
 
         read_expecting(&mut c, 0, 1024, &lun).await; // 512 KiB of a hole
         read_expecting(&mut c, 12_345, 16_384, &lun).await; // 8 MiB, unaligned
-        assert_eq!(rig.zero_copy_bytes(), sent((512 << 10) + (8 << 20)), "{mode}");
+        assert_eq!(
+            rig.zero_copy_bytes(),
+            sent((512 << 10) + (8 << 20)),
+            "{mode}"
+        );
 
         // 512 KiB written at 1 MiB: reads that touch it copy, holes beside it still do not.
         let data = pattern(512 << 10, 3);
@@ -240,14 +244,21 @@ async fn reads_of_nothing_stored_are_sent_from_the_zero_page() {
             .await;
             let before = rig.zero_copy_bytes();
             read_expecting(&mut c, 0, 1024, &lun).await;
-            assert_eq!(rig.zero_copy_bytes(), before, "{mode}, digest {digest}, {mrdsl}");
+            assert_eq!(
+                rig.zero_copy_bytes(),
+                before,
+                "{mode}, digest {digest}, {mrdsl}"
+            );
         }
     }
 
     // A NULL LUN: every large read is zeros from the zero page, written data or not.
     let rig = start_on(Arc::new(NullBackend::new(LUN_BYTES)), |_| {}).await;
     let mut c = login(rig.addr, |_| {}).await;
-    let r = c.write16(0, 0, pattern(1 << 20, 5), BS, false).await.unwrap();
+    let r = c
+        .write16(0, 0, pattern(1 << 20, 5), BS, false)
+        .await
+        .unwrap();
     assert_eq!(r.status, 0);
     read_expecting(&mut c, 0, 2048, &vec![0u8; 1 << 20]).await;
     assert_eq!(rig.zero_copy_bytes(), 1 << 20);
