@@ -61,16 +61,39 @@ pub(crate) fn zeros(len: usize) -> Bytes {
 /// Longest read of zeros [`zeros_in_place`] can send: the size of the shared zero file.
 const ZERO_FILE_LEN: u64 = 1 << 30;
 
+/// Whether [`zeros_in_place`] can answer on this kernel: from Linux 6.5 `sendfile` from a hole
+/// of a tmpfs file splices the shared zero page (`shmem_file_splice_read`); before, the kernel
+/// zero-fills fresh pipe pages for it, no cheaper than the copy it replaces, so older kernels
+/// (Debian 12's own 6.1 among them) keep the copy. Read once from
+/// `/proc/sys/kernel/osrelease`; `false` when it cannot be read or parsed.
+pub fn zero_page_reads_supported() -> bool {
+    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .ok()
+            .and_then(|r| kernel_version(&r))
+            .is_some_and(|v| v >= (6, 5))
+    })
+}
+
+/// `(major, minor)` of a kernel release string such as `6.18.44-fc-v595` or `6.1.0-27-amd64`.
+fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.trim().split(|c: char| !c.is_ascii_digit());
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
 /// `len` zero bytes as a [`FileRange`] of a sealed, empty anonymous file, for a read of
 /// nothing stored (a NULL LUN, a hole of a RAM LUN) when the connection allows it
 /// ([`InPlaceRead::zero_page`]): `sendfile` from it sends the kernel's shared zero page and
 /// copies nothing, where [`zeros`] costs the kernel's copy into the socket
 /// (docs/PERFORMANCE.md, "Zero-copy reads of nothing stored"). `None` when not allowed, for
-/// reads over 1 GiB, or when the kernel cannot make the file (said once on stderr); the
-/// caller then sends [`zeros`].
+/// reads over 1 GiB, on kernels before 6.5 ([`zero_page_reads_supported`]), or when the
+/// kernel cannot make the file (said once on stderr); the caller then sends [`zeros`].
 pub(crate) fn zeros_in_place(len: usize, how: InPlaceRead) -> Option<FileRange> {
     static ZERO_FILE: std::sync::OnceLock<Option<Arc<std::fs::File>>> = std::sync::OnceLock::new();
-    if !how.zero_page || len as u64 > ZERO_FILE_LEN {
+    if !how.zero_page || len as u64 > ZERO_FILE_LEN || !zero_page_reads_supported() {
         return None;
     }
     let file = ZERO_FILE.get_or_init(|| {
@@ -502,7 +525,19 @@ pub fn parse_size(s: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{kernel_version, parse_size};
+
+    #[test]
+    fn reads_kernel_versions_from_release_strings() {
+        assert_eq!(kernel_version("6.18.44-fc-v595\n"), Some((6, 18)));
+        assert_eq!(kernel_version("6.1.0-27-amd64"), Some((6, 1)));
+        assert_eq!(kernel_version("6.5"), Some((6, 5)));
+        assert_eq!(kernel_version("5.10.0+"), Some((5, 10)));
+        assert!(kernel_version("6.4.0").is_some_and(|v| v < (6, 5)));
+        assert_eq!(kernel_version("6"), None);
+        assert_eq!(kernel_version("linux"), None);
+        assert_eq!(kernel_version(""), None);
+    }
 
     #[test]
     fn parses_sizes_with_suffixes() {

@@ -134,7 +134,7 @@ pub struct ServerConfig {
 /// ever without a data digest (the digest needs the bytes) and for reads of at least 64 KiB.
 /// In `Auto` and `On`, with segments of at least 64 KiB, reads of nothing stored (RAM-LUN
 /// holes, NULL LUNs) are sent with `sendfile` from an empty sealed file, the kernel's zero
-/// page ([`ironsan_backend::InPlaceRead::zero_page`]), under BBR too.
+/// page ([`ironsan_backend::InPlaceRead::zero_page`]), under BBR too (Linux 6.5 and later).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ZeroCopyReads {
     /// `sendfile` from the page cache (as `on`), unless the connection's TCP congestion

@@ -212,6 +212,8 @@ async fn reads_of_nothing_stored_are_sent_from_the_zero_page() {
         .await;
         let mut c = login(rig.addr, |_| {}).await;
         let mut lun = vec![0u8; LUN_BYTES as usize];
+        // Before Linux 6.5 the kernel would zero-fill pipe pages for it: copied instead.
+        let zero_page = zero_page && ironsan_backend::zero_page_reads_supported();
         let sent = |n: u64| if zero_page { n } else { 0 };
 
         read_expecting(&mut c, 0, 1024, &lun).await; // 512 KiB of a hole
@@ -261,7 +263,12 @@ async fn reads_of_nothing_stored_are_sent_from_the_zero_page() {
         .unwrap();
     assert_eq!(r.status, 0);
     read_expecting(&mut c, 0, 2048, &vec![0u8; 1 << 20]).await;
-    assert_eq!(rig.zero_copy_bytes(), 1 << 20);
+    let sent = if ironsan_backend::zero_page_reads_supported() {
+        1 << 20
+    } else {
+        0
+    };
+    assert_eq!(rig.zero_copy_bytes(), sent);
 }
 
 #[tokio::test]
