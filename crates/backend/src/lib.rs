@@ -88,7 +88,7 @@ fn kernel_version(release: &str) -> Option<(u32, u32)> {
 /// nothing stored (a NULL LUN, a hole of a RAM LUN) when the connection allows it
 /// ([`InPlaceRead::zero_page`]): `sendfile` from it sends the kernel's shared zero page and
 /// copies nothing, where [`zeros`] costs the kernel's copy into the socket
-/// (docs/PERFORMANCE.md, "Zero-copy reads of nothing stored"). `None` when not allowed, for
+/// (docs/PERFORMANCE.md, "Reads of nothing stored are the zero page"). `None` when not allowed, for
 /// reads over 1 GiB, on kernels before 6.5 ([`zero_page_reads_supported`]), or when the
 /// kernel cannot make the file (said once on stderr); the caller then sends [`zeros`].
 pub(crate) fn zeros_in_place(len: usize, how: InPlaceRead) -> Option<FileRange> {
@@ -166,7 +166,7 @@ pub struct InPlaceRead {
     /// from a file of zeros whatever `from` says: the kernel sends its shared zero page and
     /// copies nothing, which measured faster under BBR as well as cubic (unlike `sendfile` of
     /// data). Set when segments are large enough for `sendfile` (docs/PERFORMANCE.md,
-    /// "Zero-copy reads of nothing stored").
+    /// "Reads of nothing stored are the zero page").
     pub zero_page: bool,
 }
 
@@ -410,10 +410,11 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn capabilities(&self) -> Capabilities;
     /// Read `len` bytes at `offset`.
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes>;
-    /// `len` bytes at `offset` as a [`FileRange`] the transport can send `from` the page
-    /// cache or a mapping, if the backend is a buffered file and the kernel would not wait for
-    /// a device to send it. `None` (the default): use [`read`](Self::read). Called on the
-    /// network side: must not block.
+    /// `len` bytes at `offset` as a [`FileRange`] the transport can send from the page cache or
+    /// a mapping (as `how.from` says), if the backend is a buffered file and the kernel would
+    /// not wait for a device to send it; for a range with nothing stored (NULL, RAM holes),
+    /// the shared zero file when `how.zero_page` allows it. `None` (the default): use
+    /// [`read`](Self::read). Called on the network side: must not block.
     fn read_in_place(&self, offset: u64, len: usize, how: InPlaceRead) -> Option<FileRange> {
         let _ = (offset, len, how);
         None
