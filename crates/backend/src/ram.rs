@@ -144,6 +144,14 @@ impl RamBackend {
         &self.shards[(idx as usize) % SHARDS]
     }
 
+    /// Whether chunk `idx` is allocated (written and not unmapped since).
+    fn has_chunk(&self, idx: u64) -> bool {
+        self.shard(idx)
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&idx)
+    }
+
     /// Bytes of memory currently allocated for data.
     pub fn allocated(&self) -> u64 {
         self.shards
@@ -176,13 +184,7 @@ impl RamBackend {
         // piece by piece (allocated chunks copied, holes zero-filled, nothing written twice).
         let starts_in_hole = pieces(offset, len as u64)
             .next()
-            .is_some_and(|(idx, _, _)| {
-                !self
-                    .shard(idx)
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .contains_key(&idx)
-            });
+            .is_some_and(|(idx, _, _)| !self.has_chunk(idx));
         if starts_in_hole {
             let mut out = BytesMut::zeroed(len);
             let mut at = 0usize;
@@ -314,13 +316,7 @@ impl BlockDevice for RamBackend {
         if !how.zero_page {
             return None;
         }
-        let hole = pieces(offset, len as u64).all(|(idx, _, _)| {
-            !self
-                .shard(idx)
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .contains_key(&idx)
-        });
+        let hole = pieces(offset, len as u64).all(|(idx, _, _)| !self.has_chunk(idx));
         if hole {
             crate::zeros_in_place(len, how)
         } else {
@@ -343,12 +339,7 @@ impl BlockDevice for RamBackend {
         let mut out = Vec::new();
         let mut pos = offset;
         for (idx, _within, n) in pieces(offset, len) {
-            let mapped = self
-                .shard(idx)
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .contains_key(&idx);
-            crate::push_extent(&mut out, pos, n as u64, mapped);
+            crate::push_extent(&mut out, pos, n as u64, self.has_chunk(idx));
             pos += n as u64;
         }
         Box::pin(async move { Ok(out) })
