@@ -12,6 +12,10 @@
 //! socket); so are reads from [`SMALL_SHARE_MIN`] bytes while few of them are outstanding
 //! ([`SMALL_SHARES_MAX`]). Chunks are copy-on-write: a write or unmap to a chunk that a read still holds
 //! replaces the chunk with a modified copy, so the read keeps the contents it saw.
+//!
+//! Large reads of ranges with no chunk at all are not even read: on connections that allow it
+//! they answer with a range of the process's empty, sealed zero file, which the transport sends
+//! with `sendfile` as the kernel's zero page (`read_in_place`, [`crate::zeros_in_place`]).
 
 use crate::IntMap;
 use crate::{BlockDevice, Capabilities, FileRange, InPlaceRead, IoFuture, WriteMode};
