@@ -15,7 +15,7 @@
 //!
 //! Large reads of ranges with no chunk at all are not even read: on connections that allow it
 //! they answer with a range of the process's empty, sealed zero file, which the transport sends
-//! with `sendfile` as the kernel's zero page (`read_in_place`, [`crate::zeros_in_place`]).
+//! with `sendfile` as the kernel's zero page (`read_in_place`, `zeros_in_place` in the crate root).
 
 use crate::IntMap;
 use crate::{BlockDevice, Capabilities, FileRange, InPlaceRead, IoFuture, WriteMode};
