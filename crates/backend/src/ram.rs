@@ -13,9 +13,10 @@
 //! ([`SMALL_SHARES_MAX`]). Chunks are copy-on-write: a write or unmap to a chunk that a read still holds
 //! replaces the chunk with a modified copy, so the read keeps the contents it saw.
 //!
-//! Large reads of ranges with no chunk at all are not even read: on connections that allow it
-//! they answer with a range of the process's empty, sealed zero file, which the transport sends
-//! with `sendfile` as the kernel's zero page (`read_in_place`, `zeros_in_place` in the crate root).
+//! Large reads of ranges with no chunk at all are not even read: on connections that allow
+//! it they answer with a range of the process's empty, sealed zero file, which the transport
+//! sends with `sendfile` as the kernel's zero page (`read_in_place`; `zeros_in_place` in the
+//! crate root).
 
 use crate::IntMap;
 use crate::{BlockDevice, Capabilities, FileRange, InPlaceRead, IoFuture, WriteMode};
