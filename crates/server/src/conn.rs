@@ -1993,7 +1993,8 @@ fn place_min(on: bool, params: &ConnParams) -> Option<u32> {
 /// ([`crate::ZeroCopyReads`]): never with a data digest (it needs the bytes); `sendfile` only
 /// with segments of at least [`IN_PLACE_MIN`] and, in `auto`, on a connection whose congestion
 /// control does not pace inside TCP (BBR), where a mapping of a tmpfs file is sent from
-/// instead (docs/PERFORMANCE.md).
+/// instead (docs/PERFORMANCE.md). Reads of nothing stored may go as the zero page with
+/// `sendfile` in `on` and `auto` alike, given segments of at least [`IN_PLACE_MIN`].
 fn in_place_reads(
     mode: crate::ZeroCopyReads,
     params: &ConnParams,
