@@ -109,7 +109,12 @@ async fn login(addr: SocketAddr, f: impl FnOnce(&mut LoginOptions)) -> Client {
 
 /// Fill the LUN with a pattern (2 MiB writes) and return it.
 async fn fill(c: &mut Client) -> Bytes {
-    let data = pattern(LUN_BYTES as usize, 7);
+    fill_first(c, LUN_BYTES as usize, 7).await
+}
+
+/// Write the first `len` bytes of the LUN with pattern `seed` (2 MiB writes) and return them.
+async fn fill_first(c: &mut Client, len: usize, seed: u8) -> Bytes {
+    let data = pattern(len, seed);
     for (i, chunk) in data.chunks(2 << 20).enumerate() {
         let lba = (i as u64 * (2 << 20)) / u64::from(BS);
         let r = c
@@ -346,15 +351,7 @@ async fn many_reads_of_ram_holes_and_data_in_flight_arrive_whole() {
     let rig = start_on(Arc::new(RamBackend::new(LUN_BYTES)), |_| {}).await;
     let mut c = login(rig.addr, |_| {}).await;
     let mut data = vec![0u8; LUN_BYTES as usize];
-    let half = pattern(LUN_BYTES as usize / 2, 11);
-    for (i, chunk) in half.chunks(2 << 20).enumerate() {
-        let lba = (i as u64 * (2 << 20)) / u64::from(BS);
-        let r = c
-            .write16(0, lba, Bytes::copy_from_slice(chunk), BS, false)
-            .await
-            .unwrap();
-        assert_eq!(r.status, 0);
-    }
+    let half = fill_first(&mut c, LUN_BYTES as usize / 2, 11).await;
     data[..half.len()].copy_from_slice(&half);
     let sent = reads_in_flight_arrive_whole(&rig, &mut c, &data).await;
     // Reads 9-15 start past the written half (read 8 starts in its last chunk).
