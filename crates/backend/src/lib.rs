@@ -88,15 +88,19 @@ fn kernel_version(release: &str) -> Option<(u32, u32)> {
 /// nothing stored (a NULL LUN, a hole of a RAM LUN) when the connection allows it
 /// ([`InPlaceRead::zero_page`]): `sendfile` from it sends the kernel's shared zero page and
 /// copies nothing, where [`zeros`] costs the kernel's copy into the socket
-/// (docs/PERFORMANCE.md, "Reads of nothing stored are the zero page"). `None` when not allowed, for
-/// reads over 1 GiB, on kernels before 6.5 ([`zero_page_reads_supported`]), or when the
+/// (docs/PERFORMANCE.md, "Reads of nothing stored are the zero page"). `None` when not
+/// allowed, for reads over 1 GiB, on kernels before 6.5 ([`zero_page_reads_supported`]), or when the
 /// kernel cannot make the file (said once on stderr); the caller then sends [`zeros`].
 pub(crate) fn zeros_in_place(len: usize, how: InPlaceRead) -> Option<FileRange> {
     static ZERO_FILE: std::sync::OnceLock<Option<Arc<std::fs::File>>> = std::sync::OnceLock::new();
-    if !how.zero_page || len as u64 > ZERO_FILE_LEN || !zero_page_reads_supported() {
+    if !how.zero_page || len as u64 > ZERO_FILE_LEN {
         return None;
     }
+    // Made once; `None` for good on an older kernel or when the kernel refuses.
     let file = ZERO_FILE.get_or_init(|| {
+        if !zero_page_reads_supported() {
+            return None;
+        }
         sys::sealed_zero_file(c"ironsan-zeros", ZERO_FILE_LEN)
             .map_err(|e| eprintln!("ironsan: no zero file for zero-copy reads of holes: {e}"))
             .ok()

@@ -317,16 +317,13 @@ impl BlockDevice for RamBackend {
     /// anything else is read as usual. A write that lands after this answer is concurrent
     /// with the read, which may then return either contents, as SAM allows for overlapping
     /// commands (the copy-on-write chunks give a read the contents at its start too).
+    /// The zero file is asked for first, so a connection or kernel that cannot use it pays no
+    /// chunk lookups here.
     fn read_in_place(&self, offset: u64, len: usize, how: InPlaceRead) -> Option<FileRange> {
-        if !how.zero_page {
-            return None;
-        }
-        let hole = pieces(offset, len as u64).all(|(idx, _, _)| !self.has_chunk(idx));
-        if hole {
-            crate::zeros_in_place(len, how)
-        } else {
-            None
-        }
+        let zeros = crate::zeros_in_place(len, how)?;
+        pieces(offset, len as u64)
+            .all(|(idx, _, _)| !self.has_chunk(idx))
+            .then_some(zeros)
     }
     fn write(&self, offset: u64, data: Bytes, _mode: WriteMode) -> IoFuture<'_, ()> {
         self.write_sync(offset, data);
