@@ -1579,14 +1579,20 @@ impl Connection {
                 if !self.admit_and_complete(n.cmd_sn, n.immediate) {
                     return Ok(());
                 }
-                // Ping: echo the data (RFC 7143 §11.18.1).
+                // Ping: echo the data (RFC 7143 §11.18.1), no more of it than the
+                // initiator's MaxRecvDataSegmentLength (§11.18.4): the ping may carry up to
+                // ours, which can be the larger.
                 let resp = Header::NopIn(NopIn {
                     lun: n.lun,
                     itt: n.itt,
                     ttt: Ttt::RESERVED,
                     ..Default::default()
                 });
-                self.send(vec![OutPdu::status(resp, data)]).await;
+                let echo = data
+                    .len()
+                    .min(self.params.max_xmit_data_segment_length as usize);
+                self.send(vec![OutPdu::status(resp, data.slice(..echo))])
+                    .await;
             }
             Header::TextRequest(t) => {
                 if !self.admit_and_complete(t.cmd_sn, t.immediate) {

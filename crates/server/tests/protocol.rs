@@ -151,6 +151,26 @@ async fn digests_are_computed_and_checked_both_ways() {
     round_trip(&mut c, 0, 300 * 1024, 7).await;
 }
 
+/// A ping may carry up to the target's MaxRecvDataSegmentLength (256 KiB) while the
+/// initiator declared a smaller one: the echo stops at the initiator's (RFC 7143 §11.18.4),
+/// never a PDU longer than it said it can take. Found by the `session` fuzz target.
+#[tokio::test]
+async fn ping_echoes_no_more_than_the_initiators_segment_length() {
+    let (addr, _stop) = start().await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.max_recv_data_segment_length = 8192;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    assert!(c.target_mrdsl > 8192, "target declared {}", c.target_mrdsl);
+    let data = pattern(13455, 3);
+    // `recv` reads whatever length the header announces, so a longer echo would show here.
+    assert_eq!(c.ping(data.clone()).await.unwrap(), data.slice(..8192));
+    assert_eq!(
+        c.ping(data.slice(..8192)).await.unwrap(),
+        data.slice(..8192)
+    );
+    round_trip(&mut c, 0, 64 * 1024, 9).await;
+}
+
 #[tokio::test]
 async fn r2t_only_writes_with_small_segments_and_bursts() {
     let (addr, _stop) = start_with(|c| {
