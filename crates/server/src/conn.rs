@@ -353,7 +353,7 @@ pub async fn run(
     let remaining = session.remove_conn(cid);
     if remaining == 0 {
         // ErrorRecoveryLevel 0: the session ends with its last connection.
-        session.abort_where(|_, _| true);
+        session.end();
         shared
             .sessions
             .lock()
@@ -499,6 +499,7 @@ async fn login_phase(
                 let (close_tx, close_rx) = watch::channel(false);
                 // Pick or create the session (leading login with TSIH 0, or a new connection).
                 let mut limit_hit = false;
+                let mut reinstated = None;
                 let (session, new) = 'pick: {
                     let mut reg = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
                     if ready.tsih.0 == 0 {
@@ -523,12 +524,13 @@ async fn login_phase(
                             // Session reinstatement (RFC 7143 §6.3.5): the old session's tasks
                             // are aborted and its connections closed.
                             tracing::info!(initiator = %ready.initiator_name, tsih = old.tsih.0, "reinstating session");
-                            old.abort_where(|_, _| true);
+                            old.end();
                             old.close_conns(None);
                             reg.remove(&old);
                             if let Some(t) = &old.target {
                                 t.scsi().nexus_lost(old.nexus.id);
                             }
+                            reinstated = Some(old);
                         }
                         (None, true)
                     } else {
@@ -545,6 +547,15 @@ async fn login_phase(
                         }
                     }
                 };
+                if let Some(old) = reinstated {
+                    // Nothing of the old session may happen after this login's response: its
+                    // readers stop at once when told to close (even in the middle of a PDU),
+                    // and once they have, no command of it can start (`Session::end`). Only
+                    // I/O already in a device remains, fenced by its range (INTEGRITY.md).
+                    if !old.readers_stopped(std::time::Duration::from_secs(5)).await {
+                        tracing::warn!(initiator = %ready.initiator_name, tsih = old.tsih.0, "reinstated session's connections still reading after 5 s");
+                    }
+                }
                 if limit_hit {
                     let (resp, data) = login.reject(LoginStatus::OUT_OF_RESOURCES);
                     shared.stats.login_failed("out_of_resources");
@@ -796,7 +807,20 @@ impl Connection {
         rd: &mut io::RecvBuf<OwnedReadHalf>,
         close_rx: watch::Receiver<bool>,
     ) -> String {
-        let reason = self.serve_pdus(rd, close_rx).await;
+        self.session.reader_started();
+        let mut closed = close_rx.clone();
+        let reason = tokio::select! {
+            biased;
+            // Told to close (reinstatement, a reset, `ctl`): stop at once, even in the middle
+            // of a PDU, so nothing more that arrives here reaches a LU.
+            Ok(_) = closed.wait_for(|c| *c) => if *self.shared.shutdown.borrow() {
+                "server shutting down".to_string()
+            } else {
+                "closed by target".to_string()
+            },
+            r = self.serve_pdus(rd, close_rx) => r,
+        };
+        self.session.reader_stopped();
         // A Logout response (or anything else still kept) goes out before the close.
         self.flush().await;
         reason
@@ -1437,7 +1461,7 @@ impl Connection {
         // function (from any connection of the session) and the completion agree on who
         // answers it: whoever removes the entry.
         self.polling.store(true, Ordering::Release);
-        session.running().insert(
+        let admitted = session.admit(
             itt,
             Running {
                 lun,
@@ -1445,6 +1469,11 @@ impl Connection {
                 polling: Arc::clone(&self.polling),
             },
         );
+        if !admitted {
+            // The session has ended (reinstated or reset away): the command never runs.
+            self.polling.store(false, Ordering::Release);
+            return;
+        }
         let body = {
             let session = Arc::clone(&session);
             async move {
@@ -1726,6 +1755,7 @@ impl Connection {
                 }
                 if t.function == TmfFunction::TARGET_COLD_RESET {
                     for s in sessions.iter().filter(|s| !Arc::ptr_eq(s, &self.session)) {
+                        s.end();
                         s.close_conns(None);
                     }
                 }

@@ -12,7 +12,7 @@ use ironsan_proto::window::CmdWindow;
 use ironsan_proto::CmdSn;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::watch;
 
@@ -68,6 +68,13 @@ pub struct Session {
     pub commands: AtomicU64,
     /// Bytes of write data buffered for this session's writes (the write quota).
     pub buffered_writes: AtomicU64,
+    /// Set by [`Session::end`] under the running table's lock, and read by
+    /// [`Session::admit`] under it: a command either entered the table before the end (and
+    /// the end aborts it) or never starts.
+    ended: AtomicBool,
+    /// Connections whose full-feature reader is running, and a wake-up when one stops.
+    readers: AtomicUsize,
+    reader_stopped: tokio::sync::Notify,
 }
 
 impl Session {
@@ -92,6 +99,9 @@ impl Session {
             conns: Mutex::new(Vec::new()),
             commands: AtomicU64::new(0),
             buffered_writes: AtomicU64::new(0),
+            ended: AtomicBool::new(false),
+            readers: AtomicUsize::new(0),
+            reader_stopped: tokio::sync::Notify::new(),
         }
     }
 
@@ -107,6 +117,56 @@ impl Session {
 
     pub fn running(&self) -> MutexGuard<'_, IntMap<Itt, Running>> {
         lock(&self.running)
+    }
+
+    /// Enter a command into the running table before it may start; `false` once the session
+    /// has ended (the command must then not run: its initiator was told the session's tasks
+    /// are gone, and a new session may already be writing the same blocks).
+    pub fn admit(&self, itt: Itt, r: Running) -> bool {
+        let mut running = self.running();
+        if self.ended.load(Ordering::Relaxed) {
+            return false;
+        }
+        running.insert(itt, r);
+        true
+    }
+
+    /// End the session (reinstated, reset away, or its last connection gone): abort every
+    /// task, and admit none from now on. Returns how many were aborted.
+    pub fn end(&self) -> usize {
+        {
+            let _running = self.running();
+            self.ended.store(true, Ordering::Relaxed);
+        }
+        self.abort_where(|_, _| true)
+    }
+
+    /// A connection's full-feature reader begins (it may admit commands until it stops).
+    pub fn reader_started(&self) {
+        self.readers.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A connection's full-feature reader has stopped: it reads and admits nothing more.
+    pub fn reader_stopped(&self) {
+        self.readers.fetch_sub(1, Ordering::SeqCst);
+        self.reader_stopped.notify_waiters();
+    }
+
+    /// Wait until no reader of this session runs (after [`Session::close_conns`]), at most
+    /// `limit`; `false` if one still does.
+    pub async fn readers_stopped(&self, limit: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let notified = self.reader_stopped.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.readers.load(Ordering::SeqCst) == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.readers.load(Ordering::SeqCst) == 0;
+            }
+        }
     }
 
     pub fn add_conn(&self, c: ConnInfo) {

@@ -614,3 +614,58 @@ async fn silent_initiator_is_dropped_by_nop_timeout_and_acknowledged_writes_surv
         "silent initiator scenario took {elapsed:?}"
     );
 }
+
+/// Session reinstatement while the old connection is in the middle of a Data-Out PDU (its
+/// header and half of its data received): the old session's write is gone with it. When the
+/// rest of that PDU arrives on the old connection afterwards (a late retransmission from an
+/// initiator that gave the old path up), none of it lands: the new session's acknowledged
+/// write of the same blocks stays.
+#[tokio::test]
+async fn reinstatement_mid_data_out_pdu_lets_nothing_of_the_old_write_land_later() {
+    let rig = start(&[]).await;
+    let mut o = opts(11);
+    o.initial_r2t = true;
+    o.immediate_data = false;
+    let mut old = login_with(rig.addr, &o).await;
+    let old_data = pattern(8192, 31);
+    let (itt, _) = send_write(&mut old, 100, 8192, Bytes::new()).await;
+    let r2t = loop {
+        let p = tokio::time::timeout(WAIT, old.recv())
+            .await
+            .expect("no R2T")
+            .unwrap();
+        if let Header::R2t(r) = p.header {
+            break r;
+        }
+    };
+    assert_eq!(
+        (r2t.itt, r2t.buffer_offset, r2t.desired_data_transfer_length),
+        (itt, 0, 8192)
+    );
+    let d = DataOut {
+        final_bit: true,
+        lun: Lun::from_number(0),
+        itt,
+        ttt: r2t.ttt,
+        exp_stat_sn: old.exp_stat_sn,
+        data_sn: DataSn(0),
+        buffer_offset: 0,
+    };
+    let pdu = Pdu::new(Header::DataOut(d), old_data.clone());
+    let mut wire = pdu.bhs().0.to_vec();
+    wire.extend_from_slice(&old_data);
+    old.send_bytes(&wire[..48 + 4096]).await.unwrap();
+    // Let the target's reader take the header and the first half in.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let mut new = login_with(rig.addr, &opts(11)).await;
+    let new_data = pattern(8192, 32);
+    assert_eq!(write(&mut new, 100, new_data.clone()).await.status, 0);
+    // The rest of the old PDU arrives late; the old connection may be closed already.
+    let _ = old.send_bytes(&wire[48 + 4096..]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        read(&mut new, 100, 16).await.data == new_data && medium(&rig, 100, 16).await == new_data,
+        "the old session's write landed after the new session's acknowledged one"
+    );
+}

@@ -678,3 +678,62 @@ async fn a_write_broken_off_mid_transfer_leaves_no_block_torn() {
         }
     }
 }
+
+/// Session reinstatement while a 64 KiB write is in the middle of its one Data-Out PDU (the
+/// header and 4,600 bytes here): the whole blocks that came before the new login may be in
+/// the file when received in place (promise 12's exception), but the rest of the PDU arriving
+/// on the old connection afterwards (a late retransmission), which completes the transfer,
+/// never reaches the file, so the new session's acknowledged write of the same blocks stays,
+/// received in place or through a buffer.
+#[tokio::test]
+async fn reinstatement_mid_data_out_lets_no_late_bytes_of_the_old_write_land() {
+    for on in [true, false] {
+        let name = if on { "late-on" } else { "late-off" };
+        let rig = start_with(Path::new("/dev/shm"), name, |cfg| cfg.zero_copy_writes = on).await;
+        let mut c = login(rig.addr, |o| o.isid.0[5] = 21).await;
+        let late = pattern(256 << 10, 3);
+        let (itt, _) = c
+            .send_write16(0, 0, 64 << 10, BS, Bytes::new())
+            .await
+            .unwrap();
+        let p = tokio::time::timeout(Duration::from_secs(10), c.recv())
+            .await
+            .expect("no R2T")
+            .unwrap();
+        let Header::R2t(r2t) = &p.header else {
+            panic!("{name}: expected an R2T, got {:?}", p.header);
+        };
+        assert_eq!((r2t.itt, r2t.buffer_offset), (itt, 0));
+        let header = Header::DataOut(DataOut {
+            final_bit: true,
+            lun: Lun::from_number(0),
+            itt,
+            ttt: r2t.ttt,
+            data_sn: DataSn(0),
+            buffer_offset: 0,
+            ..Default::default()
+        });
+        let mut raw = Pdu::new(header, late.slice(..64 << 10)).bhs().0.to_vec();
+        raw.extend_from_slice(&late[..64 << 10]);
+        c.send_bytes(&raw[..48 + 4600]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The same ISID, TSIH 0: the old session is reinstated.
+        let mut n = login(rig.addr, |o| o.isid.0[5] = 21).await;
+        let new = pattern(256 << 10, 4);
+        let w = n.write16(0, 0, new.clone(), BS, false).await.unwrap();
+        assert_eq!(w.status, 0, "{name}: sense {:?}", w.sense_key());
+        let _ = c.send_bytes(&raw[48 + 4600..]).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let r = n.read16(0, 0, 512, BS).await.unwrap();
+        assert_eq!(r.status, 0);
+        let differ =
+            (0..512).filter(|b| r.data[b * 512..(b + 1) * 512] != new[b * 512..(b + 1) * 512]);
+        let differ: Vec<usize> = differ.collect();
+        assert!(
+            differ.is_empty(),
+            "{name}: {} blocks of the acknowledged write were overwritten afterwards, from block {:?}",
+            differ.len(),
+            differ.first()
+        );
+    }
+}
