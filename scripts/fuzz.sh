@@ -22,7 +22,7 @@ if ! command -v cargo >/dev/null 2>&1 && [[ -f ${HOME:-/root}/.cargo/env ]]; the
     . "${HOME:-/root}/.cargo/env"
 fi
 
-ALL=(pdu_decode text_negotiate login chap scsi_execute write_transfer)
+ALL=(pdu_decode text_negotiate login chap scsi_execute write_transfer session)
 SECS=20
 # The fuzzed crates deny unsafe code, so AddressSanitizer buys little and halves the speed;
 # --asan turns it back on (cargo-fuzz's default).

@@ -106,6 +106,25 @@ impl DataOutSeq {
     }
 }
 
+/// A PDU as it goes on the wire (RFC 7143 §11.1): the BHS (no AHS), its CRC32C when
+/// `header_digest`, the data segment padded to 4 bytes, and its CRC32C when `data_digest` and
+/// there is data.
+pub fn wire_pdu(bhs: &Bhs, data: &[u8], header_digest: bool, data_digest: bool) -> BytesMut {
+    let mut buf = BytesMut::with_capacity(48 + 8 + data.len() + 4);
+    buf.extend_from_slice(&bhs.0);
+    if header_digest {
+        buf.extend_from_slice(&digest::crc32c(&bhs.0).to_le_bytes());
+    }
+    if !data.is_empty() {
+        buf.extend_from_slice(data);
+        buf.extend_from_slice(&[0u8; 3][..pad_len(data.len())]);
+        if data_digest {
+            buf.extend_from_slice(&digest::data_digest(&[data]).to_le_bytes());
+        }
+    }
+    buf
+}
+
 /// What to offer at login.
 #[derive(Clone, Debug)]
 pub struct LoginOptions {
@@ -547,18 +566,7 @@ impl Client {
 
     /// Send a raw BHS (possibly malformed) and data, with digests as negotiated.
     pub async fn send_raw_bhs(&mut self, bhs: &Bhs, data: &[u8]) -> Result<()> {
-        let mut buf = BytesMut::with_capacity(48 + 8 + data.len() + 4);
-        buf.extend_from_slice(&bhs.0);
-        if self.header_digest {
-            buf.extend_from_slice(&digest::crc32c(&bhs.0).to_le_bytes());
-        }
-        if !data.is_empty() {
-            buf.extend_from_slice(data);
-            buf.extend_from_slice(&[0u8; 3][..pad_len(data.len())]);
-            if self.data_digest {
-                buf.extend_from_slice(&digest::data_digest(&[data]).to_le_bytes());
-            }
-        }
+        let buf = wire_pdu(bhs, data, self.header_digest, self.data_digest);
         self.wr.write_all(&buf).await?;
         Ok(())
     }
