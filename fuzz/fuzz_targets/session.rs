@@ -307,6 +307,16 @@ fn pattern(len: usize, seed: u8) -> Bytes {
     )
 }
 
+/// A READ/WRITE(16)'s LUN, LBA (up to 64 blocks past the end), block count (at most 1 MiB)
+/// and EDTL (skewed by `edtl_delta`).
+fn rw_args(lun: u8, lba: u16, blocks: u16, edtl_delta: Option<i16>) -> (Lun, u64, u32, u32) {
+    let (l, bs, nblocks) = lun_of(lun);
+    let blocks = u32::from(blocks) % (((1 << 20) / bs) + 1);
+    let lba = u64::from(lba) % (nblocks + 64);
+    let edtl = (blocks * bs).saturating_add_signed(edtl_delta.unwrap_or(0).into());
+    (l, lba, blocks, edtl)
+}
+
 fn rw16(op: u8, lba: u64, blocks: u32) -> [u8; 16] {
     let mut c = [0u8; 16];
     c[0] = op;
@@ -468,10 +478,7 @@ impl Sender {
                 blocks,
                 edtl_delta,
             } => {
-                let (l, bs, nblocks) = lun_of(lun);
-                let blocks = u32::from(blocks) % (((1 << 20) / bs) + 1);
-                let lba = u64::from(lba) % (nblocks + 64);
-                let edtl = (blocks * bs).saturating_add_signed(edtl_delta.unwrap_or(0).into());
+                let (l, lba, blocks, edtl) = rw_args(lun, lba, blocks, edtl_delta);
                 let cdb = rw16(0x88, lba, blocks);
                 self.command(l, cdb, true, false, edtl, Bytes::new(), true, false, 1)
                     .await
@@ -484,10 +491,7 @@ impl Sender {
                 immediate,
                 final_bit,
             } => {
-                let (l, bs, nblocks) = lun_of(lun);
-                let blocks = u32::from(blocks) % (((1 << 20) / bs) + 1);
-                let lba = u64::from(lba) % (nblocks + 64);
-                let edtl = (blocks * bs).saturating_add_signed(edtl_delta.unwrap_or(0).into());
+                let (l, lba, blocks, edtl) = rw_args(lun, lba, blocks, edtl_delta);
                 let imm = if imm_data {
                     (immediate % (edtl + 1)).min(self.target_mrdsl)
                 } else {

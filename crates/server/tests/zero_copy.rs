@@ -607,6 +607,37 @@ async fn a_backing_file_cut_short_under_large_writes_is_written_as_before() {
     assert!(r.status == 0 && r.data == first);
 }
 
+/// Send a WRITE(16) of `len` bytes at LBA 0 with no data, wait for its R2T, and return the
+/// wire bytes of a Data-Out PDU carrying `data` from offset 0 (final when it completes the
+/// write), for the caller to send, or part of.
+async fn write_by_r2t(c: &mut Client, name: &str, len: u32, data: &[u8]) -> Vec<u8> {
+    let (itt, _) = c.send_write16(0, 0, len, BS, Bytes::new()).await.unwrap();
+    // The command's F bit says no unsolicited data follows: the target asks for it.
+    let p = tokio::time::timeout(Duration::from_secs(10), c.recv())
+        .await
+        .expect("no R2T")
+        .unwrap();
+    let Header::R2t(r2t) = &p.header else {
+        panic!("{name}: expected an R2T, got {:?}", p.header);
+    };
+    assert_eq!((r2t.itt, r2t.buffer_offset), (itt, 0));
+    let header = Header::DataOut(DataOut {
+        final_bit: data.len() == len as usize,
+        lun: Lun::from_number(0),
+        itt,
+        ttt: r2t.ttt,
+        data_sn: DataSn(0),
+        buffer_offset: 0,
+        ..Default::default()
+    });
+    let mut raw = Pdu::new(header, Bytes::copy_from_slice(data))
+        .bhs()
+        .0
+        .to_vec();
+    raw.extend_from_slice(data);
+    raw
+}
+
 #[tokio::test]
 async fn a_write_broken_off_mid_transfer_leaves_no_block_torn() {
     // A 256 KiB write whose first Data-Out PDU announces 64 KiB and carries 4,600 bytes (eight
@@ -623,31 +654,8 @@ async fn a_write_broken_off_mid_transfer_leaves_no_block_torn() {
         let r = c.write16(0, 0, old.clone(), BS, false).await.unwrap();
         assert_eq!(r.status, 0);
         let new = pattern(256 << 10, 2);
-        let (itt, _) = c
-            .send_write16(0, 0, 256 << 10, BS, Bytes::new())
-            .await
-            .unwrap();
-        // The command's F bit says no unsolicited data follows: the target asks for it.
-        let p = tokio::time::timeout(Duration::from_secs(10), c.recv())
-            .await
-            .expect("no R2T")
-            .unwrap();
-        let Header::R2t(r2t) = &p.header else {
-            panic!("{name}: expected an R2T, got {:?}", p.header);
-        };
-        assert_eq!((r2t.itt, r2t.buffer_offset), (itt, 0));
-        let header = Header::DataOut(DataOut {
-            final_bit: false,
-            lun: Lun::from_number(0),
-            itt,
-            ttt: r2t.ttt,
-            data_sn: DataSn(0),
-            buffer_offset: 0,
-            ..Default::default()
-        });
-        let mut raw = Pdu::new(header, new.slice(..64 << 10)).bhs().0.to_vec();
-        raw.extend_from_slice(&new[..4600]);
-        c.send_bytes(&raw).await.unwrap();
+        let raw = write_by_r2t(&mut c, name, 256 << 10, &new[..64 << 10]).await;
+        c.send_bytes(&raw[..48 + 4600]).await.unwrap();
         tokio::time::sleep(Duration::from_millis(300)).await;
         c.reset().unwrap();
         let mut c = login(rig.addr, |o| o.isid.0[5] = 9).await;
@@ -692,29 +700,7 @@ async fn reinstatement_mid_data_out_lets_no_late_bytes_of_the_old_write_land() {
         let rig = start_with(Path::new("/dev/shm"), name, |cfg| cfg.zero_copy_writes = on).await;
         let mut c = login(rig.addr, |o| o.isid.0[5] = 21).await;
         let late = pattern(256 << 10, 3);
-        let (itt, _) = c
-            .send_write16(0, 0, 64 << 10, BS, Bytes::new())
-            .await
-            .unwrap();
-        let p = tokio::time::timeout(Duration::from_secs(10), c.recv())
-            .await
-            .expect("no R2T")
-            .unwrap();
-        let Header::R2t(r2t) = &p.header else {
-            panic!("{name}: expected an R2T, got {:?}", p.header);
-        };
-        assert_eq!((r2t.itt, r2t.buffer_offset), (itt, 0));
-        let header = Header::DataOut(DataOut {
-            final_bit: true,
-            lun: Lun::from_number(0),
-            itt,
-            ttt: r2t.ttt,
-            data_sn: DataSn(0),
-            buffer_offset: 0,
-            ..Default::default()
-        });
-        let mut raw = Pdu::new(header, late.slice(..64 << 10)).bhs().0.to_vec();
-        raw.extend_from_slice(&late[..64 << 10]);
+        let raw = write_by_r2t(&mut c, name, 64 << 10, &late).await;
         c.send_bytes(&raw[..48 + 4600]).await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         // The same ISID, TSIH 0: the old session is reinstated.
