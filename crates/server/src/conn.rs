@@ -219,6 +219,8 @@ struct Connection {
     writer: Arc<writer::Writer>,
     /// Set while `spawn_exec` polls a command inline (see `Running::polling`).
     polling: Arc<std::sync::atomic::AtomicBool>,
+    /// Always false: the flag of a write's running-table entry while it waits for its data.
+    not_polling: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Bytes of data the reader keeps for the writer before handing them over.
@@ -319,6 +321,7 @@ pub async fn run(
         out_bytes: 0,
         writer: direct_writer,
         polling: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        not_polling: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         place_min: place_min(shared.cfg.zero_copy_writes, &params),
         in_place: in_place_reads(shared.cfg.zero_copy_reads, &params, {
             use std::os::fd::AsRawFd;
@@ -1153,7 +1156,7 @@ impl Connection {
             return Ok(());
         }
         if !cmd.write || edtl == 0 {
-            self.spawn_exec(cmd, cdb, Bytes::new(), DataSn(0), slot, t_header);
+            self.spawn_exec(cmd, cdb, Bytes::new(), DataSn(0), slot, t_header, false);
             return Ok(());
         }
         let transfer =
@@ -1174,10 +1177,22 @@ impl Connection {
             };
         if let Some((data, _)) = shared {
             if transfer.is_complete() {
-                self.spawn_exec(cmd, cdb, data, transfer.r2t_count(), slot, t_header);
+                self.spawn_exec(cmd, cdb, data, transfer.r2t_count(), slot, t_header, false);
                 return Ok(());
             }
             buf.extend_from_slice(&data);
+        }
+        // The write is a task from here on, also while it waits for its Data-Out: a task
+        // management function of any session (ABORT TASK, CLEAR TASK SET, a LUN or target
+        // reset) finds it in the running table, and removing the entry aborts it.
+        let waiting = Running {
+            lun: cmd.lun.number().unwrap_or(u64::MAX),
+            abort: None,
+            polling: Arc::clone(&self.not_polling),
+        };
+        if !self.session.admit(cmd.itt, waiting, false) {
+            // The session has ended: the write never runs.
+            return Ok(());
         }
         let placed = place_on.and_then(|scsi| self.place(&scsi, &cmd, &cdb, &buf));
         if placed.is_some() {
@@ -1227,10 +1242,11 @@ impl Connection {
                 if placement.is_pending() {
                     // Every byte arrived, so no block can be waiting for more: a bug if so.
                     let resp = Response::check_condition(SenseReason::InternalTargetFailure);
-                    self.finish(pw.cmd, resp, None, exp_data_sn, pw.slot);
+                    self.finish_waiting(pw.cmd, resp, exp_data_sn, pw.slot);
                     return;
                 }
-                self.spawn_exec(pw.cmd, pw.cdb, placed, exp_data_sn, pw.slot, pw.t_header);
+                let t = pw.t_header;
+                self.spawn_exec(pw.cmd, pw.cdb, placed, exp_data_sn, pw.slot, t, true);
                 return;
             }
             // Every byte arrived; a buffer filled out of order is as long as the transfer.
@@ -1243,6 +1259,7 @@ impl Connection {
                 exp_data_sn,
                 pw.slot,
                 pw.t_header,
+                true,
             );
             return;
         }
@@ -1336,6 +1353,12 @@ impl Connection {
                 .await;
             return Ok(());
         };
+        if !self.session.running().contains_key(&d.itt) {
+            // Aborted by a task management function (of any session) while it waited: its
+            // data is discarded, and dropping it releases a range it held for placement.
+            io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
+            return Ok(());
+        }
         if let Err(e) = pw.transfer.accept(&d, len) {
             io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
             tracing::debug!(itt = d.itt.0, "Data-Out refused: {e}");
@@ -1350,7 +1373,7 @@ impl Connection {
                 _ => SenseReason::DataPhaseError,
             };
             let n = pw.transfer.r2t_count();
-            self.finish(pw.cmd, Response::check_condition(reason), None, n, pw.slot);
+            self.finish_waiting(pw.cmd, Response::check_condition(reason), n, pw.slot);
             return Ok(());
         }
         let off = d.buffer_offset as usize;
@@ -1369,7 +1392,7 @@ impl Connection {
                     .take()
                     .map_or(SenseReason::InternalTargetFailure, |(p, _)| p.failed(&e));
                 let n = pw.transfer.r2t_count();
-                self.finish(pw.cmd, Response::check_condition(reason), None, n, pw.slot);
+                self.finish_waiting(pw.cmd, Response::check_condition(reason), n, pw.slot);
                 return Ok(());
             }
             self.shared
@@ -1386,20 +1409,19 @@ impl Connection {
             self.send(vec![self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs)])
                 .await;
             let n = pw.transfer.r2t_count();
-            self.finish(
-                pw.cmd,
-                Response::check_condition(SenseReason::ProtocolCrcError),
-                None,
-                n,
-                pw.slot,
-            );
+            let resp = Response::check_condition(SenseReason::ProtocolCrcError);
+            self.finish_waiting(pw.cmd, resp, n, pw.slot);
             return Ok(());
         }
         self.advance_write(pw).await;
         Ok(())
     }
 
-    /// Run a command whose data is complete on its own task (normal sessions only).
+    /// Run a command whose data is complete on its own task (normal sessions only). With
+    /// `waited`, a write takes over the running-table entry it has had since it began
+    /// waiting for its data (and does not run if that was removed); any other command enters
+    /// the table here.
+    #[allow(clippy::too_many_arguments)]
     fn spawn_exec(
         &mut self,
         cmd: ScsiCommand,
@@ -1408,6 +1430,7 @@ impl Connection {
         exp_data_sn: DataSn,
         slot: Slot,
         t_header: Stamp,
+        waited: bool,
     ) {
         // A command without Data-Out comes here straight from its header: no second clock
         // read for a stage that is empty.
@@ -1468,9 +1491,11 @@ impl Connection {
                 abort: None,
                 polling: Arc::clone(&self.polling),
             },
+            waited,
         );
         if !admitted {
-            // The session has ended (reinstated or reset away): the command never runs.
+            // The session has ended (reinstated or reset away), or a task management function
+            // aborted the write while it waited for data: the command never runs.
             self.polling.store(false, Ordering::Release);
             return;
         }
@@ -1572,6 +1597,14 @@ impl Connection {
         }
         // Out of the inline poll (completed, or a task that an abort now knows about).
         self.polling.store(false, Ordering::Release);
+    }
+
+    /// Complete a write that failed while waiting for its data, if its running-table entry
+    /// is still there to take (else a task management function aborted it: no response).
+    fn finish_waiting(&mut self, cmd: ScsiCommand, resp: Response, n: DataSn, slot: Slot) {
+        if self.session.running().remove(&cmd.itt).is_some() {
+            self.finish(cmd, resp, None, n, slot);
+        }
     }
 
     /// Complete a command that never reached the SCSI layer.
@@ -1695,6 +1728,7 @@ impl Connection {
             TmfFunction::ABORT_TASK => {
                 let rtt = t.referenced_task_tag;
                 if self.pending.remove(&rtt).is_some() {
+                    self.session.running().remove(&rtt);
                     return TmfResponseCode::COMPLETE;
                 }
                 if self.session.abort_where(|itt, _| *itt == rtt) > 0 {

@@ -121,10 +121,13 @@ impl Session {
 
     /// Enter a command into the running table before it may start; `false` once the session
     /// has ended (the command must then not run: its initiator was told the session's tasks
-    /// are gone, and a new session may already be writing the same blocks).
-    pub fn admit(&self, itt: Itt, r: Running) -> bool {
+    /// are gone, and a new session may already be writing the same blocks). With `claim`, the
+    /// command is already there (a write that waited for its Data-Out) and only takes its
+    /// entry over: `false` as well when a task management function removed it meanwhile,
+    /// which aborted it.
+    pub fn admit(&self, itt: Itt, r: Running, claim: bool) -> bool {
         let mut running = self.running();
-        if self.ended.load(Ordering::Relaxed) {
+        if self.ended.load(Ordering::Relaxed) || (claim && !running.contains_key(&itt)) {
             return false;
         }
         running.insert(itt, r);

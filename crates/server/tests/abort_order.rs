@@ -669,3 +669,59 @@ async fn reinstatement_mid_data_out_pdu_lets_nothing_of_the_old_write_land_later
         "the old session's write landed after the new session's acknowledged one"
     );
 }
+
+/// LOGICAL UNIT RESET and CLEAR TASK SET from another initiator abort every task on the LU
+/// (SAM), writes still waiting for their Data-Out included: data that comes for such a write
+/// afterwards completes nothing, so the other initiator's write acknowledged after the reset
+/// stays.
+#[tokio::test]
+async fn a_reset_by_another_initiator_aborts_a_write_still_waiting_for_data() {
+    for (n, function) in [TmfFunction::LOGICAL_UNIT_RESET, TmfFunction::CLEAR_TASK_SET]
+        .into_iter()
+        .enumerate()
+    {
+        let rig = start(&[]).await;
+        let mut o = opts(12);
+        o.initial_r2t = true;
+        o.immediate_data = false;
+        let mut a = login_with(rig.addr, &o).await;
+        let (itt, _) = send_write(&mut a, 300, 8192, Bytes::new()).await;
+        let r2t = loop {
+            let p = tokio::time::timeout(WAIT, a.recv())
+                .await
+                .expect("no R2T")
+                .unwrap();
+            if let Header::R2t(r) = p.header {
+                break r;
+            }
+        };
+        let mut b = login_with(rig.addr, &opts(13)).await;
+        let code = b
+            .task_mgmt(function, 0, Itt::RESERVED, b.cmd_sn)
+            .await
+            .unwrap();
+        assert_eq!(code, TmfResponseCode::COMPLETE, "case {n}");
+        let new_data = pattern(8192, 42);
+        let mut w = write(&mut b, 300, new_data.clone()).await;
+        if w.status == 2 {
+            w = write(&mut b, 300, new_data.clone()).await;
+        }
+        assert_eq!(w.status, 0, "case {n}: sense {:?}", w.sense_key());
+        // A's data for its write, sent after the reset.
+        let d = DataOut {
+            final_bit: true,
+            lun: Lun::from_number(0),
+            itt,
+            ttt: r2t.ttt,
+            exp_stat_sn: a.exp_stat_sn,
+            data_sn: DataSn(0),
+            buffer_offset: 0,
+        };
+        let _ = a.send(Header::DataOut(d), pattern(8192, 41)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            medium(&rig, 300, 16).await == new_data,
+            "case {n}: a write aborted by the reset landed over one acknowledged after it"
+        );
+    }
+}
