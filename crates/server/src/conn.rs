@@ -9,7 +9,7 @@ use crate::access::{os_random, Access};
 use crate::admin::ConnStats;
 use crate::io::{self, Digests, ReadError};
 use crate::metrics::{Class, LunMetrics, Stamp, Timing};
-use crate::session::{ConnInfo, Running, Session};
+use crate::session::{ConnInfo, PlacedSlot, Running, Session};
 use crate::writer::{self, Out, OutPdu, TxStats};
 use crate::{LiveTarget, Portal, Runtime, Shared};
 use bytes::{Bytes, BytesMut};
@@ -108,7 +108,7 @@ struct PendingWrite {
     buf: BytesMut,
     /// The data goes straight into the medium instead of `buf` (see [`place_min`]), a
     /// whole block at a time.
-    placed: Option<(PlacedWrite, io::Placement)>,
+    placed: Option<(Arc<PlacedSlot>, io::Placement)>,
     slot: Slot,
     /// When the command's header was read (start of the "receive" stage).
     t_header: Stamp,
@@ -1182,6 +1182,12 @@ impl Connection {
             }
             buf.extend_from_slice(&data);
         }
+        let placed = place_on
+            .and_then(|scsi| self.place(&scsi, &cmd, &cdb, &buf))
+            .map(|(p, placement)| (Arc::new(PlacedSlot::new(p)), placement));
+        if placed.is_some() {
+            buf = BytesMut::new();
+        }
         // The write is a task from here on, also while it waits for its Data-Out: a task
         // management function of any session (ABORT TASK, CLEAR TASK SET, a LUN or target
         // reset) finds it in the running table, and removing the entry aborts it.
@@ -1189,14 +1195,11 @@ impl Connection {
             lun: cmd.lun.number().unwrap_or(u64::MAX),
             abort: None,
             polling: Arc::clone(&self.not_polling),
+            placed: placed.as_ref().map(|(slot, _)| Arc::clone(slot)),
         };
         if !self.session.admit(cmd.itt, waiting, false) {
             // The session has ended: the write never runs.
             return Ok(());
-        }
-        let placed = place_on.and_then(|scsi| self.place(&scsi, &cmd, &cdb, &buf));
-        if placed.is_some() {
-            buf = BytesMut::new();
         }
         let pw = PendingWrite {
             cmd,
@@ -1238,7 +1241,11 @@ impl Connection {
     async fn advance_write(&mut self, mut pw: PendingWrite) {
         if pw.transfer.is_complete() {
             let exp_data_sn = pw.transfer.r2t_count();
-            if let Some((placed, placement)) = pw.placed.take() {
+            if let Some((slot, placement)) = pw.placed.take() {
+                let Some(placed) = slot.take() else {
+                    // Aborted while it waited (its range is released already).
+                    return;
+                };
                 if placement.is_pending() {
                     // Every byte arrived, so no block can be waiting for more: a bug if so.
                     let resp = Response::check_condition(SenseReason::InternalTargetFailure);
@@ -1380,9 +1387,9 @@ impl Connection {
         if off + len as usize > pw.cmd.expected_data_transfer_length as usize {
             return Err("Data-Out outside the command buffer".into());
         }
-        if let Some((placed, placement)) = &mut pw.placed {
+        if let Some((slot, placement)) = &mut pw.placed {
             let placed_ok = placement
-                .receive(rd, plan, placed.target(), off)
+                .receive(rd, plan, &**slot, off)
                 .await
                 .map_err(|e| e.to_string())?;
             if let Err(e) = placed_ok {
@@ -1390,7 +1397,8 @@ impl Connection {
                 let reason = pw
                     .placed
                     .take()
-                    .map_or(SenseReason::InternalTargetFailure, |(p, _)| p.failed(&e));
+                    .and_then(|(slot, _)| slot.take())
+                    .map_or(SenseReason::InternalTargetFailure, |p| p.failed(&e));
                 let n = pw.transfer.r2t_count();
                 self.finish_waiting(pw.cmd, Response::check_condition(reason), n, pw.slot);
                 return Ok(());
@@ -1490,6 +1498,7 @@ impl Connection {
                 lun,
                 abort: None,
                 polling: Arc::clone(&self.polling),
+                placed: None,
             },
             waited,
         );

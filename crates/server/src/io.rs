@@ -127,6 +127,20 @@ pub async fn read_data_shared<R: AsyncRead + Unpin>(
     Ok(Some((data, ok)))
 }
 
+/// Where a write received in place puts its bytes: the file itself ([`InPlaceWrite`]), or,
+/// for a write waiting for its Data-Out, a slot that an abort from any task can empty
+/// (`session::PlacedSlot`), after which nothing more is put.
+pub trait PlaceTarget {
+    /// Run `f` on the write's destination; an error if the write is gone (aborted).
+    fn with<T>(&self, f: impl FnOnce(&InPlaceWrite) -> std::io::Result<T>) -> std::io::Result<T>;
+}
+
+impl PlaceTarget for InPlaceWrite {
+    fn with<T>(&self, f: impl FnOnce(&InPlaceWrite) -> std::io::Result<T>) -> std::io::Result<T> {
+        f(self)
+    }
+}
+
 /// The Data-Out of one write received in place ([`InPlaceWrite`]), a whole logical block at a
 /// time: a block reaches the medium only once all its bytes are here, so a transfer broken
 /// off (a TCP reset, an abort) leaves each block all old or all new, never torn. Blocks that
@@ -142,8 +156,13 @@ pub struct Placement {
 impl Placement {
     /// Take `data`, bytes `at ..` of the write: whole blocks are written at once, the rest
     /// kept until its block is complete.
-    pub fn put(&mut self, target: &InPlaceWrite, at: usize, data: &[u8]) -> std::io::Result<()> {
-        let grain = target.grain();
+    pub fn put(
+        &mut self,
+        target: &impl PlaceTarget,
+        at: usize,
+        data: &[u8],
+    ) -> std::io::Result<()> {
+        let grain = target.with(|t| Ok(t.grain()))?;
         let (mut pos, end) = (at, at + data.len());
         while pos < end {
             let block = pos - pos % grain;
@@ -151,7 +170,7 @@ impl Placement {
             if n == grain {
                 // A whole block (and the ones after it) in this piece.
                 let whole = (end - pos) - (end - pos) % grain;
-                target.write_at(pos, &data[pos - at..pos - at + whole])?;
+                target.with(|t| t.write_at(pos, &data[pos - at..pos - at + whole]))?;
                 pos += whole;
                 continue;
             }
@@ -167,7 +186,7 @@ impl Placement {
             p.2 += n;
             if p.2 >= grain {
                 let (b, bytes, _) = self.partial.swap_remove(i);
-                target.write_at(b, &bytes)?;
+                target.with(|t| t.write_at(b, &bytes))?;
             }
             pos += n;
         }
@@ -190,11 +209,17 @@ impl Placement {
         &mut self,
         r: &mut RecvBuf<tokio::net::tcp::OwnedReadHalf>,
         plan: &ReceivePlan,
-        target: &InPlaceWrite,
+        target: &impl PlaceTarget,
         at: usize,
     ) -> std::io::Result<Result<(), std::io::Error>> {
         use std::os::fd::AsFd;
-        let grain = target.grain();
+        let grain = match target.with(|t| Ok(t.grain())) {
+            Ok(g) => g,
+            Err(e) => {
+                skip_bytes(r, plan.data_len + plan.pad_len + plan.data_digest_len).await?;
+                return Ok(Err(e));
+            }
+        };
         let (len, end) = (plan.data_len, at + plan.data_len);
         let mut failed = None;
         if plan.data_digest_len != 0 {
@@ -224,7 +249,7 @@ impl Placement {
             } else {
                 let stream = r.inner.as_ref();
                 match stream.try_io(tokio::io::Interest::READABLE, || {
-                    target.recv_from(stream.as_fd(), pos, whole)
+                    target.with(|t| t.recv_from(stream.as_fd(), pos, whole))
                 }) {
                     Ok(0) => Some((grain - pos % grain).min(end - pos)),
                     Ok(n) => {

@@ -30,6 +30,39 @@ pub struct Running {
     /// this is set: an abort from another thread then waits for it (reads of the LU wait
     /// until the flag is clear, `LogicalUnit::task_aborted`).
     pub polling: Arc<std::sync::atomic::AtomicBool>,
+    /// A write received in place while it waits for its Data-Out: aborting the task empties
+    /// this, which releases the blocks' range at once (not when its connection next reads).
+    pub placed: Option<Arc<PlacedSlot>>,
+}
+
+/// A write received in place ([`ironsan_scsi::PlacedWrite`], holding its blocks' range) while
+/// it waits for its Data-Out. Its connection puts bytes through it (`io::PlaceTarget`), each
+/// put under the slot's lock; an abort from any task empties it, which drops the write and
+/// its range, and no byte is put after that.
+#[derive(Debug)]
+pub struct PlacedSlot(Mutex<Option<ironsan_scsi::PlacedWrite>>);
+
+impl PlacedSlot {
+    pub fn new(p: ironsan_scsi::PlacedWrite) -> Self {
+        PlacedSlot(Mutex::new(Some(p)))
+    }
+
+    /// The write, unless an abort took it.
+    pub fn take(&self) -> Option<ironsan_scsi::PlacedWrite> {
+        lock(&self.0).take()
+    }
+}
+
+impl crate::io::PlaceTarget for PlacedSlot {
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&ironsan_backend::InPlaceWrite) -> std::io::Result<T>,
+    ) -> std::io::Result<T> {
+        match lock(&self.0).as_ref() {
+            Some(p) => f(p.target()),
+            None => Err(std::io::Error::other("the write was aborted")),
+        }
+    }
 }
 
 /// One connection as the session sees it.
@@ -222,6 +255,10 @@ impl Session {
             let Some(r) = running.remove(itt) else {
                 continue;
             };
+            if let Some(slot) = &r.placed {
+                // Released now, with nothing put after it.
+                drop(slot.take());
+            }
             let lu = scsi.as_ref().and_then(|s| s.lun(r.lun));
             match r.abort {
                 Some(abort) => {

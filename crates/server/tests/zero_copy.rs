@@ -8,8 +8,8 @@
 mod support;
 use bytes::Bytes;
 use ironsan_backend::{BlockDevice, FileBackend, FileOptions, NullBackend, RamBackend};
-use ironsan_initiator::{Client, LoginOptions};
-use ironsan_proto::pdu::{DataOut, Header, Lun, Pdu};
+use ironsan_initiator::{Client, CommandResult, LoginOptions};
+use ironsan_proto::pdu::{DataOut, Header, Itt, Lun, Pdu, TmfFunction, TmfResponseCode};
 use ironsan_proto::DataSn;
 use ironsan_server::{Server, ServerConfig, ZeroCopyReads};
 use std::collections::HashMap;
@@ -699,6 +699,9 @@ async fn reinstatement_mid_data_out_lets_no_late_bytes_of_the_old_write_land() {
         let name = if on { "late-on" } else { "late-off" };
         let rig = start_with(Path::new("/dev/shm"), name, |cfg| cfg.zero_copy_writes = on).await;
         let mut c = login(rig.addr, |o| o.isid.0[5] = 21).await;
+        // A nexus with a unit attention to report does not place writes: take it first.
+        let _ = c.read16(0, 0, 1, BS).await.unwrap();
+        assert_eq!(c.read16(0, 0, 1, BS).await.unwrap().status, 0);
         let late = pattern(256 << 10, 3);
         let raw = write_by_r2t(&mut c, name, 64 << 10, &late).await;
         c.send_bytes(&raw[..48 + 4600]).await.unwrap();
@@ -722,4 +725,51 @@ async fn reinstatement_mid_data_out_lets_no_late_bytes_of_the_old_write_land() {
             differ.first()
         );
     }
+}
+
+/// A LUN RESET from another initiator aborts a write received in place that still waits for
+/// its Data-Out: the range the write held is released at once, so the other initiator's write
+/// of the same blocks completes at once, and the aborted write's data, sent afterwards, never
+/// reaches the file.
+#[tokio::test]
+async fn a_reset_by_another_initiator_releases_a_waiting_in_place_write_at_once() {
+    let rig = start_with(Path::new("/dev/shm"), "reset-wait", |cfg| {
+        cfg.zero_copy_writes = true
+    })
+    .await;
+    let mut a = login(rig.addr, |o| o.isid.0[5] = 31).await;
+    // A nexus with a unit attention to report does not place writes: take it first.
+    let _ = a.read16(0, 0, 1, BS).await.unwrap();
+    assert_eq!(a.read16(0, 0, 1, BS).await.unwrap().status, 0);
+    let aborted = pattern(256 << 10, 5);
+    let raw = write_by_r2t(&mut a, "reset-wait", 256 << 10, &aborted[..64 << 10]).await;
+    let mut b = login(rig.addr, |o| o.isid.0[5] = 32).await;
+    let code = b
+        .task_mgmt(TmfFunction::LOGICAL_UNIT_RESET, 0, Itt::RESERVED, b.cmd_sn)
+        .await
+        .unwrap();
+    assert_eq!(code, TmfResponseCode::COMPLETE);
+    let new = pattern(256 << 10, 6);
+    let mut w = CommandResult::default();
+    for _ in 0..2 {
+        // The first may meet the reset's unit attention.
+        w = tokio::time::timeout(
+            Duration::from_secs(10),
+            b.write16(0, 0, new.clone(), BS, false),
+        )
+        .await
+        .expect("the write waited for the aborted one's range")
+        .unwrap();
+        if w.status == 0 {
+            break;
+        }
+    }
+    assert_eq!(w.status, 0, "sense {:?}", w.sense_key());
+    let _ = a.send_bytes(&raw).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = b.read16(0, 0, 512, BS).await.unwrap();
+    assert!(
+        r.status == 0 && r.data == new,
+        "the aborted write's data reached the file"
+    );
 }
