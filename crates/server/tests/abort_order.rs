@@ -615,6 +615,26 @@ async fn silent_initiator_is_dropped_by_nop_timeout_and_acknowledged_writes_surv
     );
 }
 
+/// Log in (ISID ending in `isid`, InitialR2T=Yes, no immediate data) and send an 8 KiB
+/// WRITE(16) at `lba`; returns the connection, the write's ITT and the R2T it waits on.
+async fn write_awaiting_data(addr: SocketAddr, isid: u8, lba: u64) -> (Client, Itt, R2t) {
+    let mut o = opts(isid);
+    o.initial_r2t = true;
+    o.immediate_data = false;
+    let mut c = login_with(addr, &o).await;
+    let (itt, _) = send_write(&mut c, lba, 8192, Bytes::new()).await;
+    loop {
+        let p = tokio::time::timeout(WAIT, c.recv())
+            .await
+            .expect("no R2T")
+            .unwrap();
+        if let Header::R2t(r) = p.header {
+            assert_eq!((r.itt, r.buffer_offset), (itt, 0));
+            return (c, itt, r);
+        }
+    }
+}
+
 /// Session reinstatement while the old connection is in the middle of a Data-Out PDU (its
 /// header and half of its data received): the old session's write is gone with it. When the
 /// rest of that PDU arrives on the old connection afterwards (a late retransmission from an
@@ -623,21 +643,8 @@ async fn silent_initiator_is_dropped_by_nop_timeout_and_acknowledged_writes_surv
 #[tokio::test]
 async fn reinstatement_mid_data_out_pdu_lets_nothing_of_the_old_write_land_later() {
     let rig = start(&[]).await;
-    let mut o = opts(11);
-    o.initial_r2t = true;
-    o.immediate_data = false;
-    let mut old = login_with(rig.addr, &o).await;
+    let (mut old, itt, r2t) = write_awaiting_data(rig.addr, 11, 100).await;
     let old_data = pattern(8192, 31);
-    let (itt, _) = send_write(&mut old, 100, 8192, Bytes::new()).await;
-    let r2t = loop {
-        let p = tokio::time::timeout(WAIT, old.recv())
-            .await
-            .expect("no R2T")
-            .unwrap();
-        if let Header::R2t(r) = p.header {
-            break r;
-        }
-    };
     assert_eq!(
         (r2t.itt, r2t.buffer_offset, r2t.desired_data_transfer_length),
         (itt, 0, 8192)
@@ -681,20 +688,7 @@ async fn a_reset_by_another_initiator_aborts_a_write_still_waiting_for_data() {
         .enumerate()
     {
         let rig = start(&[]).await;
-        let mut o = opts(12);
-        o.initial_r2t = true;
-        o.immediate_data = false;
-        let mut a = login_with(rig.addr, &o).await;
-        let (itt, _) = send_write(&mut a, 300, 8192, Bytes::new()).await;
-        let r2t = loop {
-            let p = tokio::time::timeout(WAIT, a.recv())
-                .await
-                .expect("no R2T")
-                .unwrap();
-            if let Header::R2t(r) = p.header {
-                break r;
-            }
-        };
+        let (mut a, itt, r2t) = write_awaiting_data(rig.addr, 12, 300).await;
         let mut b = login_with(rig.addr, &opts(13)).await;
         let code = b
             .task_mgmt(function, 0, Itt::RESERVED, b.cmd_sn)
