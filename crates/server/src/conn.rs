@@ -1360,12 +1360,6 @@ impl Connection {
                 .await;
             return Ok(());
         };
-        if !self.session.running().contains_key(&d.itt) {
-            // Aborted by a task management function (of any session) while it waited: its
-            // data is discarded, and dropping it releases a range it held for placement.
-            io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
-            return Ok(());
-        }
         if let Err(e) = pw.transfer.accept(&d, len) {
             io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
             tracing::debug!(itt = d.itt.0, "Data-Out refused: {e}");

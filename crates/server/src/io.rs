@@ -131,11 +131,16 @@ pub async fn read_data_shared<R: AsyncRead + Unpin>(
 /// for a write waiting for its Data-Out, a slot that an abort from any task can empty
 /// (`session::PlacedSlot`), after which nothing more is put.
 pub trait PlaceTarget {
+    /// The logical block size: bytes reach the medium a whole block at a time.
+    fn grain(&self) -> usize;
     /// Run `f` on the write's destination; an error if the write is gone (aborted).
     fn with<T>(&self, f: impl FnOnce(&InPlaceWrite) -> std::io::Result<T>) -> std::io::Result<T>;
 }
 
 impl PlaceTarget for InPlaceWrite {
+    fn grain(&self) -> usize {
+        InPlaceWrite::grain(self)
+    }
     fn with<T>(&self, f: impl FnOnce(&InPlaceWrite) -> std::io::Result<T>) -> std::io::Result<T> {
         f(self)
     }
@@ -162,7 +167,7 @@ impl Placement {
         at: usize,
         data: &[u8],
     ) -> std::io::Result<()> {
-        let grain = target.with(|t| Ok(t.grain()))?;
+        let grain = target.grain();
         let (mut pos, end) = (at, at + data.len());
         while pos < end {
             let block = pos - pos % grain;
@@ -213,13 +218,7 @@ impl Placement {
         at: usize,
     ) -> std::io::Result<Result<(), std::io::Error>> {
         use std::os::fd::AsFd;
-        let grain = match target.with(|t| Ok(t.grain())) {
-            Ok(g) => g,
-            Err(e) => {
-                skip_bytes(r, plan.data_len + plan.pad_len + plan.data_digest_len).await?;
-                return Ok(Err(e));
-            }
-        };
+        let grain = target.grain();
         let (len, end) = (plan.data_len, at + plan.data_len);
         let mut failed = None;
         if plan.data_digest_len != 0 {

@@ -40,25 +40,34 @@ pub struct Running {
 /// put under the slot's lock; an abort from any task empties it, which drops the write and
 /// its range, and no byte is put after that.
 #[derive(Debug)]
-pub struct PlacedSlot(Mutex<Option<ironsan_scsi::PlacedWrite>>);
+pub struct PlacedSlot {
+    grain: usize,
+    write: Mutex<Option<ironsan_scsi::PlacedWrite>>,
+}
 
 impl PlacedSlot {
     pub fn new(p: ironsan_scsi::PlacedWrite) -> Self {
-        PlacedSlot(Mutex::new(Some(p)))
+        PlacedSlot {
+            grain: p.target().grain(),
+            write: Mutex::new(Some(p)),
+        }
     }
 
     /// The write, unless an abort took it.
     pub fn take(&self) -> Option<ironsan_scsi::PlacedWrite> {
-        lock(&self.0).take()
+        lock(&self.write).take()
     }
 }
 
 impl crate::io::PlaceTarget for PlacedSlot {
+    fn grain(&self) -> usize {
+        self.grain
+    }
     fn with<T>(
         &self,
         f: impl FnOnce(&ironsan_backend::InPlaceWrite) -> std::io::Result<T>,
     ) -> std::io::Result<T> {
-        match lock(&self.0).as_ref() {
+        match lock(&self.write).as_ref() {
             Some(p) => f(p.target()),
             None => Err(std::io::Error::other("the write was aborted")),
         }
