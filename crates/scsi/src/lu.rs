@@ -371,7 +371,10 @@ impl LogicalUnit {
 /// overlaps a read. Because the transport answers a TMF before the aborted task's future is
 /// really dropped, it first reports each aborted task with [`RangeLock::aborting`]; until those
 /// futures are gone `settled` yields (they are dropped within one scheduling round). With no
-/// orphan and no such task, `settled` is one atomic load.
+/// orphan and no such task, `settled` is one atomic load. Writers ([`RangeLock::lock`],
+/// [`RangeLock::try_lock`]) wait for such tasks as well: one may be aborted after its command
+/// was admitted but before it took its range, and a write issued after the TMF response must
+/// not take the range first and then be overwritten by it (docs/INTEGRITY.md, promise 17).
 #[derive(Default)]
 pub(crate) struct RangeLock {
     shared: Arc<Shared>,
@@ -437,6 +440,18 @@ impl RangeLockInner {
     fn prune(&mut self) {
         self.aborting.retain(|gone| !gone());
     }
+    /// Whether an aborted task may still be alive (pruned first). Writers wait while one
+    /// is: such a task may not have taken its range yet, and the TMF response has already
+    /// told the initiator it is gone, so a write issued after that response must not take the
+    /// range before it and then be overwritten by it.
+    fn aborted_alive(&mut self, shared: &Shared) -> bool {
+        if self.aborting.is_empty() {
+            return false;
+        }
+        self.prune();
+        self.publish(shared);
+        !self.aborting.is_empty()
+    }
     fn wake_all(&mut self) -> Vec<Waker> {
         std::mem::take(&mut self.waiters)
     }
@@ -458,10 +473,11 @@ impl RangeLock {
         }
     }
 
-    /// Lock blocks `start .. end` if no held range overlaps them now; never waits.
+    /// Lock blocks `start .. end` if no held range overlaps them now and no aborted task may
+    /// still take one; never waits.
     pub fn try_lock(&self, start: u64, end: u64) -> Option<RangeGuard> {
         let mut g = lock(&self.shared.state);
-        if g.overlaps(start, end) {
+        if g.overlaps(start, end) || g.aborted_alive(&self.shared) {
             return None;
         }
         Some(g.hold(&self.shared, start, end))
@@ -513,6 +529,12 @@ impl Future for RangeLockFuture<'_> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RangeGuard> {
         let mut g = lock(&self.lock.shared.state);
         let (s, e) = (self.start, self.end);
+        if g.aborted_alive(&self.lock.shared) {
+            // As in `Settled`: its future is about to be dropped and nothing wakes us when it
+            // is, so yield and look again. (If this is that task, it is dropped here.)
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         if g.overlaps(s, e) {
             add_waker(&mut g.waiters, cx.waker());
             return Poll::Pending;
@@ -536,9 +558,7 @@ impl Future for Settled<'_> {
             return Poll::Ready(());
         }
         let mut g = lock(&shared.state);
-        g.prune();
-        g.publish(shared);
-        if !g.aborting.is_empty() {
+        if g.aborted_alive(shared) {
             // An aborted task's future is about to be dropped; nothing wakes us when it is, so
             // yield and look again.
             cx.waker().wake_by_ref();

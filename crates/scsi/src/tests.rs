@@ -3148,6 +3148,64 @@ async fn reads_wait_for_an_aborted_task_that_is_not_yet_dropped() {
     assert_eq!(lu.writes.orphaned(), 0);
 }
 
+/// A task aborted after its command was admitted but before it took its blocks' range (its
+/// thread preempted in between, say) must not land after the TMF response: a write issued
+/// after that response waits until the aborted task is gone, and the aborted task, polled
+/// meanwhile, takes no range (it yields to be dropped). Without that the later write took the
+/// free range and was acknowledged, and the aborted one then wrote over it (INTEGRITY.md
+/// promise 17).
+#[tokio::test(flavor = "current_thread")]
+async fn writes_wait_for_an_aborted_task_that_has_not_taken_its_range_yet() {
+    use std::sync::atomic::AtomicBool;
+    let t = Arc::new(ram_target());
+    let lu = Arc::clone(t.lun(0).unwrap());
+    let nexus = nexus(1);
+    // Admitted, not yet polled: it holds no range.
+    let mut aborted = Box::pin(t.execute(
+        0,
+        &nexus,
+        Command {
+            cdb: Bytes::copy_from_slice(&cdb16(WRITE_16, 0, 8)),
+            data_out: Bytes::from(pattern(4096, 1)),
+            expected_in_len: 0,
+            in_place: None,
+        },
+    ));
+    let gone = Arc::new(AtomicBool::new(false));
+    lu.task_aborted({
+        let gone = Arc::clone(&gone);
+        move || gone.load(Ordering::SeqCst)
+    });
+    // After the TMF response: a write of the same blocks from another initiator.
+    let newer = tokio::spawn({
+        let t = Arc::clone(&t);
+        async move { run_data(&t, &cdb16(WRITE_16, 0, 8), &pattern(4096, 2)).await }
+    });
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        !newer.is_finished(),
+        "a write went ahead of an aborted task still alive"
+    );
+    // The aborted task runs on: it must not take the range and write.
+    let noop = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(noop);
+    assert!(
+        aborted.as_mut().poll(&mut cx).is_pending(),
+        "the aborted write ran"
+    );
+    assert_eq!(lu.writes.held(), 0);
+    drop(aborted);
+    gone.store(true, Ordering::SeqCst);
+    good(&newer.await.unwrap());
+    let r = run(&t, &cdb16(READ_16, 0, 8)).await;
+    assert!(
+        good(&r) == &pattern(4096, 2)[..],
+        "the newer write was overwritten"
+    );
+}
+
 /// An aborted WRITE SAME (UNMAP) in the device orphans its range like a WRITE; reads and GET
 /// LBA STATUS (which reads the allocation map) wait for it.
 #[tokio::test(flavor = "current_thread")]
