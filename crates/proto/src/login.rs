@@ -384,6 +384,13 @@ impl Login {
         self.failure(None, status, &[])
     }
 
+    /// The connection's negotiated parameters once [`Login::step`] has returned
+    /// `ReadyToComplete` (before [`Login::complete`], so that a connection can join its
+    /// session, or be refused, first).
+    pub fn conn_params(&self) -> Option<ConnParams> {
+        self.params.as_ref().map(|(_, c)| *c)
+    }
+
     /// Build the final response (T=1, NSG=3, status 0000) with the TSIH the server chose (the
     /// initiator's for an added connection) and the sequence numbers of the session (`sn.stat_sn`
     /// should be [`ReadyToComplete::stat_sn`]).

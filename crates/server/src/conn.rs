@@ -353,10 +353,9 @@ pub async fn run(
     keepalive.abort();
     conn.pending.clear();
     conn.tasks.abort_all();
-    let remaining = session.remove_conn(cid);
-    if remaining == 0 {
-        // ErrorRecoveryLevel 0: the session ends with its last connection.
-        session.end();
+    if session.leave(cid) {
+        // ErrorRecoveryLevel 0: the session ends with its last connection (and no login can
+        // join it from now on, `Session::join`).
         shared
             .sessions
             .lock()
@@ -571,14 +570,42 @@ async fn login_phase(
                     send_login(tx, resp, data).await;
                     return Ok(None);
                 }
-                if let Some(s) = &session {
-                    if s.conn_count() >= s.params.max_connections as usize {
-                        let (resp, data) = login.reject(LoginStatus::TOO_MANY_CONNECTIONS);
-                        shared.stats.login_failed("too_many_connections");
-                        send_login(tx, resp, data).await;
-                        return Ok(None);
+                let Some(cparams) = login.conn_params() else {
+                    // `step` said ReadyToComplete, which implies negotiated parameters.
+                    let (resp, data) = login.reject(LoginStatus::TARGET_ERROR);
+                    shared.stats.login_failed("target_error");
+                    send_login(tx, resp, data).await;
+                    return Ok(None);
+                };
+                let conn_stats = Arc::new(ConnStats::default());
+                let conn_info = ConnInfo {
+                    cid: ready.cid.0,
+                    peer,
+                    local,
+                    params: cparams,
+                    fd,
+                    stats: Arc::clone(&conn_stats),
+                    tx: Arc::clone(&writer.stats),
+                    since: std::time::SystemTime::now(),
+                    close: close_tx,
+                };
+                // An existing session: join it now, before the response, or be refused; it
+                // may have ended since it was looked up (its last connection left, or it was
+                // reinstated), and commands on an ended session would go unanswered.
+                let conn_info = match &session {
+                    Some(s) => {
+                        let max = s.params.max_connections as usize;
+                        if let Err(status) = s.join(conn_info, max) {
+                            let reason = login_failure_reason(status.class(), status.detail());
+                            let (resp, data) = login.reject(status);
+                            shared.stats.login_failed(reason);
+                            send_login(tx, resp, data).await;
+                            return Ok(None);
+                        }
+                        None
                     }
-                }
+                    None => Some(conn_info),
+                };
                 let tsih = match &session {
                     Some(s) => s.tsih,
                     None => Tsih(shared.alloc_tsih()),
@@ -588,7 +615,7 @@ async fn login_phase(
                     exp_cmd_sn: req.cmd_sn,
                     max_cmd_sn: req.cmd_sn.plus(shared.cfg.queue_depth.saturating_sub(1)),
                 };
-                let (resp, data, sparams, cparams) = login.complete(tsih, sn);
+                let (resp, data, sparams, _) = login.complete(tsih, sn);
                 let session = match session {
                     Some(s) => s,
                     None => {
@@ -623,18 +650,21 @@ async fn login_phase(
                         s
                     }
                 };
-                let conn_stats = Arc::new(ConnStats::default());
-                session.add_conn(ConnInfo {
-                    cid: ready.cid.0,
-                    peer,
-                    local,
-                    params: cparams,
-                    fd,
-                    stats: Arc::clone(&conn_stats),
-                    tx: Arc::clone(&writer.stats),
-                    since: std::time::SystemTime::now(),
-                    close: close_tx,
-                });
+                if let Some(c) = conn_info {
+                    // A new session: nothing can have ended it or filled it yet.
+                    if session.join(c, 1).is_err() {
+                        tracing::error!(
+                            tsih = tsih.0,
+                            "a new session refused its first connection"
+                        );
+                        shared
+                            .sessions
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .remove(&session);
+                        return Ok(None);
+                    }
+                }
                 send_login(tx, resp, data).await;
                 let _ = tx.send(Out::Attach(Arc::clone(&session))).await;
                 let _ = tx
@@ -1182,12 +1212,14 @@ impl Connection {
             }
             buf.extend_from_slice(&data);
         }
-        let placed = place_on
-            .and_then(|scsi| self.place(&scsi, &cmd, &cdb, &buf))
-            .map(|(p, placement)| (Arc::new(PlacedSlot::new(p)), placement));
-        if placed.is_some() {
-            buf = BytesMut::new();
-        }
+        // Its blocks' range is taken here, but nothing reaches the medium before the write
+        // is admitted below: a session that has ended must change nothing.
+        let slot_placed = place_on.and_then(|scsi| {
+            let lun = cmd.lun.number()?;
+            let edtl = cmd.expected_data_transfer_length;
+            let p = scsi.place_write(lun, &self.session.nexus, &cdb, edtl)?;
+            Some(Arc::new(PlacedSlot::new(p)))
+        });
         // The write is a task from here on, also while it waits for its Data-Out: a task
         // management function of any session (ABORT TASK, CLEAR TASK SET, a LUN or target
         // reset) finds it in the running table, and removing the entry aborts it.
@@ -1195,11 +1227,28 @@ impl Connection {
             lun: cmd.lun.number().unwrap_or(u64::MAX),
             abort: None,
             polling: Arc::clone(&self.not_polling),
-            placed: placed.as_ref().map(|(slot, _)| Arc::clone(slot)),
+            placed: slot_placed.clone(),
         };
         if !self.session.admit(cmd.itt, waiting, false) {
-            // The session has ended: the write never runs.
+            // The session has ended: the write never runs (dropping the slot releases it).
             return Ok(());
+        }
+        // Immediate data first, through the slot: an abort from now on empties it, and
+        // nothing is put after that.
+        let placed = slot_placed.and_then(|slot| {
+            let mut placement = io::Placement::default();
+            match placement.put(&*slot, 0, &buf) {
+                Ok(()) => Some((slot, placement)),
+                Err(_) => {
+                    // The medium refused it (or an abort took the write): the usual path
+                    // writes, and reports, everything; an aborted write's claim fails there.
+                    drop(slot.take());
+                    None
+                }
+            }
+        });
+        if placed.is_some() {
+            buf = BytesMut::new();
         }
         let pw = PendingWrite {
             cmd,
@@ -1212,29 +1261,6 @@ impl Connection {
         };
         self.advance_write(pw).await;
         Ok(())
-    }
-
-    /// Begin a write whose Data-Out will be received straight into the medium, with the
-    /// `immediate` data already there; `None`: it takes the usual path.
-    fn place(
-        &self,
-        scsi: &ironsan_scsi::Target,
-        cmd: &ScsiCommand,
-        cdb: &Bytes,
-        immediate: &[u8],
-    ) -> Option<(PlacedWrite, io::Placement)> {
-        let lun = cmd.lun.number()?;
-        let placed = scsi.place_write(
-            lun,
-            &self.session.nexus,
-            cdb,
-            cmd.expected_data_transfer_length,
-        )?;
-        // Immediate data first; should the medium refuse it, the usual path writes (and
-        // reports) everything.
-        let mut placement = io::Placement::default();
-        placement.put(placed.target(), 0, immediate).ok()?;
-        Some((placed, placement))
     }
 
     /// Send any R2Ts the write now needs, or execute it if all data is in.

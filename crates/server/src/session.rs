@@ -6,6 +6,7 @@
 
 use crate::LiveTarget;
 use ironsan_backend::IntMap;
+use ironsan_proto::login::LoginStatus;
 use ironsan_proto::negotiate::{ConnParams, SessionParams};
 use ironsan_proto::pdu::{Isid, Itt, Tsih};
 use ironsan_proto::window::CmdWindow;
@@ -110,9 +111,10 @@ pub struct Session {
     pub commands: AtomicU64,
     /// Bytes of write data buffered for this session's writes (the write quota).
     pub buffered_writes: AtomicU64,
-    /// Set by [`Session::end`] under the running table's lock, and read by
-    /// [`Session::admit`] under it: a command either entered the table before the end (and
-    /// the end aborts it) or never starts.
+    /// Set by [`Session::end`] and [`Session::leave`] under the connection list's and the
+    /// running table's locks; read by [`Session::admit`] under the latter (a command either
+    /// entered the table before the end, and the end aborts it, or never starts) and by
+    /// [`Session::join`] under the former.
     ended: AtomicBool,
     /// Connections whose full-feature reader is running, and a wake-up when one stops.
     readers: AtomicUsize,
@@ -179,11 +181,16 @@ impl Session {
     /// End the session (reinstated, reset away, or its last connection gone): abort every
     /// task, and admit none from now on. Returns how many were aborted.
     pub fn end(&self) -> usize {
-        {
-            let _running = self.running();
-            self.ended.store(true, Ordering::Relaxed);
-        }
+        // A connection joins before this (and is closed with the others) or is refused.
+        self.mark_ended(&lock(&self.conns));
         self.abort_where(|_, _| true)
+    }
+
+    /// Set `ended`; `_conns` is the connection list, locked by the caller (`join` looks under
+    /// that lock), and the running table's lock is taken here (`admit` looks under it).
+    fn mark_ended(&self, _conns: &[ConnInfo]) {
+        let _running = self.running();
+        self.ended.store(true, Ordering::Relaxed);
     }
 
     /// A connection's full-feature reader begins (it may admit commands until it stops).
@@ -214,15 +221,36 @@ impl Session {
         }
     }
 
-    pub fn add_conn(&self, c: ConnInfo) {
-        lock(&self.conns).push(c);
+    /// Add a logged-in connection, unless the session has ended (its last connection left,
+    /// or it was reinstated or reset away: SESSION DOES NOT EXIST, RFC 7143 §11.13.5) or has
+    /// `max` connections already (TOO MANY CONNECTIONS). Atomic with [`Session::leave`] and
+    /// [`Session::end`]: a connection never joins a session whose commands are no longer
+    /// admitted, where they would go unanswered.
+    pub fn join(&self, c: ConnInfo, max: usize) -> Result<(), LoginStatus> {
+        let mut conns = lock(&self.conns);
+        if self.ended.load(Ordering::Relaxed) {
+            return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
+        }
+        if conns.len() >= max {
+            return Err(LoginStatus::TOO_MANY_CONNECTIONS);
+        }
+        conns.push(c);
+        Ok(())
     }
 
-    /// Remove a connection; returns how many remain.
-    pub fn remove_conn(&self, cid: u16) -> usize {
-        let mut conns = lock(&self.conns);
-        conns.retain(|c| c.cid != cid);
-        conns.len()
+    /// Remove a connection; when it was the last, the session ends (ErrorRecoveryLevel 0:
+    /// every task is aborted and no connection can join any more) and `true` is returned.
+    pub fn leave(&self, cid: u16) -> bool {
+        {
+            let mut conns = lock(&self.conns);
+            conns.retain(|c| c.cid != cid);
+            if !conns.is_empty() {
+                return false;
+            }
+            self.mark_ended(&conns);
+        }
+        self.abort_where(|_, _| true);
+        true
     }
 
     /// Look at the connections under the session's lock (a connection cannot leave, and so
@@ -402,5 +430,88 @@ impl Registry {
         let mut v: Vec<_> = self.by_tsih.values().map(|s| s.info()).collect();
         v.sort_by_key(|s| s.tsih);
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session() -> Session {
+        Session::new(
+            Tsih(1),
+            Isid([0x40, 0, 0, 0, 0, 1]),
+            "iqn.2026-11.org.ironsan:test-initiator".into(),
+            None,
+            SessionParams::default(),
+            ironsan_scsi::Nexus {
+                id: 1,
+                initiator_port: "iqn.2026-11.org.ironsan:test-initiator,i,0x400000000001".into(),
+                target_port: "iqn.2026-11.org.ironsan:test,t,0x0001".into(),
+                relative_port: 1,
+            },
+            CmdWindow::new(CmdSn(1), 8),
+        )
+    }
+
+    fn conn(cid: u16) -> ConnInfo {
+        let any: SocketAddr = "127.0.0.1:3260".parse().expect("an address");
+        ConnInfo {
+            cid,
+            peer: any,
+            local: any,
+            params: ConnParams::default(),
+            fd: -1,
+            stats: Arc::default(),
+            tx: Arc::default(),
+            since: std::time::SystemTime::now(),
+            close: watch::channel(false).0,
+        }
+    }
+
+    fn running() -> Running {
+        Running {
+            lun: 0,
+            abort: None,
+            polling: Arc::default(),
+            placed: None,
+        }
+    }
+
+    /// A login that looked the session up before its last connection left must not join it
+    /// after: the session has ended, its commands would be dropped unanswered. It is told
+    /// SESSION DOES NOT EXIST instead (and the initiator logs in anew).
+    #[test]
+    fn no_connection_joins_a_session_after_its_last_one_left() {
+        let s = session();
+        assert_eq!(s.join(conn(0), 2), Ok(()));
+        assert!(s.leave(0), "the last connection ends the session");
+        assert_eq!(s.join(conn(1), 2), Err(LoginStatus::SESSION_DOES_NOT_EXIST));
+        assert_eq!(s.conn_count(), 0);
+        assert!(!s.admit(Itt(1), running(), false));
+    }
+
+    /// One that joined first keeps the session alive when the other connection leaves, and
+    /// its commands are admitted.
+    #[test]
+    fn a_connection_that_joined_first_keeps_the_session() {
+        let s = session();
+        assert_eq!(s.join(conn(0), 2), Ok(()));
+        assert_eq!(s.join(conn(1), 2), Ok(()));
+        assert_eq!(s.join(conn(2), 2), Err(LoginStatus::TOO_MANY_CONNECTIONS));
+        assert!(!s.leave(0));
+        assert!(s.admit(Itt(1), running(), false));
+        assert!(s.leave(1));
+        assert_eq!(s.running().len(), 0, "the end aborts what was running");
+    }
+
+    /// A reinstated (or reset) session refuses connections too, and admits nothing.
+    #[test]
+    fn an_ended_session_takes_no_connection() {
+        let s = session();
+        assert_eq!(s.join(conn(0), 2), Ok(()));
+        s.end();
+        assert_eq!(s.join(conn(1), 2), Err(LoginStatus::SESSION_DOES_NOT_EXIST));
+        assert!(!s.admit(Itt(1), running(), false));
     }
 }
