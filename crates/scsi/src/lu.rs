@@ -271,6 +271,23 @@ impl LogicalUnit {
         }
     }
 
+    /// Establish `ua` for one I_T nexus, which need not have addressed this LU yet: a task
+    /// management function from another nexus aborted its commands here (its only ones may
+    /// have been writes still waiting for their data), and with TAS=0 (our control mode page)
+    /// they end with no status, so this is how it learns (SAM-5: COMMANDS CLEARED BY ANOTHER
+    /// INITIATOR after CLEAR TASK SET; POWER ON, RESET, OR BUS DEVICE RESET OCCURRED after
+    /// LOGICAL UNIT RESET).
+    pub fn establish_unit_attention_on(&self, nexus: &Nexus, ua: UnitAttention) {
+        let mut map = lock(&self.ua);
+        let e = map.entry(nexus.id).or_insert_with(|| NexusUa {
+            who: PortPair::of(nexus),
+            q: VecDeque::new(),
+        });
+        if !e.q.contains(&ua) && e.q.len() < MAX_UA_PER_NEXUS {
+            e.q.push_back(ua);
+        }
+    }
+
     /// Establish `ua` for every I_T nexus that has addressed this LU, except `except`.
     /// Nexuses first seen later start with no pending condition (no power-on UA at first
     /// contact).

@@ -43,6 +43,9 @@ pub enum UnitAttention {
     RegistrationsPreempted,
     /// 2Ah/09h CAPACITY DATA HAS CHANGED.
     CapacityDataChanged,
+    /// 2Fh/00h COMMANDS CLEARED BY ANOTHER INITIATOR (SAM-5 CLEAR TASK SET with TAS=0: for
+    /// each other I_T nexus that had commands aborted, since they get no status).
+    CommandsClearedByAnotherInitiator,
     /// 3Fh/03h INQUIRY DATA HAS CHANGED.
     InquiryDataChanged,
     /// 3Fh/0Eh REPORTED LUNS DATA HAS CHANGED.
@@ -60,6 +63,7 @@ impl UnitAttention {
             UnitAttention::ReservationsReleased => (0x2A, 0x04),
             UnitAttention::RegistrationsPreempted => (0x2A, 0x05),
             UnitAttention::CapacityDataChanged => (0x2A, 0x09),
+            UnitAttention::CommandsClearedByAnotherInitiator => (0x2F, 0x00),
             UnitAttention::InquiryDataChanged => (0x3F, 0x03),
             UnitAttention::ReportedLunsDataChanged => (0x3F, 0x0E),
         }

@@ -23,7 +23,7 @@ use ironsan_proto::pdu::*;
 use ironsan_proto::task::{data_in_segments, DataOutError, WriteParams, WriteTransfer};
 use ironsan_proto::window::CmdWindow;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
-use ironsan_scsi::{Command, PlacedWrite, Response, SenseReason};
+use ironsan_scsi::{Command, PlacedWrite, Response, SenseReason, UnitAttention};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -109,6 +109,10 @@ struct PendingWrite {
     /// The data goes straight into the medium instead of `buf` (see [`place_min`]), a
     /// whole block at a time.
     placed: Option<(Arc<PlacedSlot>, io::Placement)>,
+    /// Aborted while received in place (a task management function emptied its slot): the
+    /// rest of its data is received and dropped, as a buffered write's is, and it ends with no
+    /// response.
+    discard: bool,
     slot: Slot,
     /// When the command's header was read (start of the "receive" stage).
     t_header: Stamp,
@@ -1256,6 +1260,7 @@ impl Connection {
             transfer,
             buf,
             placed,
+            discard: false,
             slot,
             t_header,
         };
@@ -1266,6 +1271,10 @@ impl Connection {
     /// Send any R2Ts the write now needs, or execute it if all data is in.
     async fn advance_write(&mut self, mut pw: PendingWrite) {
         if pw.transfer.is_complete() {
+            if pw.discard {
+                // Aborted: its last data is in; it ends here, unanswered.
+                return;
+            }
             let exp_data_sn = pw.transfer.r2t_count();
             if let Some((slot, placement)) = pw.placed.take() {
                 let Some(placed) = slot.take() else {
@@ -1407,18 +1416,26 @@ impl Connection {
         if off + len as usize > pw.cmd.expected_data_transfer_length as usize {
             return Err("Data-Out outside the command buffer".into());
         }
+        if pw.discard {
+            io::skip_data(rd, plan).await.map_err(|e| e.to_string())?;
+            self.advance_write(pw).await;
+            return Ok(());
+        }
         if let Some((slot, placement)) = &mut pw.placed {
             let placed_ok = placement
                 .receive(rd, plan, &**slot, off)
                 .await
                 .map_err(|e| e.to_string())?;
             if let Err(e) = placed_ok {
+                let Some(placed) = pw.placed.take().and_then(|(slot, _)| slot.take()) else {
+                    // A task management function aborted it (and emptied the slot; the rest
+                    // of this segment was skipped): take the rest of its data and drop it.
+                    pw.discard = true;
+                    self.advance_write(pw).await;
+                    return Ok(());
+                };
                 tracing::warn!(itt = d.itt.0, "Data-Out not received in place: {e}");
-                let reason = pw
-                    .placed
-                    .take()
-                    .and_then(|(slot, _)| slot.take())
-                    .map_or(SenseReason::InternalTargetFailure, |p| p.failed(&e));
+                let reason = placed.failed(&e);
                 let n = pw.transfer.r2t_count();
                 self.finish_waiting(pw.cmd, Response::check_condition(reason), n, pw.slot);
                 return Ok(());
@@ -1792,7 +1809,20 @@ impl Connection {
                         .unwrap_or_else(|p| p.into_inner())
                         .of_target(&target.name)
                     {
-                        s.abort_where(|_, r| r.lun == lun);
+                        // SAM-5, TAS=0: an initiator whose commands were aborted (and so get
+                        // no status) is told with a unit attention on its next command.
+                        let cleared = s.abort_where(|_, r| r.lun == lun);
+                        let ua = match t.function {
+                            TmfFunction::CLEAR_TASK_SET => {
+                                UnitAttention::CommandsClearedByAnotherInitiator
+                            }
+                            _ => UnitAttention::PowerOnReset,
+                        };
+                        if cleared > 0 && !Arc::ptr_eq(&s, &self.session) {
+                            if let Some(lu) = scsi.lun(lun) {
+                                lu.establish_unit_attention_on(&s.nexus, ua);
+                            }
+                        }
                     }
                 }
                 if t.function == TmfFunction::LOGICAL_UNIT_RESET {

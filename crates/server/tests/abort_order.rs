@@ -680,7 +680,9 @@ async fn reinstatement_mid_data_out_pdu_lets_nothing_of_the_old_write_land_later
 /// LOGICAL UNIT RESET and CLEAR TASK SET from another initiator abort every task on the LU
 /// (SAM), writes still waiting for their Data-Out included: data that comes for such a write
 /// afterwards completes nothing, so the other initiator's write acknowledged after the reset
-/// stays.
+/// stays. The initiator whose write was aborted gets no status for it (TAS=0) and learns of it
+/// from a unit attention on its next command, even though its only command had not reached
+/// the LU yet.
 #[tokio::test]
 async fn a_reset_by_another_initiator_aborts_a_write_still_waiting_for_data() {
     for (n, function) in [TmfFunction::LOGICAL_UNIT_RESET, TmfFunction::CLEAR_TASK_SET]
@@ -716,6 +718,20 @@ async fn a_reset_by_another_initiator_aborts_a_write_still_waiting_for_data() {
         assert!(
             medium(&rig, 300, 16).await == new_data,
             "case {n}: a write aborted by the reset landed over one acknowledged after it"
+        );
+        // A got no status for its write (TAS=0); its next command learns why (SAM-5).
+        let r = read(&mut a, 300, 16).await;
+        let asc = if function == TmfFunction::CLEAR_TASK_SET {
+            (0x06, 0x2F, 0x00) // COMMANDS CLEARED BY ANOTHER INITIATOR
+        } else {
+            (0x06, 0x29, 0x00) // POWER ON, RESET, OR BUS DEVICE RESET OCCURRED
+        };
+        assert_eq!((r.status, r.sense_key()), (2, Some(asc)), "case {n}");
+        let r = read(&mut a, 300, 16).await;
+        assert!(
+            r.status == 0 && r.data == new_data,
+            "case {n}: {:?}",
+            r.sense_key()
         );
     }
 }

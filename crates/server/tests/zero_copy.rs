@@ -9,7 +9,7 @@ mod support;
 use bytes::Bytes;
 use ironsan_backend::{BlockDevice, FileBackend, FileOptions, NullBackend, RamBackend};
 use ironsan_initiator::{Client, CommandResult, LoginOptions};
-use ironsan_proto::pdu::{DataOut, Header, Itt, Lun, Pdu, TmfFunction, TmfResponseCode};
+use ironsan_proto::pdu::{Bhs, DataOut, Header, Itt, Lun, Pdu, TmfFunction, TmfResponseCode};
 use ironsan_proto::DataSn;
 use ironsan_server::{Server, ServerConfig, ZeroCopyReads};
 use std::collections::HashMap;
@@ -766,10 +766,43 @@ async fn a_reset_by_another_initiator_releases_a_waiting_in_place_write_at_once(
     }
     assert_eq!(w.status, 0, "sense {:?}", w.sense_key());
     let _ = a.send_bytes(&raw).await;
+    // The rest of A's data for its R2T, as an initiator that does not know of the reset
+    // sends it: taken and dropped, like a buffered write's (no Reject, the connection in step).
+    let mut bhs = Bhs::default();
+    bhs.0.copy_from_slice(&raw[..48]);
+    let Header::DataOut(first) = Header::decode(&bhs) else {
+        panic!("not a Data-Out");
+    };
+    let (itt, ttt) = (first.itt, first.ttt);
+    for (n, off) in [(1u32, 64usize << 10), (2, 128 << 10), (3, 192 << 10)] {
+        let d = DataOut {
+            final_bit: n == 3,
+            lun: Lun::from_number(0),
+            itt,
+            ttt,
+            data_sn: DataSn(n),
+            buffer_offset: off as u32,
+            ..Default::default()
+        };
+        let piece = Bytes::copy_from_slice(&aborted[off..off + (64 << 10)]);
+        a.send(Header::DataOut(d), piece).await.unwrap();
+    }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let r = b.read16(0, 0, 512, BS).await.unwrap();
     assert!(
         r.status == 0 && r.data == new,
         "the aborted write's data reached the file"
     );
+    // A got no status for its write (TAS=0); its next command reports the reset, the one
+    // after reads what B wrote, and nothing was rejected on the way.
+    let r = a.read16(0, 0, 512, BS).await.unwrap();
+    assert_eq!((r.status, r.sense_key()), (2, Some((0x06, 0x29, 0x00))));
+    let r = a.read16(0, 0, 512, BS).await.unwrap();
+    assert!(r.status == 0 && r.data == new, "A reads what B wrote");
+    let rejects = a
+        .unsolicited
+        .iter()
+        .filter(|p| matches!(p.header, Header::Reject(_)))
+        .count();
+    assert_eq!(rejects, 0, "the aborted write's Data-Out was rejected");
 }
