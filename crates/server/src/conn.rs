@@ -181,6 +181,23 @@ impl Drop for Slot {
     }
 }
 
+/// Set while a connection's reader polls a command inline (`Running::polling`); clears on
+/// drop.
+struct PollingFlag(Arc<std::sync::atomic::AtomicBool>);
+
+impl PollingFlag {
+    fn set(flag: &Arc<std::sync::atomic::AtomicBool>) -> Self {
+        flag.store(true, Ordering::Release);
+        PollingFlag(Arc::clone(flag))
+    }
+}
+
+impl Drop for PollingFlag {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 /// Everything the reader of a connection in full feature phase needs.
 struct Connection {
     shared: Arc<Shared>,
@@ -343,6 +360,8 @@ pub async fn run(
     ));
     // Behind the login's Attach and Digests: from here the reader may write directly.
     let _ = conn.tx.send(Out::Direct).await;
+    // This connection's own entry in the session (a CID alone need not be unique).
+    let me = close_rx.clone();
     let reason = conn.full_feature(&mut rd, close_rx).await;
     // A logout or a shutdown is routine; anything else (a protocol or digest error, a reset,
     // a NOP timeout) is an error worth a warning.
@@ -357,7 +376,7 @@ pub async fn run(
     keepalive.abort();
     conn.pending.clear();
     conn.tasks.abort_all();
-    if session.leave(cid) {
+    if session.leave(cid, &me) {
         // ErrorRecoveryLevel 0: the session ends with its last connection (and no login can
         // join it from now on, `Session::join`).
         shared
@@ -646,6 +665,17 @@ async fn login_phase(
                             nexus,
                             CmdWindow::new(req.cmd_sn, shared.cfg.queue_depth),
                         ));
+                        // Joined before the registry makes it findable: no other login can
+                        // end it or take its place first, so this cannot fail.
+                        if let Some(c) = conn_info {
+                            if s.join(c, 1).is_err() {
+                                tracing::error!(
+                                    tsih = tsih.0,
+                                    "a new session refused its first connection"
+                                );
+                                return Ok(None);
+                            }
+                        }
                         shared
                             .sessions
                             .lock()
@@ -654,21 +684,6 @@ async fn login_phase(
                         s
                     }
                 };
-                if let Some(c) = conn_info {
-                    // A new session: nothing can have ended it or filled it yet.
-                    if session.join(c, 1).is_err() {
-                        tracing::error!(
-                            tsih = tsih.0,
-                            "a new session refused its first connection"
-                        );
-                        shared
-                            .sessions
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&session);
-                        return Ok(None);
-                    }
-                }
                 send_login(tx, resp, data).await;
                 let _ = tx.send(Out::Attach(Arc::clone(&session))).await;
                 let _ = tx
@@ -1528,7 +1543,9 @@ impl Connection {
         // The command is in the running table before it can complete, so a task management
         // function (from any connection of the session) and the completion agree on who
         // answers it: whoever removes the entry.
-        self.polling.store(true, Ordering::Release);
+        // Cleared however this function ends (a panic in the inline poll included): a flag
+        // left set would make the LU's reads and writes wait for an aborted task forever.
+        let _polling = PollingFlag::set(&self.polling);
         let admitted = session.admit(
             itt,
             Running {
@@ -1542,7 +1559,6 @@ impl Connection {
         if !admitted {
             // The session has ended (reinstated or reset away), or a task management function
             // aborted the write while it waited for data: the command never runs.
-            self.polling.store(false, Ordering::Release);
             return;
         }
         let body = {
@@ -1641,8 +1657,8 @@ impl Connection {
                 }
             }
         }
-        // Out of the inline poll (completed, or a task that an abort now knows about).
-        self.polling.store(false, Ordering::Release);
+        // Out of the inline poll (completed, or a task that an abort now knows about): the
+        // flag clears as `_polling` drops.
     }
 
     /// Complete a write that failed while waiting for its data, if its running-table entry

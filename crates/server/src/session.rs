@@ -238,12 +238,19 @@ impl Session {
         Ok(())
     }
 
-    /// Remove a connection; when it was the last, the session ends (ErrorRecoveryLevel 0:
-    /// every task is aborted and no connection can join any more) and `true` is returned.
-    pub fn leave(&self, cid: u16) -> bool {
+    /// Remove the connection `cid` whose close signal `close` watches (only that one: a
+    /// second login with the same CID does not lose its entry when the first leaves); when it
+    /// was the last, the session ends (ErrorRecoveryLevel 0: every task is aborted and no
+    /// connection can join any more) and `true` is returned.
+    pub fn leave(&self, cid: u16, close: &watch::Receiver<bool>) -> bool {
         {
             let mut conns = lock(&self.conns);
-            conns.retain(|c| c.cid != cid);
+            if let Some(i) = conns
+                .iter()
+                .position(|c| c.cid == cid && c.close.subscribe().same_channel(close))
+            {
+                conns.swap_remove(i);
+            }
             if !conns.is_empty() {
                 return false;
             }
@@ -454,9 +461,11 @@ mod tests {
         )
     }
 
-    fn conn(cid: u16) -> ConnInfo {
+    /// A connection and the receiving end of its close signal (what `leave` is given).
+    fn conn(cid: u16) -> (ConnInfo, watch::Receiver<bool>) {
         let any: SocketAddr = "127.0.0.1:3260".parse().expect("an address");
-        ConnInfo {
+        let (close, rx) = watch::channel(false);
+        let c = ConnInfo {
             cid,
             peer: any,
             local: any,
@@ -465,8 +474,9 @@ mod tests {
             stats: Arc::default(),
             tx: Arc::default(),
             since: std::time::SystemTime::now(),
-            close: watch::channel(false).0,
-        }
+            close,
+        };
+        (c, rx)
     }
 
     fn running() -> Running {
@@ -484,9 +494,13 @@ mod tests {
     #[test]
     fn no_connection_joins_a_session_after_its_last_one_left() {
         let s = session();
-        assert_eq!(s.join(conn(0), 2), Ok(()));
-        assert!(s.leave(0), "the last connection ends the session");
-        assert_eq!(s.join(conn(1), 2), Err(LoginStatus::SESSION_DOES_NOT_EXIST));
+        let (c0, rx0) = conn(0);
+        assert_eq!(s.join(c0, 2), Ok(()));
+        assert!(s.leave(0, &rx0), "the last connection ends the session");
+        assert_eq!(
+            s.join(conn(1).0, 2),
+            Err(LoginStatus::SESSION_DOES_NOT_EXIST)
+        );
         assert_eq!(s.conn_count(), 0);
         assert!(!s.admit(Itt(1), running(), false));
     }
@@ -496,22 +510,42 @@ mod tests {
     #[test]
     fn a_connection_that_joined_first_keeps_the_session() {
         let s = session();
-        assert_eq!(s.join(conn(0), 2), Ok(()));
-        assert_eq!(s.join(conn(1), 2), Ok(()));
-        assert_eq!(s.join(conn(2), 2), Err(LoginStatus::TOO_MANY_CONNECTIONS));
-        assert!(!s.leave(0));
+        let ((c0, rx0), (c1, rx1)) = (conn(0), conn(1));
+        assert_eq!(s.join(c0, 2), Ok(()));
+        assert_eq!(s.join(c1, 2), Ok(()));
+        assert_eq!(s.join(conn(2).0, 2), Err(LoginStatus::TOO_MANY_CONNECTIONS));
+        assert!(!s.leave(0, &rx0));
         assert!(s.admit(Itt(1), running(), false));
-        assert!(s.leave(1));
+        assert!(s.leave(1, &rx1));
         assert_eq!(s.running().len(), 0, "the end aborts what was running");
+    }
+
+    /// A second connection with the same CID (a connection reinstatement) keeps its entry, and
+    /// the session, when the first one leaves.
+    #[test]
+    fn a_connection_leaving_removes_only_itself() {
+        let s = session();
+        let ((old, old_rx), (new, new_rx)) = (conn(0), conn(0));
+        assert_eq!(s.join(old, 2), Ok(()));
+        assert_eq!(s.join(new, 2), Ok(()));
+        assert!(
+            !s.leave(0, &old_rx),
+            "the new connection's session ended with the old one"
+        );
+        assert_eq!(s.conn_count(), 1);
+        assert!(s.leave(0, &new_rx));
     }
 
     /// A reinstated (or reset) session refuses connections too, and admits nothing.
     #[test]
     fn an_ended_session_takes_no_connection() {
         let s = session();
-        assert_eq!(s.join(conn(0), 2), Ok(()));
+        assert_eq!(s.join(conn(0).0, 2), Ok(()));
         s.end();
-        assert_eq!(s.join(conn(1), 2), Err(LoginStatus::SESSION_DOES_NOT_EXIST));
+        assert_eq!(
+            s.join(conn(1).0, 2),
+            Err(LoginStatus::SESSION_DOES_NOT_EXIST)
+        );
         assert!(!s.admit(Itt(1), running(), false));
     }
 }
