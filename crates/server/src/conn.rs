@@ -1857,7 +1857,14 @@ impl Connection {
                     .unwrap_or_else(|p| p.into_inner())
                     .of_target(&target.name);
                 for s in &sessions {
-                    s.abort_where(|_, _| true);
+                    let cleared = s.abort_where(|_, _| true);
+                    if cleared > 0 && !Arc::ptr_eq(s, &self.session) {
+                        // As after a LUN RESET: told on its next command, even if no LU had
+                        // seen it yet (its only commands writes waiting for data).
+                        for (_, lu) in scsi.luns() {
+                            lu.establish_unit_attention_on(&s.nexus, UnitAttention::PowerOnReset);
+                        }
+                    }
                 }
                 for (_, lu) in scsi.luns() {
                     lu.reset(&self.session.nexus);

@@ -677,17 +677,21 @@ async fn reinstatement_mid_data_out_pdu_lets_nothing_of_the_old_write_land_later
     );
 }
 
-/// LOGICAL UNIT RESET and CLEAR TASK SET from another initiator abort every task on the LU
-/// (SAM), writes still waiting for their Data-Out included: data that comes for such a write
+/// LOGICAL UNIT RESET, CLEAR TASK SET and TARGET WARM RESET from another initiator abort
+/// every task on the LU (SAM), writes still waiting for their Data-Out included: data that comes for such a write
 /// afterwards completes nothing, so the other initiator's write acknowledged after the reset
 /// stays. The initiator whose write was aborted gets no status for it (TAS=0) and learns of it
 /// from a unit attention on its next command, even though its only command had not reached
 /// the LU yet.
 #[tokio::test]
 async fn a_reset_by_another_initiator_aborts_a_write_still_waiting_for_data() {
-    for (n, function) in [TmfFunction::LOGICAL_UNIT_RESET, TmfFunction::CLEAR_TASK_SET]
-        .into_iter()
-        .enumerate()
+    for (n, function) in [
+        TmfFunction::LOGICAL_UNIT_RESET,
+        TmfFunction::CLEAR_TASK_SET,
+        TmfFunction::TARGET_WARM_RESET,
+    ]
+    .into_iter()
+    .enumerate()
     {
         let rig = start(&[]).await;
         let (mut a, itt, r2t) = write_awaiting_data(rig.addr, 12, 300).await;
