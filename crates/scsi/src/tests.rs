@@ -3089,13 +3089,23 @@ async fn read_after_abort_of_a_write_that_never_reached_the_device_does_not_wait
     assert!(good(&r).iter().all(|&b| b == 0), "the dropped write landed");
 }
 
+/// Report an aborted task to `lu` as the transport does (`task_aborted`); it is gone once the
+/// returned flag is set.
+fn report_aborted(lu: &LogicalUnit) -> Arc<std::sync::atomic::AtomicBool> {
+    let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    lu.task_aborted({
+        let gone = Arc::clone(&gone);
+        move || gone.load(Ordering::SeqCst)
+    });
+    gone
+}
+
 /// The transport answers ABORT TASK before the aborted task's future is dropped; reads wait
 /// for every task reported with `task_aborted` to be gone, then for what it orphaned. Here
 /// the aborted task is a future held by the test: reads of any block wait while it is
 /// alive; once it is dropped, reads of its blocks wait for the device.
 #[tokio::test(flavor = "current_thread")]
 async fn reads_wait_for_an_aborted_task_that_is_not_yet_dropped() {
-    use std::sync::atomic::AtomicBool;
     let (t, ctl) = fault_target("hang");
     let lu = Arc::clone(t.lun(0).unwrap());
     let cdb = cdb16(WRITE_16, 0, 8);
@@ -3116,11 +3126,7 @@ async fn reads_wait_for_an_aborted_task_that_is_not_yet_dropped() {
     assert!(aborted.as_mut().poll(&mut cx).is_pending());
     yield_until("write in the device", || ctl.stuck_now() == 1).await;
     // ABORT TASK: reported to the LU; the future is not dropped yet.
-    let gone = Arc::new(AtomicBool::new(false));
-    lu.task_aborted({
-        let gone = Arc::clone(&gone);
-        move || gone.load(Ordering::SeqCst)
-    });
+    let gone = report_aborted(&lu);
     let far = tokio::spawn({
         let t = Arc::clone(&t);
         async move { run(&t, &cdb16(READ_16, 64, 8)).await }
@@ -3156,7 +3162,6 @@ async fn reads_wait_for_an_aborted_task_that_is_not_yet_dropped() {
 /// promise 17).
 #[tokio::test(flavor = "current_thread")]
 async fn writes_wait_for_an_aborted_task_that_has_not_taken_its_range_yet() {
-    use std::sync::atomic::AtomicBool;
     let t = Arc::new(ram_target());
     let lu = Arc::clone(t.lun(0).unwrap());
     let nexus = nexus(1);
@@ -3171,11 +3176,7 @@ async fn writes_wait_for_an_aborted_task_that_has_not_taken_its_range_yet() {
             in_place: None,
         },
     ));
-    let gone = Arc::new(AtomicBool::new(false));
-    lu.task_aborted({
-        let gone = Arc::clone(&gone);
-        move || gone.load(Ordering::SeqCst)
-    });
+    let gone = report_aborted(&lu);
     // After the TMF response: a write of the same blocks from another initiator.
     let newer = tokio::spawn({
         let t = Arc::clone(&t);
