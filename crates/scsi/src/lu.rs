@@ -120,6 +120,21 @@ struct NexusUa {
     q: VecDeque<UnitAttention>,
 }
 
+impl NexusUa {
+    fn new(nexus: &Nexus) -> Self {
+        NexusUa {
+            who: PortPair::of(nexus),
+            q: VecDeque::new(),
+        }
+    }
+    /// Queue `ua` unless it is already pending or the queue is full.
+    fn raise(&mut self, ua: UnitAttention) {
+        if !self.q.contains(&ua) && self.q.len() < MAX_UA_PER_NEXUS {
+            self.q.push_back(ua);
+        }
+    }
+}
+
 impl std::fmt::Debug for LogicalUnit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LogicalUnit")
@@ -265,9 +280,7 @@ impl LogicalUnit {
     pub(crate) fn establish_unit_attention_for(&self, who: &PortPair, ua: UnitAttention) {
         let mut map = lock(&self.ua);
         for e in map.values_mut().filter(|e| &e.who == who) {
-            if !e.q.contains(&ua) && e.q.len() < MAX_UA_PER_NEXUS {
-                e.q.push_back(ua);
-            }
+            e.raise(ua);
         }
     }
 
@@ -278,14 +291,10 @@ impl LogicalUnit {
     /// INITIATOR after CLEAR TASK SET; POWER ON, RESET, OR BUS DEVICE RESET OCCURRED after
     /// LOGICAL UNIT RESET).
     pub fn establish_unit_attention_on(&self, nexus: &Nexus, ua: UnitAttention) {
-        let mut map = lock(&self.ua);
-        let e = map.entry(nexus.id).or_insert_with(|| NexusUa {
-            who: PortPair::of(nexus),
-            q: VecDeque::new(),
-        });
-        if !e.q.contains(&ua) && e.q.len() < MAX_UA_PER_NEXUS {
-            e.q.push_back(ua);
-        }
+        lock(&self.ua)
+            .entry(nexus.id)
+            .or_insert_with(|| NexusUa::new(nexus))
+            .raise(ua);
     }
 
     /// Establish `ua` for every I_T nexus that has addressed this LU, except `except`.
@@ -317,10 +326,7 @@ impl LogicalUnit {
     /// pending unit attention: one lock per command for both.
     pub(crate) fn register_nexus(&self, nexus: &Nexus, take: bool) -> Option<UnitAttention> {
         let mut ua = lock(&self.ua);
-        let e = ua.entry(nexus.id).or_insert_with(|| NexusUa {
-            who: PortPair::of(nexus),
-            q: VecDeque::new(),
-        });
+        let e = ua.entry(nexus.id).or_insert_with(|| NexusUa::new(nexus));
         if take {
             e.q.pop_front()
         } else {
