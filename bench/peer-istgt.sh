@@ -2,7 +2,7 @@
 # Start or stop a private instance of istgt (Debian package "istgt", the
 # FreeBSD-born userspace target) as a comparison peer for ironsan.
 #
-#   bench/peer-istgt.sh start --port PORT --dir DIR --file PATH [--size SIZE] [--cpu CPUS] [--iqn IQN]
+#   bench/peer-istgt.sh start --port PORT [--addr ADDR] --dir DIR --file PATH [--size SIZE] [--cpu CPUS] [--iqn IQN]
 #       Creates PATH sparse (truncate(1) SIZE, default 256M) if missing,
 #       writes DIR/istgt.conf and DIR/auth.conf, starts `istgt -c DIR/istgt.conf -D`
 #       (foreground, so the pid is istgt's own), and prints the iscsi:// URL of
@@ -23,10 +23,11 @@ usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0" 
 
 [[ $# -ge 1 ]] || usage
 cmd=$1; shift
-port="" dir="" cpus="" file="" size=256M iqn="iqn.2026-11.org.ironsan:peer-istgt"
+addr=127.0.0.1 port="" dir="" cpus="" file="" size=256M iqn="iqn.2026-11.org.ironsan:peer-istgt"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --port) port=$2; shift 2 ;;
+        --addr) addr=$2; shift 2 ;;
         --dir) dir=$2; shift 2 ;;
         --cpu) cpus=$2; shift 2 ;;
         --file) file=$2; shift 2 ;;
@@ -106,10 +107,11 @@ EOF
   AuthMethod None
   Netmask 127.0.0.1
 [PortalGroup1]
-  Portal DA1 127.0.0.1:$port
+  Portal DA1 $addr:$port
 [InitiatorGroup1]
   InitiatorName "ALL"
   Netmask 127.0.0.0/8
+  Netmask 10.77.0.0/16
 [LogicalUnit1]
   TargetName $short
   Mapping PortalGroup1 InitiatorGroup1
@@ -132,8 +134,10 @@ EOF
         listening "$port" && break
         sleep 0.1
     done
-    listening "$port" || { stop; die "istgt is not listening on 127.0.0.1:$port"; }
-    echo "iscsi://127.0.0.1:$port/$iqn/0"
+    listening "$port" || { stop; die "istgt is not listening on $addr:$port"; }
+    local host=$addr
+    [[ $host == 0.0.0.0 ]] && host=127.0.0.1
+    echo "iscsi://$host:$port/$iqn/0"
 }
 
 case $cmd in

@@ -2,7 +2,7 @@
 # Start or stop a private instance of tgt (the Linux SCSI target framework,
 # Debian package "tgt") as a comparison peer for ironsan.
 #
-#   bench/peer-tgt.sh start --port PORT --dir DIR [--cpu CPUS] [--lun null|rdwr:SIZE|file:PATH|direct:PATH] [--iqn IQN]
+#   bench/peer-tgt.sh start --port PORT [--addr ADDR] --dir DIR [--cpu CPUS] [--lun null|rdwr:SIZE|file:PATH|direct:PATH] [--iqn IQN]
 #       Prints the iscsi:// URL of the data LUN (always LUN 1) on stdout.
 #   bench/peer-tgt.sh stop --dir DIR
 #
@@ -33,10 +33,11 @@ usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0" 
 
 [[ $# -ge 1 ]] || usage
 cmd=$1; shift
-port="" dir="" cpus="" lun="null" iqn="iqn.2026-11.org.ironsan:peer-tgt"
+addr=127.0.0.1 port="" dir="" cpus="" lun="null" iqn="iqn.2026-11.org.ironsan:peer-tgt"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --port) port=$2; shift 2 ;;
+        --addr) addr=$2; shift 2 ;;
         --dir) dir=$2; shift 2 ;;
         --cpu) cpus=$2; shift 2 ;;
         --lun) lun=$2; shift 2 ;;
@@ -94,7 +95,7 @@ start() {
     echo "$cport" >"$dir/control_port"
     # -f: stay in the foreground so $! is tgtd's own pid (the bench samples
     # its CPU time from /proc/PID/stat); stdin detached, output to a log.
-    "${pin[@]}" tgtd -f -C "$cport" --iscsi "portal=127.0.0.1:$port" \
+    "${pin[@]}" tgtd -f -C "$cport" --iscsi "portal=$addr:$port" \
         </dev/null >"$dir/tgtd.log" 2>&1 &
     local pid=$!
     echo "$pid" >"$dir/tgtd.pid"
@@ -140,8 +141,10 @@ start() {
         listening "$port" && break
         sleep 0.1
     done
-    listening "$port" || { stop; die "tgtd is not listening on 127.0.0.1:$port"; }
-    echo "iscsi://127.0.0.1:$port/$iqn/1"
+    listening "$port" || { stop; die "tgtd is not listening on $addr:$port"; }
+    local host=$addr
+    [[ $host == 0.0.0.0 ]] && host=127.0.0.1
+    echo "iscsi://$host:$port/$iqn/1"
 }
 
 case $cmd in

@@ -6,11 +6,17 @@ use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct LoadArgs {
-    /// iscsi://[user%secret@]HOST[:PORT]/TARGET-IQN/LUN (libiscsi's URL form).
-    url: String,
-    /// randread | read | randwrite | write.
+    /// iscsi://[user%secret@]HOST[:PORT]/TARGET-IQN/LUN (libiscsi's URL form). With several
+    /// URLs (paths to one LUN, or LUNs of several targets), session i logs in to URL
+    /// i mod their number.
+    #[arg(required = true, num_args = 1..)]
+    url: Vec<String>,
+    /// randread | read | randwrite | write | randrw | rw (a mix: see --rwmixread).
     #[arg(long, default_value = "randread")]
     rw: String,
+    /// Percentage of a mix's commands that read (fio's rwmixread).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u8).range(0..=100))]
+    rwmixread: u8,
     /// Bytes per command (a multiple of the block size).
     #[arg(long, default_value_t = 4096)]
     bs: u32,
@@ -42,14 +48,23 @@ pub struct LoadArgs {
 }
 
 pub fn main(a: LoadArgs) -> Result<()> {
-    let url = Url::parse(&a.url).map_err(|e| anyhow!(e))?;
-    let pattern = Pattern::parse(&a.rw)
-        .ok_or_else(|| anyhow!("--rw {:?}: want randread, read, randwrite or write", a.rw))?;
+    let urls = a
+        .url
+        .iter()
+        .map(|u| Url::parse(u).map_err(|e| anyhow!(e)))
+        .collect::<Result<Vec<_>>>()?;
+    let pattern = Pattern::parse(&a.rw).ok_or_else(|| {
+        anyhow!(
+            "--rw {:?}: want randread, read, randwrite, write, randrw or rw",
+            a.rw
+        )
+    })?;
     if !(a.time.is_finite() && a.time > 0.0 && a.time <= 1e7) {
         bail!("--time must be a positive number of seconds (at most 10^7)");
     }
     let mut spec = Spec::new(pattern, a.bs, a.queue_depth);
     spec.sessions = a.sessions;
+    spec.read_percent = a.rwmixread;
     spec.duration = Duration::from_secs_f64(a.time);
     spec.count = a.count;
     spec.verify = a.verify;
@@ -59,7 +74,7 @@ pub fn main(a: LoadArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let r = rt.block_on(run(&url, &spec))?;
+    let r = rt.block_on(run(&urls, &spec))?;
     print(&a.json, &spec, &r);
     if let Some(f) = &r.first_failure {
         bail!("{} of {} commands failed; first: {f}", r.failed, r.ios);
@@ -77,17 +92,34 @@ fn print(json: &bool, spec: &Spec, r: &Report) {
     let secs = r.elapsed.as_secs_f64();
     let cpu_us_per_io = r.cpu.as_secs_f64() * 1e6 / (r.ios.max(1) as f64);
     if *json {
+        let sessions: Vec<_> = r
+            .sessions
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "portal": s.portal,
+                    "ios": s.ios,
+                    "bytes": s.bytes,
+                    "seconds": s.elapsed.as_secs_f64(),
+                    "mib_per_s": s.mib_per_s(),
+                    "lat_mean_us": s.lat_mean_us,
+                    "lat_stddev_us": s.lat_stddev_us,
+                })
+            })
+            .collect();
         let v = serde_json::json!({
             "rw": spec.pattern.name(),
             "bs": spec.io_bytes,
             "qd": spec.queue_depth,
             "sessions": spec.sessions,
             "ios": r.ios,
+            "writes": r.writes,
             "bytes": r.bytes,
             "seconds": secs,
             "iops": r.iops(),
             "mib_per_s": r.mib_per_s(),
             "lat_mean_us": r.latency.mean_us(),
+            "lat_stddev_us": r.latency.stddev_us(),
             "lat_p50_us": r.latency.percentile_us(0.5),
             "lat_p99_us": r.latency.percentile_us(0.99),
             "lat_max_us": r.latency.max_us(),
@@ -96,6 +128,7 @@ fn print(json: &bool, spec: &Spec, r: &Report) {
             "client_cpu_s": r.cpu.as_secs_f64(),
             "block_size": r.block_size,
             "blocks": r.blocks,
+            "per_session": sessions,
         });
         println!("{v}");
         return;
@@ -118,4 +151,16 @@ fn print(json: &bool, spec: &Spec, r: &Report) {
         r.failed,
         r.verify_failures,
     );
+    if r.sessions.len() > 1 {
+        for (i, s) in r.sessions.iter().enumerate() {
+            println!(
+                "  session {i} via {}: {} I/Os, {:.1} MiB/s; latency mean {:.1} us, sd {:.1} us",
+                s.portal,
+                s.ios,
+                s.mib_per_s(),
+                s.lat_mean_us,
+                s.lat_stddev_us
+            );
+        }
+    }
 }

@@ -1818,6 +1818,79 @@ fn ram_lun_memory_goes_back_to_the_kernel_when_the_data_goes() {
     );
 }
 
+/// What bench/classic.sh builds on: a mixed pattern sends the share of writes asked for
+/// (`--rwmixread`, fio's), its reads find the stamps its writes and the fill left, and
+/// sessions alternate over several URLs (two portals of one target here: the MPIO and
+/// striping experiments), each reporting its own figures.
+#[test]
+fn load_generator_mixes_reads_and_writes_and_spreads_sessions_over_urls() {
+    let second = SocketAddr::from((Ipv4Addr::new(127, 0, 0, 2), free_port()));
+    let second_s = second.to_string();
+    let s = Server::start(&["--lun", "ram:64M", "--listen", &second_s]);
+    let first = format!("127.0.0.1:{}", s.port);
+    let u1 = s.url(0);
+    let u2 = u1.replace(&first, &second_s);
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(u64::MAX);
+    let w = load(
+        &u1,
+        &[
+            "--rw", "write", "--bs", "524288", "--qd", "8", "--count", "128", "--verify",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("filling the LUN: {e}"));
+    assert_eq!(
+        (n(&w, "ios"), n(&w, "writes"), n(&w, "failed")),
+        (128, 128, 0),
+        "{w}"
+    );
+    let r = load(
+        &u1,
+        &[
+            &u2,
+            "--sessions",
+            "4",
+            "--rw",
+            "randrw",
+            "--rwmixread",
+            "70",
+            "--count",
+            "5000",
+            "--verify",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("70/30 mix over two portals: {e}"));
+    assert_eq!((n(&r, "ios"), n(&r, "failed")), (20_000, 0), "{r}");
+    assert_eq!(n(&r, "verify_failures"), 0, "{r}");
+    // 30 % of 20,000 is 6,000 (a binomial deviation of 65): far from both pure patterns.
+    let writes = n(&r, "writes");
+    assert!(
+        (5_000..7_000).contains(&writes),
+        "{writes} writes of 20,000: {r}"
+    );
+    let per: Vec<(String, u64)> = r["per_session"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|x| (x["portal"].as_str().unwrap_or("").to_string(), n(x, "ios")))
+                .collect()
+        })
+        .unwrap_or_default();
+    let want: Vec<(String, u64)> = [&first, &second_s, &first, &second_s]
+        .iter()
+        .map(|p| (p.to_string(), 5_000))
+        .collect();
+    assert_eq!(per, want, "{r}");
+    // The ends of the range: all writes, all reads; and a percentage past 100 is refused.
+    let r = load(&u2, &["--rw", "rw", "--rwmixread", "0", "--count", "300"])
+        .unwrap_or_else(|e| panic!("rwmixread 0: {e}"));
+    assert_eq!((n(&r, "ios"), n(&r, "writes")), (300, 300), "{r}");
+    let r = load(&u2, &["--rw", "rw", "--rwmixread", "100", "--count", "300"])
+        .unwrap_or_else(|e| panic!("rwmixread 100: {e}"));
+    assert_eq!((n(&r, "ios"), n(&r, "writes")), (300, 0), "{r}");
+    let err = load(&u1, &["--rw", "randrw", "--rwmixread", "101"]).expect_err("101 % accepted");
+    assert!(err.contains("101"), "{err}");
+}
+
 #[test]
 fn load_generator_verifies_every_block_on_ironsan() {
     let s = Server::start(&["--lun", "ram:64M", "--lun", "ram:64M"]);

@@ -32,16 +32,22 @@ pub enum Pattern {
     SeqRead,
     RandWrite,
     SeqWrite,
+    /// Reads and writes mixed (`Spec::read_percent` of them reads), random LBAs.
+    RandRw,
+    /// Reads and writes mixed over one sequential stream.
+    SeqRw,
 }
 
 impl Pattern {
-    /// `randread`, `read`, `randwrite`, `write` (the names fio uses).
+    /// `randread`, `read`, `randwrite`, `write`, `randrw`, `rw` (the names fio uses).
     pub fn parse(s: &str) -> Option<Pattern> {
         Some(match s {
             "randread" => Pattern::RandRead,
             "read" => Pattern::SeqRead,
             "randwrite" => Pattern::RandWrite,
             "write" => Pattern::SeqWrite,
+            "randrw" => Pattern::RandRw,
+            "rw" => Pattern::SeqRw,
             _ => return None,
         })
     }
@@ -51,13 +57,19 @@ impl Pattern {
             Pattern::SeqRead => "read",
             Pattern::RandWrite => "randwrite",
             Pattern::SeqWrite => "write",
+            Pattern::RandRw => "randrw",
+            Pattern::SeqRw => "rw",
         }
     }
-    fn write(self) -> bool {
-        matches!(self, Pattern::RandWrite | Pattern::SeqWrite)
+    /// Whether any command of the pattern writes.
+    fn writes(self) -> bool {
+        !matches!(self, Pattern::RandRead | Pattern::SeqRead)
     }
     fn random(self) -> bool {
-        matches!(self, Pattern::RandRead | Pattern::RandWrite)
+        matches!(
+            self,
+            Pattern::RandRead | Pattern::RandWrite | Pattern::RandRw
+        )
     }
 }
 
@@ -123,6 +135,8 @@ pub struct Spec {
     /// Commands in flight per session.
     pub queue_depth: u32,
     pub sessions: u32,
+    /// Of a mixed pattern's commands, the percentage that read (0..=100; fio's `rwmixread`).
+    pub read_percent: u8,
     /// Stop issuing after this long...
     pub duration: Duration,
     /// ...or after this many commands per session, whichever comes first.
@@ -141,6 +155,7 @@ impl Spec {
             io_bytes,
             queue_depth,
             sessions: 1,
+            read_percent: 50,
             duration: Duration::from_secs(10),
             count: None,
             verify: false,
@@ -156,6 +171,8 @@ pub struct Histogram {
     buckets: Vec<u64>,
     count: u64,
     sum_ns: u128,
+    /// Sum of squared nanoseconds, for the standard deviation.
+    sum_sq_ns: u128,
     max_ns: u64,
 }
 
@@ -167,6 +184,7 @@ impl Default for Histogram {
             buckets: vec![0; HIST_US + 1],
             count: 0,
             sum_ns: 0,
+            sum_sq_ns: 0,
             max_ns: 0,
         }
     }
@@ -181,6 +199,9 @@ impl Histogram {
         }
         self.count += 1;
         self.sum_ns += u128::from(ns);
+        self.sum_sq_ns = self
+            .sum_sq_ns
+            .saturating_add(u128::from(ns) * u128::from(ns));
         self.max_ns = self.max_ns.max(ns);
     }
     fn merge(&mut self, o: &Histogram) {
@@ -189,6 +210,7 @@ impl Histogram {
         }
         self.count += o.count;
         self.sum_ns += o.sum_ns;
+        self.sum_sq_ns = self.sum_sq_ns.saturating_add(o.sum_sq_ns);
         self.max_ns = self.max_ns.max(o.max_ns);
     }
     /// Mean latency in microseconds.
@@ -197,6 +219,16 @@ impl Histogram {
             return 0.0;
         }
         self.sum_ns as f64 / self.count as f64 / 1000.0
+    }
+    /// Standard deviation of the latency in microseconds.
+    pub fn stddev_us(&self) -> f64 {
+        if self.count == 0 {
+            return 0.0;
+        }
+        let n = self.count as f64;
+        let mean = self.sum_ns as f64 / n;
+        let var = (self.sum_sq_ns as f64 / n - mean * mean).max(0.0);
+        var.sqrt() / 1000.0
     }
     pub fn max_us(&self) -> f64 {
         self.max_ns as f64 / 1000.0
@@ -224,6 +256,8 @@ impl Histogram {
 pub struct Report {
     /// Commands completed (with any status).
     pub ios: u64,
+    /// Of them, writes.
+    pub writes: u64,
     /// Bytes moved by commands that completed with GOOD.
     pub bytes: u64,
     /// Commands that did not complete with GOOD and all their data.
@@ -239,6 +273,8 @@ pub struct Report {
     pub cpu: Duration,
     pub block_size: u32,
     pub blocks: u64,
+    /// Each session's own figures, in the order they were logged in.
+    pub sessions: Vec<SessionReport>,
     /// When the first command was sent and the last answer came, over all sessions.
     first_sent: Option<Instant>,
     last_done: Option<Instant>,
@@ -253,6 +289,7 @@ impl Report {
     }
     fn merge(&mut self, o: Report) {
         self.ios += o.ios;
+        self.writes += o.writes;
         self.bytes += o.bytes;
         self.failed += o.failed;
         self.first_failure = self.first_failure.take().or(o.first_failure);
@@ -266,6 +303,24 @@ impl Report {
         self.latency.merge(&o.latency);
         self.block_size = o.block_size;
         self.blocks = o.blocks;
+    }
+}
+
+/// One session's share of a run (fairness between sessions, paths, targets).
+#[derive(Clone, Debug)]
+pub struct SessionReport {
+    /// `host:port` of the portal the session logged in to.
+    pub portal: String,
+    pub ios: u64,
+    pub bytes: u64,
+    pub elapsed: Duration,
+    pub lat_mean_us: f64,
+    pub lat_stddev_us: f64,
+}
+
+impl SessionReport {
+    pub fn mib_per_s(&self) -> f64 {
+        self.bytes as f64 / (1 << 20) as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
 }
 
@@ -285,31 +340,51 @@ fn process_cpu() -> Duration {
     Duration::from_millis((tick(11) + tick(12)) * 10)
 }
 
-/// Run `spec` against `url`: log in `spec.sessions` sessions, drive them all from the
-/// current thread, log out. Call from a current-thread Tokio runtime for the figures to mean
-/// "one client core".
-pub async fn run(url: &Url, spec: &Spec) -> Result<Report> {
-    if spec.queue_depth == 0 || spec.sessions == 0 || spec.io_bytes == 0 {
+/// Run `spec` against `urls`: log in `spec.sessions` sessions, session `i` to
+/// `urls[i % urls.len()]` (several paths to one LUN, or LUNs of several targets, striped by
+/// session), drive them all from the current thread, log out. Call from a current-thread
+/// Tokio runtime for the figures to mean "one client core".
+pub async fn run(urls: &[Url], spec: &Spec) -> Result<Report> {
+    if spec.queue_depth == 0 || spec.sessions == 0 || spec.io_bytes == 0 || urls.is_empty() {
         return Err(Error::Protocol(
-            "queue depth, sessions and I/O size must be at least 1".into(),
+            "queue depth, sessions, I/O size and URLs must be at least 1".into(),
         ));
     }
+    if spec.read_percent > 100 {
+        return Err(Error::Protocol(format!(
+            "read percentage {} is over 100",
+            spec.read_percent
+        )));
+    }
     let mut conns = Vec::new();
-    for i in 0..spec.sessions {
-        conns.push(Session::login(url, spec, i).await?);
+    for (i, url) in (0..spec.sessions).zip(urls.iter().cycle()) {
+        conns.push((url.addr, Session::login(url, spec, i).await?));
     }
     let cpu0 = process_cpu();
     let mut runs = Vec::new();
-    for c in conns {
-        runs.push(tokio::spawn(c.drive()));
+    for (addr, c) in conns {
+        runs.push((addr, tokio::spawn(c.drive())));
     }
     let mut report = Report::default();
-    for r in runs {
+    let mut sessions = Vec::new();
+    for (addr, r) in runs {
         let r = r
             .await
             .map_err(|e| Error::Protocol(format!("session task: {e}")))??;
+        sessions.push(SessionReport {
+            portal: addr.to_string(),
+            ios: r.ios,
+            bytes: r.bytes,
+            elapsed: match (r.first_sent, r.last_done) {
+                (Some(a), Some(b)) => b.saturating_duration_since(a),
+                _ => Duration::ZERO,
+            },
+            lat_mean_us: r.latency.mean_us(),
+            lat_stddev_us: r.latency.stddev_us(),
+        });
         report.merge(r);
     }
+    report.sessions = sessions;
     report.elapsed = match (report.first_sent, report.last_done) {
         (Some(a), Some(b)) => b.saturating_duration_since(a),
         _ => Duration::ZERO,
@@ -329,6 +404,8 @@ fn stamps(lba: u64) -> ([u8; 8], [u8; 8]) {
 #[derive(Default)]
 struct Slot {
     busy: bool,
+    /// The command on the slot writes.
+    write: bool,
     lba: u64,
     start: Option<Instant>,
     /// Data-In bytes received so far.
@@ -374,6 +451,9 @@ struct Session {
     span: u64,
     next_seq: u64,
     rng: u64,
+    /// The read/write choice of mixed patterns, a stream of its own so the LBAs of a mix
+    /// are the ones the pure pattern would draw.
+    mix: u64,
     cmd_sn: CmdSn,
     exp_stat_sn: StatSn,
     max_cmd_sn: CmdSn,
@@ -392,6 +472,14 @@ struct Session {
     deadline: Instant,
     small: Vec<u8>,
     report: Report,
+}
+
+/// One step of xorshift64 (the state must not be 0); the caller scrambles the output.
+fn xorshift(mut x: u64) -> u64 {
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    x
 }
 
 fn failure(report: &mut Report, why: impl FnOnce() -> String) {
@@ -462,7 +550,7 @@ impl Session {
                 "the LUN ({blocks} blocks) is smaller than one I/O"
             )));
         }
-        let wbuf_len = if spec.pattern.write() {
+        let wbuf_len = if spec.pattern.writes() {
             spec.io_bytes as usize
         } else {
             0
@@ -484,6 +572,7 @@ impl Session {
             // Sequential streams of several sessions start spread over the LUN.
             next_seq: span / sessions * u64::from(index),
             rng: spec.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(index + 1) | 1,
+            mix: spec.seed.wrapping_mul(0xd6e8_feb8_6659_fd93) ^ u64::from(index + 1) | 1,
             cmd_sn: c.cmd_sn,
             exp_stat_sn: c.exp_stat_sn,
             max_cmd_sn: c.max_cmd_sn,
@@ -511,10 +600,7 @@ impl Session {
 
     fn next_lba(&mut self) -> u64 {
         let pos = if self.spec.pattern.random() {
-            // xorshift64*
-            self.rng ^= self.rng >> 12;
-            self.rng ^= self.rng << 25;
-            self.rng ^= self.rng >> 27;
+            self.rng = xorshift(self.rng);
             self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) % self.span
         } else {
             let p = self.next_seq % self.span;
@@ -539,11 +625,20 @@ impl Session {
         }
         let lba = self.next_lba();
         let io = self.spec.io_bytes;
-        let write = self.spec.pattern.write();
+        let write = match self.spec.pattern {
+            Pattern::RandRead | Pattern::SeqRead => false,
+            Pattern::RandWrite | Pattern::SeqWrite => true,
+            Pattern::RandRw | Pattern::SeqRw => {
+                self.mix = xorshift(self.mix);
+                (self.mix.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) % 100
+                    >= u64::from(self.spec.read_percent)
+            }
+        };
         let Some(s) = self.slots.get_mut(slot) else {
             return;
         };
         s.busy = true;
+        s.write = write;
         s.lba = lba;
         s.received = 0;
         if write && self.spec.verify {
@@ -628,6 +723,9 @@ impl Session {
             self.report.latency.record(now - t);
         }
         self.report.ios += 1;
+        if s.write {
+            self.report.writes += 1;
+        }
         match ok {
             Ok(()) => self.report.bytes += io,
             Err(e) => failure(&mut self.report, || e.to_string()),
@@ -731,15 +829,12 @@ impl Session {
                 let end = r
                     .buffer_offset
                     .saturating_add(r.desired_data_transfer_length);
-                if !self.spec.pattern.write() || r.desired_data_transfer_length == 0 || end > io {
+                let write = self.slots.get(slot).is_some_and(|s| s.write);
+                if !write || r.desired_data_transfer_length == 0 || end > io {
                     return Err(Error::Protocol(format!(
                         "R2T for bytes {}..{end} of a {io}-byte {}",
                         r.buffer_offset,
-                        if self.spec.pattern.write() {
-                            "write"
-                        } else {
-                            "read"
-                        }
+                        if write { "write" } else { "read" }
                     )));
                 }
                 push_data_out(
@@ -857,7 +952,7 @@ impl Session {
                         key(12),
                         key(13)
                     )))
-                } else if self.spec.pattern.write() {
+                } else if self.slots.get(slot).is_some_and(|s| s.write) {
                     Ok(())
                 } else {
                     self.read_outcome(slot, r.residual)
