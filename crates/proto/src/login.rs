@@ -949,7 +949,7 @@ TargetPortalGroupTag=7\0AuthMethod=CHAP,None\0";
         assert_eq!(r.sn.stat_sn, StatSn(8));
         assert_eq!(get(&d, "HeaderDigest"), Some("CRC32C"));
         assert_eq!(get(&d, "MaxBurstLength"), Some("1048576"));
-        assert_eq!(get(&d, "FirstBurstLength"), Some("65536"));
+        assert_eq!(get(&d, "FirstBurstLength"), Some("262144"));
         assert_eq!(get(&d, "MaxRecvDataSegmentLength"), Some("262144"));
         assert_eq!(get(&d, "TargetPortalGroupTag"), None);
 
