@@ -46,6 +46,9 @@
 #   --rate RATE      the emulated line rate (tc syntax, default 1gbit)
 #   --no-save        print only, do not append to bench/results/<date>-classic.txt
 #   --tsv FILE       also write every measured point as tab-separated values (for plots)
+#   --tcp-cc NAME    TCP congestion control of the targets' and the initiator's sockets
+#                    (net.ipv4.tcp_congestion_control of both namespaces, restored at exit),
+#                    e.g. cubic on a host whose default is bbr
 #
 # Builds nothing: uses target/release/ironsan (or $IRONSAN_BIN), `ironsan load` as the
 # client (pinned to CPU 1, targets to CPU 0). Needs root (namespaces, tc, tgtd), iproute2,
@@ -63,7 +66,7 @@ die() { printf 'classic: ERROR: %s\n' "$*" >&2; exit 1; }
 note() { printf 'classic: %s\n' "$*" >&2; }
 
 ALL_EXPERIMENTS="iometer ramdisk dd mpio sessions cache scaleout breakdown"
-EXPERIMENTS="" TARGETS="ironsan tgt istgt" QUICK=0 FULL=0 SAVE=1 RATE=1gbit TSV=""
+EXPERIMENTS="" TARGETS="ironsan tgt istgt" QUICK=0 FULL=0 SAVE=1 RATE=1gbit TSV="" TCP_CC=""
 while [[ $# -gt 0 ]]; do
     case $1 in
         --targets) TARGETS=${2:?}; TARGETS=${TARGETS//,/ }; shift 2 ;;
@@ -72,6 +75,7 @@ while [[ $# -gt 0 ]]; do
         --no-save) SAVE=0; shift ;;
         --rate) RATE=${2:?}; shift 2 ;;
         --tsv) TSV=${2:?}; shift 2 ;;
+        --tcp-cc) TCP_CC=${2:?}; shift 2 ;;
         -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         -*) die "unknown option: $1 (see --help)" ;;
         *) [[ " $ALL_EXPERIMENTS " == *" $1 "* ]] || die "unknown experiment: $1 (one of: $ALL_EXPERIMENTS)"
@@ -90,6 +94,11 @@ want_target istgt && { command -v istgt >/dev/null || die "istgt not found"; }
 BIN=${IRONSAN_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release/ironsan}
 [[ -x $BIN ]] || die "$BIN not found: run 'cargo build --release -p ironsan'"
 
+CC_SYSCTL=/proc/sys/net/ipv4/tcp_congestion_control
+CC_BEFORE=$(cat "$CC_SYSCTL")
+if [[ -n $TCP_CC ]]; then
+    echo "$TCP_CC" >"$CC_SYSCTL" 2>/dev/null || die "cannot set congestion control '$TCP_CC' (available: $(cat /proc/sys/net/ipv4/tcp_available_congestion_control))"
+fi
 # Run lengths: seconds per timed point, commands per dd.
 if ((QUICK)); then SECS=0.5 DD_COUNT=40 SESSION_SECS=1; else SECS=1 DD_COUNT=2000 SESSION_SECS=10; fi
 TARGET_CPU=0 CLIENT_CPU=1
@@ -108,6 +117,7 @@ cleanup() {
     local n
     for n in "${!PID[@]}"; do stop_target "$n"; done
     lines_down
+    [[ $(cat "$CC_SYSCTL") == "$CC_BEFORE" ]] || echo "$CC_BEFORE" >"$CC_SYSCTL" || true
     rm -rf "$WORK" "$SHM" "$DISK"
 }
 trap cleanup EXIT
@@ -137,6 +147,7 @@ lines_up() {
     lines_down
     ip netns add "$NS"
     ip -n "$NS" link set lo up
+    [[ -z $TCP_CC ]] || ip netns exec "$NS" sh -c "echo $TCP_CC >$CC_SYSCTL"
     for ((i = 1; i <= n; i++)); do
         ip link add "icl$i" type veth peer name "icr$i"
         ip link set "icr$i" netns "$NS"
