@@ -125,18 +125,6 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 say() { printf '%s\n' "$*" | tee -a "$OUT"; }
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("0.0.0.0", 0)); print(s.getsockname()[1]); s.close()'
-}
-listening() { ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
-cpu_ticks() {
-    local stat
-    stat=$(<"/proc/$1/stat") || die "process $1 is gone"
-    stat=${stat##*) }
-    # shellcheck disable=SC2086
-    set -- $stat
-    echo $((${12} + ${13}))
-}
 
 # --- emulated lines ------------------------------------------------------------------------
 # lines_up N: namespace $NS (the initiator's side) joined to this one (the targets') by N
@@ -176,7 +164,7 @@ on_line() { sed -E "s#^iscsi://[^/]+:([0-9]+)/#iscsi://10.77.$2.1:\1/#" <<<"$1";
 # address (loopback and the lines), pinned to CPU $TARGET_CPU.
 start_target() {
     local name=$1 kind=$2 lun=$3 port dir=$WORK/$1 pid url
-    port=$(free_port)
+    port=$(free_port 0.0.0.0)
     mkdir -p "$dir"
     local file=""
     case $lun in

@@ -57,7 +57,6 @@ stop() {
     rm -f "$dir/istgt.pid"
 }
 
-listening() { ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
 
 start() {
     [[ -n $port ]] || die "--port is required"

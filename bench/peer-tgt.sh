@@ -77,7 +77,6 @@ stop() {
     fi
 }
 
-listening() { ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
 
 start() {
     [[ -n $port ]] || die "--port is required"

@@ -94,6 +94,8 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+# shellcheck source=bench/common.sh
+. "$ROOT/bench/common.sh"
 
 die() { printf 'bench: ERROR: %s\n' "$*" >&2; exit 1; }
 note() { printf 'bench: %s\n' "$*" >&2; }
@@ -213,21 +215,6 @@ if [[ -n $TCP_CC ]]; then
     echo "$TCP_CC" >"$CC_SYSCTL" 2>/dev/null || die "cannot set congestion control '$TCP_CC' (available: $(cat /proc/sys/net/ipv4/tcp_available_congestion_control))"
 fi
 
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
-}
-listening() { ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
-
-# utime + stime (clock ticks) of the whole thread group; fields counted after
-# the ")" that ends the command name.
-cpu_ticks() {
-    local stat
-    stat=$(<"/proc/$1/stat") || die "process $1 is gone"
-    stat=${stat##*) }
-    # shellcheck disable=SC2086
-    set -- $stat
-    echo $((${12} + ${13}))
-}
 # Nanoseconds on CPU and context switches (wakeups), summed over all threads:
 # finer than the 10 ms ticks of /proc/PID/stat, for the idle measurement.
 sched_ns_switches() {
