@@ -94,11 +94,6 @@ want_target istgt && { command -v istgt >/dev/null || die "istgt not found"; }
 BIN=${IRONSAN_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release/ironsan}
 [[ -x $BIN ]] || die "$BIN not found: run 'cargo build --release -p ironsan'"
 
-CC_SYSCTL=/proc/sys/net/ipv4/tcp_congestion_control
-CC_BEFORE=$(cat "$CC_SYSCTL")
-if [[ -n $TCP_CC ]]; then
-    echo "$TCP_CC" >"$CC_SYSCTL" 2>/dev/null || die "cannot set congestion control '$TCP_CC' (available: $(cat /proc/sys/net/ipv4/tcp_available_congestion_control))"
-fi
 # Run lengths: seconds per timed point, commands per dd.
 if ((QUICK)); then SECS=0.5 DD_COUNT=40 SESSION_SECS=1; else SECS=1 DD_COUNT=2000 SESSION_SECS=10; fi
 TARGET_CPU=0 CLIENT_CPU=1
@@ -117,12 +112,14 @@ cleanup() {
     local n
     for n in "${!PID[@]}"; do stop_target "$n"; done
     lines_down
-    [[ $(cat "$CC_SYSCTL") == "$CC_BEFORE" ]] || echo "$CC_BEFORE" >"$CC_SYSCTL" || true
+    restore_tcp_cc
     rm -rf "$WORK" "$SHM" "$DISK"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+# After the trap, so the host's setting comes back however the run ends.
+[[ -z $TCP_CC ]] || set_tcp_cc "$TCP_CC"
 
 say() { printf '%s\n' "$*" | tee -a "$OUT"; }
 

@@ -28,3 +28,14 @@ cpu_ticks() {
     set -- $stat
     echo $((${12} + ${13}))
 }
+
+# The host's TCP congestion control: set_tcp_cc NAME changes it (remembering what it was,
+# in CC_BEFORE), restore_tcp_cc puts that back (call it from the EXIT trap).
+CC_SYSCTL=/proc/sys/net/ipv4/tcp_congestion_control
+CC_BEFORE=$(cat "$CC_SYSCTL")
+set_tcp_cc() {
+    echo "$1" >"$CC_SYSCTL" 2>/dev/null || die "cannot set congestion control '$1' (available: $(cat /proc/sys/net/ipv4/tcp_available_congestion_control))"
+}
+restore_tcp_cc() {
+    [[ $(cat "$CC_SYSCTL") == "$CC_BEFORE" ]] || echo "$CC_BEFORE" >"$CC_SYSCTL" || true
+}

@@ -197,12 +197,10 @@ release_sessions() {
     HOLD_PID=""
 }
 
-CC_SYSCTL=/proc/sys/net/ipv4/tcp_congestion_control
-CC_BEFORE=$(cat "$CC_SYSCTL")
 cleanup() {
     release_sessions
     stop_all
-    [[ $(cat "$CC_SYSCTL") == "$CC_BEFORE" ]] || echo "$CC_BEFORE" >"$CC_SYSCTL" || true
+    restore_tcp_cc
     rm -rf "$WORK"
     [[ -z $SHM ]] || rm -rf "$SHM"
     [[ -z $DISK ]] || rm -rf "$DISK"
@@ -211,9 +209,7 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-if [[ -n $TCP_CC ]]; then
-    echo "$TCP_CC" >"$CC_SYSCTL" 2>/dev/null || die "cannot set congestion control '$TCP_CC' (available: $(cat /proc/sys/net/ipv4/tcp_available_congestion_control))"
-fi
+[[ -z $TCP_CC ]] || set_tcp_cc "$TCP_CC"
 
 # Nanoseconds on CPU and context switches (wakeups), summed over all threads:
 # finer than the 10 ms ticks of /proc/PID/stat, for the idle measurement.
