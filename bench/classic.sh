@@ -26,7 +26,9 @@
 #                connections: 4 sessions sharing one Gigabit line, sequential writes then
 #                reads; per session: MiB/s, command turnaround mean and deviation; Jain's
 #                fairness index over the sessions; the senders' congestion windows sampled
-#                every 0.5 s and their TCP retransmissions (ss -ti). ironsan negotiates
+#                every 0.5 s, their TCP retransmissions and the share of their busy time
+#                spent limited by the receiver's window or their send buffer (ss -ti,
+#                tcp_info's rwnd_limited / sndbuf_limited). ironsan negotiates
 #                MaxConnections=1 (and no initiator here does MC/S): see docs/PERFORMANCE.md.
 #     cache      target-side cache: a 4 KiB random 70/30 read/write mix at QD8 over a
 #                256 MiB file on a disk file system, FILEIO (page cache, warmed first) against
@@ -456,7 +458,9 @@ if rates and sum(r * r for r in rates) > 0:
     jain = sum(rates) ** 2 / (len(rates) * sum(r * r for r in rates))
     print(f"  Jain's fairness index {jain:.3f} (1 = equal shares); min/max {min(rates) / max(rates):.2f}")
 # ss lines: local and peer address, then the info line; one block per sample.
-traces, retrans = {}, {}
+# rwnd_limited / sndbuf_limited: the share of the sender's busy time spent waiting for the
+# receiver's window or for its own send buffer (tcp_info, cumulative: the last sample counts).
+traces, retrans, limits = {}, {}, {}
 for line in open(sys.argv[2]):
     f = line.split()
     if len(f) < 5:
@@ -466,8 +470,14 @@ for line in open(sys.argv[2]):
     traces.setdefault(conn, []).append(m.group(1) if m else "-")
     m = re.search(r"\bretrans:\d+/(\d+)", line)
     retrans[conn] = int(m.group(1)) if m else 0
+    lim = []
+    for key, name in (("rwnd_limited", "rwnd"), ("sndbuf_limited", "sndbuf")):
+        m = re.search(r"\b" + key + r":\d+ms\(([\d.]+)%\)", line)
+        if m:
+            lim.append(f"{name}-limited {float(m.group(1)):.0f} %")
+    limits[conn] = ", ".join(lim) if lim else "not window- or buffer-limited"
 for conn, t in sorted(traces.items()):
-    print(f"  cwnd {conn}: {' '.join(t[:24])}{' ...' if len(t) > 24 else ''}; retransmitted {retrans.get(conn, 0)}")
+    print(f"  cwnd {conn}: {' '.join(t[:24])}{' ...' if len(t) > 24 else ''}; retransmitted {retrans.get(conn, 0)}; {limits.get(conn, '')}")
 EOF
             tsv sessions "$t" "$rw" "$(j mib_per_s)" "$(j lat_mean_us)" "$(j lat_stddev_us)"
         done
