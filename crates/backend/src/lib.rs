@@ -19,8 +19,11 @@
 //!   layer reports that honestly (e.g. in the caching mode page) rather than pretending.
 //!
 //! # Blocking
-//! Methods are `async`: in-memory backends complete inline, file backends hand the syscall to a
-//! small pool of I/O threads ([`pool::IoPool`]) so the network side never blocks.
+//! Methods are `async`: in-memory backends complete inline; file backends do what cannot block
+//! inline (page-cache hits via `RWF_NOWAIT`, tmpfs files) and hand the rest to io_uring
+//! (`uring.rs`, on the caller's tokio runtime) or, with `io_engine = threads` or without
+//! io_uring, to a small pool of I/O threads ([`pool::IoPool`]), so the network side never
+//! blocks.
 //!
 //! # Cancellation and [`Keep`]
 //! Dropping an operation's future (an aborted task) may or may not stop it: a file backend's
