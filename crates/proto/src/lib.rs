@@ -10,16 +10,24 @@
 //! * [`text`] — text key=value segments (RFC 7143 §6).
 //! * [`negotiate`] — table-driven operational key negotiation (RFC 7143 §13).
 //! * [`login`] — the target's login state machine (RFC 7143 §6.3, §11.12).
-//! * [`window`] — the session's CmdSN window, aware of several connections.
-//! * [`task`] — per-command data transfer arithmetic: R2T / Data-Out reassembly, Data-In
-//!   segmentation with status phase-collapse.
+//! * [`window`] — the session's CmdSN sequencer, holding commands that arrive ahead of a gap.
+//! * [`session`] — the session-wide half of the full-feature phase: task table and connection
+//!   allegiance, the connections of a session (several: MC/S), task management and logout rules.
+//! * [`connection`] — the per-connection half: Data-Out reassembly, R2Ts, Text continuations,
+//!   NOP-Out answers, the StatSN counter.
+//! * [`keepalive`] — target NOP-In pings on virtual time.
+//! * [`task`] — per-command data transfer arithmetic: R2T / Data-Out tracking, Data-In
+//!   segmentation with status phase-collapse, the response PDUs of a command.
 
 pub mod chap;
+pub mod connection;
 pub mod digest;
+pub mod keepalive;
 pub mod login;
 pub mod negotiate;
 pub mod pdu;
 pub mod serial;
+pub mod session;
 pub mod task;
 pub mod text;
 pub mod window;

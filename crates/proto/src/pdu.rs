@@ -682,7 +682,69 @@ impl Bhs {
     }
 }
 
+/// How a target PDU uses its connection's StatSN (RFC 7143 §4.2.2.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SnMode {
+    /// Carries a status (SCSI Response, a Data-In with S=1, every other response): takes the
+    /// next StatSN.
+    Status,
+    /// Carries the current StatSN without advancing it (R2T, Data-In without status, a
+    /// target-initiated NOP-In).
+    Current,
+}
+
+/// A connection's StatSN counter (RFC 7143 §4.2.2.2: StatSN is per connection). Every target
+/// PDU is stamped with it as it is written, so numbers leave in write order, together with the
+/// session's ExpCmdSN and MaxCmdSN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatSnCounter(pub StatSn);
+
+impl StatSnCounter {
+    /// Stamp `h` (a target PDU) and advance for a status.
+    pub fn stamp(&mut self, h: &mut Header, mode: SnMode, window: Option<(CmdSn, CmdSn)>) {
+        if let Some(sn) = h.target_sn_mut() {
+            sn.stat_sn = self.0;
+            if let Some((exp, max)) = window {
+                sn.exp_cmd_sn = exp;
+                sn.max_cmd_sn = max;
+            }
+        }
+        if mode == SnMode::Status {
+            self.0 = self.0.next();
+        }
+    }
+}
+
+impl Reject {
+    /// A Reject of the PDU whose header is `bhs` (RFC 7143 §11.17: the data segment is the
+    /// rejected header).
+    pub fn of(reason: RejectReason, bhs: &Bhs) -> (Header, Bytes) {
+        let h = Header::Reject(Reject {
+            reason,
+            ..Default::default()
+        });
+        (h, Bytes::copy_from_slice(&bhs.0))
+    }
+}
+
 impl Header {
+    /// Where a target PDU keeps its StatSN, ExpCmdSN and MaxCmdSN.
+    pub fn target_sn_mut(&mut self) -> Option<&mut TargetSn> {
+        match self {
+            Header::NopIn(p) => Some(&mut p.sn),
+            Header::ScsiResponse(p) => Some(&mut p.sn),
+            Header::TaskMgmtResponse(p) => Some(&mut p.sn),
+            Header::LoginResponse(p) => Some(&mut p.sn),
+            Header::TextResponse(p) => Some(&mut p.sn),
+            Header::DataIn(p) => Some(&mut p.sn),
+            Header::LogoutResponse(p) => Some(&mut p.sn),
+            Header::R2t(p) => Some(&mut p.sn),
+            Header::AsyncMessage(p) => Some(&mut p.sn),
+            Header::Reject(p) => Some(&mut p.sn),
+            _ => None,
+        }
+    }
+
     /// Decode a BHS. Never fails: unknown opcodes become [`Header::Unknown`].
     pub fn decode(b: &Bhs) -> Header {
         let imm = b.immediate();

@@ -3,12 +3,17 @@
 //! * [`data_in_segments`] splits read data into Data-In PDUs: each at most the initiator's
 //!   MaxRecvDataSegmentLength, sequences (F bit) at most MaxBurstLength, DataSN counting from 0,
 //!   and the status collapsed into the last PDU (§11.7.3) when the command has no sense data.
+//! * [`response_pdus`] turns a command's outcome into its response PDUs: Data-In segments
+//!   with the status collapsed into the last (§11.7.3) when there is no sense data, otherwise a
+//!   SCSI Response, with residuals against the Expected Data Transfer Length (§11.4.5).
 //! * [`WriteTransfer`] tracks a write's Data-Out: immediate data, unsolicited data up to
 //!   FirstBurstLength (when InitialR2T=No), and R2Ts for the rest (at most MaxOutstandingR2T at
 //!   a time, each at most MaxBurstLength), validating every Data-Out header before its payload
 //!   is read so the payload can go straight to its place in the command's buffer.
 
-use crate::pdu::{DataOut, Ttt};
+use crate::pdu::{
+    DataIn, DataOut, Header, Residual, ScsiCommand, ScsiResponse, ServiceResponse, Ttt,
+};
 use crate::serial::DataSn;
 
 /// One Data-In PDU of a read: its place in the data and its flags.
@@ -57,6 +62,87 @@ pub fn data_in_segments(
         sn += 1;
         Some(s)
     })
+}
+
+/// One PDU of a command's response ([`response_pdus`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResponsePdu {
+    pub header: Header,
+    /// Bytes of read data it carries: the next `data_len` bytes of what the command read
+    /// (0 for a SCSI Response, whose data segment is the sense data, if any).
+    pub data_len: u32,
+    /// It carries the command's status, so it takes the next StatSN.
+    pub status: bool,
+}
+
+/// The PDUs that answer a command (RFC 7143 §11.4, §11.7): `status` and whether there is sense
+/// data, `produced` bytes of read data (at most EDTL of them are sent), `write_needed` the
+/// bytes a write's CDB asked for (its residual), `exp_data_sn` the R2T count of a write (a
+/// SCSI Response's ExpDataSN), and the initiator's `max_xmit` / the session's `max_burst` for
+/// Data-In segmentation. Returns how many bytes of the read data are sent, and the PDUs.
+pub fn response_pdus(
+    cmd: &ScsiCommand,
+    status: u8,
+    sense: bool,
+    produced: u32,
+    write_needed: Option<u32>,
+    exp_data_sn: DataSn,
+    max_xmit: u32,
+    max_burst: u32,
+) -> (u32, impl Iterator<Item = ResponsePdu>) {
+    let edtl = cmd.expected_data_transfer_length;
+    let (send, residual) = if cmd.read {
+        (produced.min(edtl), Residual::of(edtl, produced))
+    } else if let Some(needed) = write_needed {
+        (0, Residual::of(edtl, needed))
+    } else {
+        // No data direction, or data the initiator did not ask for: send none (the R bit was
+        // off), and report what would have come as overflow.
+        let r = if produced > 0 || edtl > 0 {
+            Residual::of(edtl, produced)
+        } else {
+            Residual::None
+        };
+        (0, r)
+    };
+    let collapse = !sense && send > 0;
+    let (lun, itt) = (cmd.lun, cmd.itt);
+    let data_ins = data_in_segments(send, max_xmit, max_burst).map(move |s| {
+        let last = s.last && collapse;
+        ResponsePdu {
+            header: Header::DataIn(DataIn {
+                final_bit: s.final_bit,
+                status: last.then_some(status),
+                lun,
+                itt,
+                ttt: Ttt::RESERVED,
+                data_sn: s.data_sn,
+                buffer_offset: s.offset,
+                residual: if last { residual } else { Residual::None },
+                ..Default::default()
+            }),
+            data_len: s.len,
+            status: last,
+        }
+    });
+    let scsi_response = (!collapse).then(|| ResponsePdu {
+        header: Header::ScsiResponse(ScsiResponse {
+            response: ServiceResponse::COMMAND_COMPLETED,
+            status,
+            itt,
+            // After Data-In, ExpDataSN is the number of Data-In PDUs sent.
+            exp_data_sn: if send > 0 {
+                DataSn(data_in_segments(send, max_xmit, max_burst).count() as u32)
+            } else {
+                exp_data_sn
+            },
+            residual,
+            ..Default::default()
+        }),
+        data_len: 0,
+        status: true,
+    });
+    (send, data_ins.chain(scsi_response))
 }
 
 /// Negotiated parameters that govern a write's data transfer.
@@ -162,6 +248,11 @@ impl WriteTransfer {
             next_r2t_sn: DataSn(0),
             outstanding: Vec::new(),
         })
+    }
+
+    /// The Expected Data Transfer Length.
+    pub fn edtl(&self) -> u32 {
+        self.edtl
     }
 
     /// All bytes of the expected transfer have arrived.

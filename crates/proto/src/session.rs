@@ -1,0 +1,642 @@
+//! The session-wide half of the full-feature phase (RFC 7143 §3.2.2, §4.2.2, §6.3.4, §11.5,
+//! §11.14), with no I/O: the CmdSN sequencer, the task table with each task's connection
+//! allegiance, the connections of the session, and the rules of task management and logout.
+//!
+//! [`Session`] is driven by calls that say what arrived (a command, another PDU with a CmdSN,
+//! a task management request, a logout, a login adding a connection, a connection gone) and
+//! answer what to do; what a call makes due on a connection (a held command released, a task
+//! dropped) waits in that connection's queue and is read with [`Session::poll_event`]. The
+//! per-connection half (Data-Out reassembly, R2Ts, Text continuations) is
+//! [`crate::connection::Connection`].
+//!
+//! ```text
+//!  command on C ──admit_command──▶ ignore (outside the window) / Reject
+//!                     │ in order                  │ ahead of a gap
+//!                     ▼                           ▼
+//!                 Delivered ◀──── released ─── Held ──(abort, C gone)──▶ CmdSN consumed
+//!                     │  the task's PDUs stay on C (allegiance)
+//!                     ▼
+//!           removed: completed, aborted (TMF), or terminated (C gone, session ended)
+//! ```
+//!
+//! Generic over `T`, what the caller keeps per task (how to abort it), `C`, what it keeps per
+//! connection (how to close or wake it), and the hasher `S` of the task table. A caller that
+//! shares a session between threads puts it behind one lock; every call is short and none
+//! waits for anything.
+
+use crate::login::LoginStatus;
+use crate::pdu::{
+    Cid, Itt, LogoutReason, LogoutRequest, LogoutResponseCode, RejectReason, ScsiCommand,
+    TaskMgmtRequest, TmfFunction, TmfResponseCode,
+};
+use crate::serial::CmdSn;
+use crate::window::{CmdWindow, Ignored};
+use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
+
+/// One connection of a session, unique for the session's life (a reinstated connection keeps
+/// its CID but gets a new `ConnId`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u64);
+
+/// Where a task is in the session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaskState {
+    /// Arrived ahead of a CmdSN gap; not yet delivered to SCSI.
+    Held,
+    /// Delivered in CmdSN order (it may still wait for Data-Out on its connection).
+    Delivered,
+}
+
+/// A SCSI task of the session.
+#[derive(Debug)]
+pub struct Task<T> {
+    /// The connection it is allegiant to (RFC 7143 §3.2.2.? connection allegiance: every PDU
+    /// of the task travels on it).
+    pub conn: ConnId,
+    /// The LUN number (`u64::MAX` for an address the target does not decode).
+    pub lun: u64,
+    pub cmd_sn: CmdSn,
+    pub state: TaskState,
+    pub payload: T,
+}
+
+/// What a connection must act on, read with [`Session::poll_event`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The held task with this ITT is delivered now: run it (or ask for its data).
+    Deliver(Itt),
+    /// The held non-task PDU with this CmdSN (a NOP-Out, Text, Logout or task management
+    /// request) is due now.
+    DeliverPdu(CmdSn),
+    /// The task was aborted by the initiator's own request through another connection, or
+    /// before it was delivered: drop whatever the connection keeps for it (its buffer, its
+    /// outstanding R2Ts); no response is sent for it.
+    Drop(Itt),
+}
+
+/// What the window holds for a command ahead of a gap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    conn: ConnId,
+    what: HeldKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HeldKind {
+    Task(Itt),
+    Pdu(CmdSn),
+}
+
+/// The answer to a SCSI Command PDU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Deliver it now (in CmdSN order).
+    Deliver,
+    /// It waits for a CmdSN gap to fill; its connection gets [`Event::Deliver`] then.
+    Held,
+    /// Silently ignore it (RFC 7143 §4.2.2.1): outside the command window or a duplicate.
+    Ignore(Ignored),
+    /// Reject the PDU with this reason (RFC 7143 §11.17.1); its CmdSN is consumed when it is
+    /// inside the window, so the window does not stall.
+    Reject(RejectReason),
+    /// The session has ended: the command must never run (it is not answered).
+    Ended,
+}
+
+/// The answer to a non-task PDU that carries a CmdSN (NOP-Out, Text, Logout, task
+/// management).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PduAdmission {
+    /// Act on it now.
+    Now,
+    /// Keep it: its connection gets [`Event::DeliverPdu`] with its CmdSN when the gap before it
+    /// fills.
+    Held,
+    /// Silently ignore it.
+    Ignore,
+}
+
+/// A connection of the session as the caller registered it.
+#[derive(Debug)]
+pub struct ConnSlot<C> {
+    pub id: ConnId,
+    pub cid: Cid,
+    pub payload: C,
+    events: VecDeque<Event>,
+    /// Events were queued for it by another connection's call ([`Session::take_wakeups`]).
+    wake: bool,
+}
+
+/// A task the session removed without completing it: the caller aborts it (no response).
+pub type Terminated<T> = Vec<(Itt, Task<T>)>;
+
+/// The outcome of [`Session::join`].
+#[derive(Debug)]
+pub struct Joined<T, C> {
+    pub id: ConnId,
+    /// Connection reinstatement (RFC 7143 §6.3.4): the connection that had the CID before. It
+    /// must be closed, and its reader stopped, before the new one is answered; its tasks are
+    /// terminated (ErrorRecoveryLevel below 2: no task reassignment).
+    pub replaced: Option<(ConnSlot<C>, Terminated<T>)>,
+}
+
+/// The outcome of [`Session::leave`].
+#[derive(Debug)]
+pub struct Left<T, C> {
+    /// The connection's own tasks, terminated.
+    pub terminated: Terminated<T>,
+    /// The session ended: it was the last connection, or it failed at ErrorRecoveryLevel 0
+    /// (session recovery, RFC 7143 §7.1.5): these are the other connections, to close.
+    pub session_ended: Option<Vec<ConnSlot<C>>>,
+}
+
+/// The reach of a task management function beyond this session's own tasks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TmfScope {
+    /// Nothing beyond the aborted tasks returned.
+    Session,
+    /// CLEAR TASK SET, LOGICAL UNIT RESET: every session's tasks on this LU (SAM-5 §7).
+    Lun(u64),
+    /// TARGET WARM / COLD RESET: every task of the target; cold also ends the other sessions.
+    Target { cold: bool },
+}
+
+/// The outcome of [`Session::task_management`].
+#[derive(Debug)]
+pub struct TmfOutcome<T> {
+    pub response: TmfResponseCode,
+    /// This session's tasks, removed: abort them (no response for them).
+    pub aborted: Terminated<T>,
+    /// What the caller still does beyond this session (only with `response` COMPLETE).
+    pub scope: TmfScope,
+}
+
+/// What a Logout Request does (RFC 7143 §11.14).
+#[derive(Debug)]
+pub enum LogoutPlan<T, C> {
+    /// Reason 0: answer once this connection's running commands have completed, then close
+    /// every connection; the session ends.
+    CloseSession,
+    /// Reason 1 naming the requesting connection: answer once its commands have completed,
+    /// then close it.
+    CloseConnection,
+    /// Reason 1 naming another connection of the session: it is closed now (its reader must
+    /// stop) and its tasks terminated; answer CLOSED.
+    CloseOther {
+        slot: ConnSlot<C>,
+        terminated: Terminated<T>,
+    },
+    /// Answer with this code and close nothing.
+    Respond(LogoutResponseCode),
+}
+
+/// The session-wide state of the full-feature phase. See the module docs.
+#[derive(Debug)]
+pub struct Session<T, C, S = std::hash::RandomState> {
+    window: CmdWindow<Held>,
+    tasks: HashMap<Itt, Task<T>, S>,
+    conns: Vec<ConnSlot<C>>,
+    next_conn: u64,
+    max_connections: u16,
+    error_recovery_level: u8,
+    ended: bool,
+}
+
+impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
+    /// A session whose leading login carried `exp_cmd_sn`, allowing `depth` commands in the
+    /// target at once and `max_connections` connections (as negotiated).
+    pub fn new(exp_cmd_sn: CmdSn, depth: u32, max_connections: u16, error_recovery_level: u8) -> Self {
+        Session {
+            window: CmdWindow::new(exp_cmd_sn, depth),
+            tasks: HashMap::default(),
+            conns: Vec::new(),
+            next_conn: 1,
+            max_connections: max_connections.max(1),
+            error_recovery_level,
+            ended: false,
+        }
+    }
+
+    /// (ExpCmdSN, MaxCmdSN), the same on every connection (RFC 7143 §4.2.2.1).
+    pub fn window_sn(&self) -> (CmdSn, CmdSn) {
+        (self.window.exp_cmd_sn(), self.window.max_cmd_sn())
+    }
+
+    /// Commands delivered and not yet completed.
+    pub fn in_flight(&self) -> u32 {
+        self.window.in_flight()
+    }
+
+    /// CmdSNs held ahead of a gap.
+    pub fn held(&self) -> usize {
+        self.window.held()
+    }
+
+    pub fn is_ended(&self) -> bool {
+        self.ended
+    }
+
+    pub fn conns(&self) -> &[ConnSlot<C>] {
+        &self.conns
+    }
+
+    pub fn conn(&self, id: ConnId) -> Option<&ConnSlot<C>> {
+        self.conns.iter().find(|c| c.id == id)
+    }
+
+    pub fn tasks(&self) -> impl Iterator<Item = (&Itt, &Task<T>)> {
+        self.tasks.iter()
+    }
+
+    pub fn task(&self, itt: Itt) -> Option<&Task<T>> {
+        self.tasks.get(&itt)
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Connections
+    // ------------------------------------------------------------------------------------
+
+    /// Add a logged-in connection with `cid` (RFC 7143 §6.3: a login with the session's ISID
+    /// and TSIH). An existing CID is a connection reinstatement (§6.3.4). Refused with
+    /// SESSION DOES NOT EXIST (0x020A) once the session has ended, and TOO MANY CONNECTIONS
+    /// (0x0206) beyond MaxConnections.
+    pub fn join(&mut self, cid: Cid, payload: C) -> Result<Joined<T, C>, LoginStatus> {
+        if self.ended {
+            return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
+        }
+        let old = self.conns.iter().position(|c| c.cid == cid);
+        if old.is_none() && self.conns.len() >= usize::from(self.max_connections) {
+            return Err(LoginStatus::TOO_MANY_CONNECTIONS);
+        }
+        let replaced = old.map(|i| {
+            let slot = self.conns.swap_remove(i);
+            let terminated = self.terminate_conn(slot.id);
+            (slot, terminated)
+        });
+        let id = ConnId(self.next_conn);
+        self.next_conn += 1;
+        self.conns.push(ConnSlot {
+            id,
+            cid,
+            payload,
+            events: VecDeque::new(),
+            wake: false,
+        });
+        Ok(Joined { id, replaced })
+    }
+
+    /// The connection `id` is gone; `failed` when it ended without a logout (a reset, a
+    /// protocol or digest error, a ping unanswered). Its tasks are terminated. The session
+    /// ends with its last connection, and at ErrorRecoveryLevel 0 with any failed one: the
+    /// initiator recovers the session as a whole (RFC 7143 §7.1.5, session recovery).
+    pub fn leave(&mut self, id: ConnId, failed: bool) -> Left<T, C> {
+        let was_member = match self.conns.iter().position(|c| c.id == id) {
+            Some(i) => {
+                self.conns.swap_remove(i);
+                true
+            }
+            None => false,
+        };
+        let terminated = self.terminate_conn(id);
+        let end = !self.ended
+            && (self.conns.is_empty() || (was_member && failed && self.error_recovery_level == 0));
+        let session_ended = end.then(|| {
+            let others = std::mem::take(&mut self.conns);
+            (others, self.end())
+        });
+        match session_ended {
+            Some((others, mut rest)) => {
+                let mut terminated = terminated;
+                terminated.append(&mut rest);
+                Left {
+                    terminated,
+                    session_ended: Some(others),
+                }
+            }
+            None => Left {
+                terminated,
+                session_ended: None,
+            },
+        }
+    }
+
+    /// End the session (reinstated, reset away, or its connections gone): every task is
+    /// removed and returned, and nothing is admitted or joined from now on.
+    pub fn end(&mut self) -> Terminated<T> {
+        self.ended = true;
+        self.window.clear_held();
+        for c in &mut self.conns {
+            c.events.clear();
+        }
+        self.tasks.drain().collect()
+    }
+
+    /// Remove every task allegiant to `conn` (held ones leave their CmdSN consumed).
+    fn terminate_conn(&mut self, conn: ConnId) -> Terminated<T> {
+        self.window.drop_held_where(|h| h.conn == conn);
+        self.remove_tasks_where(|_, t| t.conn == conn)
+    }
+
+    fn remove_tasks_where(&mut self, mut pred: impl FnMut(&Itt, &Task<T>) -> bool) -> Terminated<T> {
+        let victims: Vec<Itt> = self
+            .tasks
+            .iter()
+            .filter(|(i, t)| pred(i, t))
+            .map(|(i, _)| *i)
+            .collect();
+        victims
+            .into_iter()
+            .filter_map(|i| self.tasks.remove(&i).map(|t| (i, t)))
+            .collect()
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Commands
+    // ------------------------------------------------------------------------------------
+
+    /// A SCSI Command PDU arrived on connection `conn` for LUN `lun`. The ITT must be unique
+    /// among the session's tasks on every connection (RFC 7143 §11.2.1.8); the reserved ITT is
+    /// refused. `payload` makes what the caller keeps for the task, called only when the task
+    /// is entered (delivered or held).
+    pub fn admit_command(
+        &mut self,
+        conn: ConnId,
+        cmd: &ScsiCommand,
+        lun: u64,
+        payload: impl FnOnce() -> T,
+    ) -> Admission {
+        if self.ended {
+            return Admission::Ended;
+        }
+        if cmd.itt == Itt::RESERVED {
+            let _ = self.consume(cmd.cmd_sn, cmd.immediate);
+            return Admission::Reject(RejectReason::INVALID_PDU_FIELD);
+        }
+        if self.tasks.contains_key(&cmd.itt) {
+            let _ = self.consume(cmd.cmd_sn, cmd.immediate);
+            return Admission::Reject(RejectReason::TASK_IN_PROGRESS);
+        }
+        let held = Held {
+            conn,
+            what: HeldKind::Task(cmd.itt),
+        };
+        let state = match self.window.admit(cmd.cmd_sn, cmd.immediate, held) {
+            Err(e) => return Admission::Ignore(e),
+            Ok(Some(_)) => TaskState::Delivered,
+            Ok(None) => TaskState::Held,
+        };
+        self.tasks.insert(
+            cmd.itt,
+            Task {
+                conn,
+                lun,
+                cmd_sn: cmd.cmd_sn,
+                state,
+                payload: payload(),
+            },
+        );
+        match state {
+            TaskState::Delivered => {
+                self.release();
+                Admission::Deliver
+            }
+            TaskState::Held => Admission::Held,
+        }
+    }
+
+    /// A NOP-Out (with a task tag), Text, Logout or task management request with `cmd_sn`
+    /// arrived on `conn`. Non-immediate ones take their place in CmdSN order like commands
+    /// (RFC 7143 §3.2.2.1) but are never in flight.
+    pub fn admit_pdu(&mut self, conn: ConnId, cmd_sn: CmdSn, immediate: bool) -> PduAdmission {
+        if self.ended {
+            return PduAdmission::Ignore;
+        }
+        if immediate {
+            return PduAdmission::Now;
+        }
+        let held = Held {
+            conn,
+            what: HeldKind::Pdu(cmd_sn),
+        };
+        match self.window.admit(cmd_sn, false, held) {
+            Err(_) => PduAdmission::Ignore,
+            Ok(Some(_)) => {
+                // It takes no slot: it is answered at once.
+                self.window.complete();
+                self.release();
+                PduAdmission::Now
+            }
+            Ok(None) => PduAdmission::Held,
+        }
+    }
+
+    /// Consume a CmdSN without a command (a rejected command; RFC 7143 §11.5.1's "consider
+    /// the CmdSN received").
+    fn consume(&mut self, cmd_sn: CmdSn, immediate: bool) -> Result<(), Ignored> {
+        self.window.consume(cmd_sn, immediate)?;
+        self.release();
+        Ok(())
+    }
+
+    /// Move what the window released to its connections' queues.
+    fn release(&mut self) {
+        while let Some(h) = self.window.pop_released() {
+            let event = match h.what {
+                HeldKind::Task(itt) => match self.tasks.get_mut(&itt) {
+                    Some(t) if t.state == TaskState::Held => {
+                        t.state = TaskState::Delivered;
+                        Event::Deliver(itt)
+                    }
+                    // Dropped while held: nothing to deliver, and not in flight.
+                    _ => {
+                        self.window.complete();
+                        continue;
+                    }
+                },
+                HeldKind::Pdu(sn) => {
+                    self.window.complete();
+                    Event::DeliverPdu(sn)
+                }
+            };
+            self.push_event(h.conn, event);
+        }
+    }
+
+    fn push_event(&mut self, conn: ConnId, event: Event) {
+        if let Some(c) = self.conns.iter_mut().find(|c| c.id == conn) {
+            c.events.push_back(event);
+            c.wake = true;
+        }
+    }
+
+    /// The next thing due on connection `conn`, in the order it became due.
+    pub fn poll_event(&mut self, conn: ConnId) -> Option<Event> {
+        let c = self.conns.iter_mut().find(|c| c.id == conn)?;
+        let e = c.events.pop_front();
+        if c.events.is_empty() {
+            c.wake = false;
+        }
+        e
+    }
+
+    /// Connections that got events since they last polled, except `except` (the caller,
+    /// which polls its own queue anyway): wake them. Each is reported once.
+    pub fn take_wakeups(&mut self, except: ConnId, mut wake: impl FnMut(&C)) {
+        for c in &mut self.conns {
+            if c.wake && c.id != except {
+                c.wake = false;
+                wake(&c.payload);
+            } else if c.id == except {
+                c.wake = false;
+            }
+        }
+    }
+
+    /// The delivered task `itt`'s payload, to update when it starts running; `None` when it
+    /// was removed (aborted, terminated) or the session ended, and then it must not run.
+    pub fn claim(&mut self, itt: Itt) -> Option<&mut T> {
+        if self.ended {
+            return None;
+        }
+        match self.tasks.get_mut(&itt) {
+            Some(t) if t.state == TaskState::Delivered => Some(&mut t.payload),
+            _ => None,
+        }
+    }
+
+    /// Remove a task that completed (or failed before it ran). Whoever removes the task owns
+    /// its completion: `None` means a task management function or the session's end took it,
+    /// and no response is sent.
+    pub fn remove(&mut self, itt: Itt) -> Option<Task<T>> {
+        self.tasks.remove(&itt)
+    }
+
+    /// A delivered command's response is queued: its window slot opens again.
+    pub fn complete(&mut self) {
+        self.window.complete();
+    }
+
+    /// Remove the tasks that match `pred`: held ones leave their CmdSN consumed, and the
+    /// connection of each gets [`Event::Drop`] when `tell` (the initiator of this session asked
+    /// for the abort, so it expects no more of the task; an abort by another initiator is not
+    /// known to this one, which may still send the task's data).
+    pub fn abort_where(
+        &mut self,
+        tell: bool,
+        mut pred: impl FnMut(&Itt, &Task<T>) -> bool,
+    ) -> Terminated<T> {
+        let out = self.remove_tasks_where(&mut pred);
+        self.after_abort(&out, tell);
+        out
+    }
+
+    fn after_abort(&mut self, aborted: &Terminated<T>, tell: bool) {
+        let held: Vec<Itt> = aborted
+            .iter()
+            .filter(|(_, t)| t.state == TaskState::Held)
+            .map(|(i, _)| *i)
+            .collect();
+        if !held.is_empty() {
+            self.window
+                .drop_held_where(|h| matches!(h.what, HeldKind::Task(i) if held.contains(&i)));
+        }
+        for (itt, t) in aborted {
+            // A held task was never delivered: its connection must forget it in any case.
+            if tell || t.state == TaskState::Held {
+                self.push_event(t.conn, Event::Drop(*itt));
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Task management and logout
+    // ------------------------------------------------------------------------------------
+
+    /// A task management request from this session (RFC 7143 §11.5.1), after its CmdSN was
+    /// admitted. `lun_exists`: the request's LUN names a logical unit of the target.
+    pub fn task_management(&mut self, req: &TaskMgmtRequest, lun_exists: bool) -> TmfOutcome<T> {
+        let lun = req.lun.number();
+        let done = |response, aborted| TmfOutcome {
+            response,
+            aborted,
+            scope: TmfScope::Session,
+        };
+        match req.function {
+            TmfFunction::ABORT_TASK => {
+                let rtt = req.referenced_task_tag;
+                if rtt != Itt::RESERVED && self.tasks.contains_key(&rtt) {
+                    let aborted = self.abort_where(true, |i, _| *i == rtt);
+                    return done(TmfResponseCode::COMPLETE, aborted);
+                }
+                // §11.5.1: a referenced command that was never received, whose CmdSN is in the
+                // window and before this request's, is considered received (it must not run if
+                // it comes later) and counts as aborted. One already completed (below
+                // ExpCmdSN) does not exist.
+                let never_received = self.window.contains(req.ref_cmd_sn)
+                    && req.ref_cmd_sn.lt(req.cmd_sn)
+                    && self.consume(req.ref_cmd_sn, false).is_ok();
+                let code = if never_received {
+                    TmfResponseCode::COMPLETE
+                } else {
+                    TmfResponseCode::TASK_DOES_NOT_EXIST
+                };
+                done(code, Vec::new())
+            }
+            TmfFunction::ABORT_TASK_SET
+            | TmfFunction::CLEAR_TASK_SET
+            | TmfFunction::LOGICAL_UNIT_RESET => {
+                let Some(lun) = lun.filter(|_| lun_exists) else {
+                    return done(TmfResponseCode::LUN_DOES_NOT_EXIST, Vec::new());
+                };
+                let aborted = self.abort_where(true, |_, t| t.lun == lun);
+                TmfOutcome {
+                    response: TmfResponseCode::COMPLETE,
+                    aborted,
+                    scope: if req.function == TmfFunction::ABORT_TASK_SET {
+                        TmfScope::Session
+                    } else {
+                        TmfScope::Lun(lun)
+                    },
+                }
+            }
+            TmfFunction::TARGET_WARM_RESET | TmfFunction::TARGET_COLD_RESET => TmfOutcome {
+                response: TmfResponseCode::COMPLETE,
+                aborted: self.abort_where(true, |_, _| true),
+                scope: TmfScope::Target {
+                    cold: req.function == TmfFunction::TARGET_COLD_RESET,
+                },
+            },
+            TmfFunction::CLEAR_ACA => done(TmfResponseCode::NOT_SUPPORTED, Vec::new()),
+            // §11.5.1: at ErrorRecoveryLevel below 2, reassignment is not supported.
+            TmfFunction::TASK_REASSIGN => {
+                done(TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED, Vec::new())
+            }
+            _ => done(TmfResponseCode::REJECTED, Vec::new()),
+        }
+    }
+
+    /// A Logout Request on connection `conn`, after its CmdSN was admitted (RFC 7143 §11.14).
+    pub fn logout(&mut self, conn: ConnId, req: &LogoutRequest) -> LogoutPlan<T, C> {
+        match req.reason {
+            LogoutReason::CLOSE_SESSION => LogoutPlan::CloseSession,
+            LogoutReason::CLOSE_CONNECTION => {
+                let named = self.conns.iter().position(|c| c.cid == req.cid);
+                match named {
+                    None => LogoutPlan::Respond(LogoutResponseCode::CID_NOT_FOUND),
+                    Some(i) if self.conns[i].id == conn => LogoutPlan::CloseConnection,
+                    Some(i) => {
+                        let slot = self.conns.swap_remove(i);
+                        let terminated = self.terminate_conn(slot.id);
+                        LogoutPlan::CloseOther { slot, terminated }
+                    }
+                }
+            }
+            // Reason 2 (and reserved reasons): connection recovery needs ErrorRecoveryLevel 2.
+            _ => LogoutPlan::Respond(LogoutResponseCode::RECOVERY_NOT_SUPPORTED),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
