@@ -210,6 +210,7 @@ impl BinHooks {
                                 name: t.name.clone(),
                                 alias: t.alias.clone(),
                                 tpgt: 1,
+                                max_connections: None,
                                 scsi: Arc::new(scsi),
                             },
                             t.access.clone(),
@@ -695,6 +696,7 @@ mod tests {
                 name: t.name.clone(),
                 alias: None,
                 tpgt: 1,
+                max_connections: None,
                 scsi: Arc::new(scsi),
             });
         }

@@ -373,6 +373,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             name: t.name.clone(),
             alias: t.alias.clone(),
             tpgt: 1,
+            max_connections: None,
             scsi: Arc::new(scsi),
         });
     }

@@ -46,6 +46,7 @@ impl LoginPolicy for Policy {
             TARGET => TargetLookup::Allowed {
                 tpgt: 1,
                 alias: Some("fuzz".into()),
+                max_connections: None,
             },
             "iqn.2026-11.org.ironsan:denied" => TargetLookup::Denied,
             "iqn.2026-11.org.ironsan:moved" => TargetLookup::Moved {

@@ -73,6 +73,7 @@ fn target(backends: &[Arc<dyn BlockDevice>]) -> TargetDef {
         name: TARGET.into(),
         alias: None,
         tpgt: 1,
+        max_connections: None,
         scsi: Arc::new(scsi),
     }
 }

@@ -215,6 +215,7 @@ impl InProc {
             name: TARGET.into(),
             alias: None,
             tpgt: 1,
+            max_connections: None,
             scsi: Arc::new(scsi),
         };
         let cfg = ironsan_server::ServerConfig::new(vec![self.addr], vec![t]);

@@ -197,7 +197,11 @@ impl<W, S: BuildHasher + Default> Connection<W, S> {
         let after = w.transfer.outstanding_r2ts();
         self.outstanding_r2ts = self.outstanding_r2ts.saturating_sub(before - after);
         match accepted {
-            Ok(()) if d.buffer_offset.checked_add(len).is_some_and(|e| e <= w.edtl) => {
+            Ok(())
+                if d.buffer_offset
+                    .checked_add(len)
+                    .is_some_and(|e| e <= w.edtl) =>
+            {
                 DataOutPlan::Accept {
                     offset: d.buffer_offset,
                 }

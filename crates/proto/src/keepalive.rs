@@ -113,7 +113,9 @@ mod tests {
         // Traffic at 10 s: look again at 25 s.
         assert_eq!(k.on_timer(15_000, 10_000).next, Some(25_000));
         let a = k.on_timer(25_000, 10_000);
-        assert!(matches!(a.ping, Some(Header::NopIn(ref n)) if n.itt == Itt::RESERVED && n.ttt.0 >= TTT_LIMIT));
+        assert!(
+            matches!(a.ping, Some(Header::NopIn(ref n)) if n.itt == Itt::RESERVED && n.ttt.0 >= TTT_LIMIT)
+        );
         assert_eq!(a.next, Some(55_000));
         let a = k.on_timer(55_000, 10_000);
         assert!(a.close && a.next.is_none());

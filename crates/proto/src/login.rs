@@ -28,7 +28,9 @@
 //!   we accept only AuthMethod=CHAP (MD5, SHA-256, SHA3-256; see [`crate::chap`]); otherwise
 //!   only None. An offer without an acceptable method is answered `AuthMethod=Reject` in a 0201
 //!   failure. Every CHAP failure (wrong response, unknown user, reflected challenge, keys out of
-//!   order) is 0201, indistinguishably; CHAP keys when None was agreed are 0200; no caller
+//!   order) is 0201, indistinguishably; CHAP keys when None was agreed are 0200; AuthMethod
+//!   offered in the operational stage is answered Irrelevant when no authentication is
+//!   required and None is among the offer (else 0200, §6.3); no caller
 //!   randomness ([`Login::set_random`]) is 0300. While CHAP is under way we answer T=0 to a
 //!   transit request. A login may start at CSG=1, or leave security without naming an
 //!   AuthMethod, only when authentication is not required (else 0201).
@@ -157,6 +159,9 @@ pub enum TargetLookup {
     Allowed {
         tpgt: u16,
         alias: Option<String>,
+        /// The most connections a session with this target may have (MaxConnections, RFC
+        /// 7143 §13.2); `None`: the defaults' value.
+        max_connections: Option<u16>,
     },
     NotFound,
     Denied,
@@ -391,6 +396,12 @@ impl Login {
         self.params.as_ref().map(|(_, c)| *c)
     }
 
+    /// The negotiated session parameters, once `step` has returned `ReadyToComplete` (a new
+    /// session is made with them before [`Login::complete`]).
+    pub fn session_params(&self) -> Option<&SessionParams> {
+        self.params.as_ref().map(|(s, _)| s)
+    }
+
     /// Build the final response (T=1, NSG=3, status 0000) with the TSIH the server chose (the
     /// initiator's for an added connection) and the sequence numbers of the session (`sn.stat_sn`
     /// should be [`ReadyToComplete::stat_sn`]).
@@ -515,7 +526,28 @@ impl Login {
                 return Err(NegotiationError::SecurityKeyOutOfStage(k.clone()).into());
             }
         }
+        // AuthMethod offered outside the security stage, as some initiators do in a login
+        // that starts in the operational stage. A key out of its stage is a protocol
+        // error (§6.3), but §6.2 lets the acceptor answer Irrelevant and the negotiation go
+        // on: with no authentication required and None among the offer there is nothing to
+        // protect, so it is answered Irrelevant (LIO and istgt accept such logins too).
+        let (pairs, irrelevant_auth) = if stage != Stage::SECURITY_NEGOTIATION
+            && !self.auth_required
+            && !self.negotiator.was_sent("AuthMethod")
+            && value(&pairs, "AuthMethod").is_some_and(|v| v.split(',').any(|m| m == "None"))
+        {
+            let rest = pairs
+                .into_iter()
+                .filter(|(k, _)| k != "AuthMethod")
+                .collect();
+            (rest, true)
+        } else {
+            (pairs, false)
+        };
         let mut answers = self.negotiator.respond(stage, &pairs)?;
+        if irrelevant_auth {
+            answers.push(owned("AuthMethod", "Irrelevant"));
+        }
 
         let agree = match &mut self.phase {
             Phase::Security(sec) => {
@@ -643,7 +675,14 @@ impl Login {
                     return Err(NegotiationError::BadTargetName.into());
                 }
                 match policy.lookup_target(target, initiator) {
-                    TargetLookup::Allowed { tpgt, alias } => {
+                    TargetLookup::Allowed {
+                        tpgt,
+                        alias,
+                        max_connections,
+                    } => {
+                        if let Some(n) = max_connections {
+                            self.negotiator.set_max_connections(n);
+                        }
                         self.tpgt = Some(tpgt);
                         self.first_extra
                             .push(owned("TargetPortalGroupTag", &tpgt.to_string()));
@@ -775,6 +814,7 @@ mod tests {
                 DISK => TargetLookup::Allowed {
                     tpgt: 1,
                     alias: Some("disk".into()),
+                    max_connections: None,
                 },
                 SECRET => TargetLookup::Denied,
                 MOVED => TargetLookup::Moved {
@@ -1294,6 +1334,26 @@ TargetPortalGroupTag=7\0AuthMethod=CHAP,None\0";
         let mut l = login();
         ready(l.step(&req(1, 3, true), hello_op(), &Policy));
         let (s, _) = fail_status(l.step(&req(1, 3, true), vec![], &Policy));
+        assert_eq!(s, LoginStatus::INITIATOR_ERROR);
+    }
+
+    /// A login that starts in the operational stage but offers AuthMethod=None with the other
+    /// keys, as some initiators do: tolerated when no authentication is required (answered
+    /// Irrelevant), and only with None among the offer.
+    #[test]
+    fn auth_method_none_in_the_operational_stage_is_answered_irrelevant() {
+        let mut l = login();
+        let step = l.step(&req(1, 3, true), hello(DISK), &Policy);
+        let LoginStep::ReadyToComplete(_) = step else {
+            panic!("{step:?}")
+        };
+        let (_, data, _, _) = l.complete(Tsih(5), TargetSn::default());
+        let text = String::from_utf8_lossy(&data).to_string();
+        assert!(text.contains("AuthMethod=Irrelevant"), "{text}");
+        let mut l = login();
+        let mut pairs = hello_op();
+        pairs.push(owned("AuthMethod", "CHAP"));
+        let (s, _) = fail_status(l.step(&req(1, 3, true), pairs, &Policy));
         assert_eq!(s, LoginStatus::INITIATOR_ERROR);
     }
 

@@ -238,7 +238,9 @@ impl Default for TargetDefaults {
             // Memory stays bounded by `write_buffer_per_session` (TASK SET FULL past it).
             first_burst_length: 262_144,
             max_outstanding_r2t: 16,
-            max_connections: 1,
+            // Several connections per session (MC/S), as LIO and istgt offer; per target in
+            // the configuration.
+            max_connections: 4,
             initial_r2t: false,
             immediate_data: true,
             header_digest: true,
@@ -497,6 +499,12 @@ impl Negotiator {
     /// The AuthMethod agreed in the security stage, if one was.
     pub fn auth_method(&self) -> Option<&str> {
         self.auth_method.as_deref()
+    }
+
+    /// The most connections we allow a session (MaxConnections, §13.2), for a target whose
+    /// setting differs from the defaults'.
+    pub fn set_max_connections(&mut self, n: u16) {
+        self.defaults.max_connections = n.max(1);
     }
 
     /// Whether this connection leads a new session (TSIH 0). Leading-only keys on other
@@ -977,7 +985,7 @@ mod tests {
             answer(&mut n, "ErrorRecoveryLevel", "2").as_deref(),
             Some("0")
         );
-        assert_eq!(answer(&mut n, "MaxConnections", "8").as_deref(), Some("1"));
+        assert_eq!(answer(&mut n, "MaxConnections", "8").as_deref(), Some("4"));
         assert_eq!(
             answer(&mut n, "DefaultTime2Retain", "0").as_deref(),
             Some("0")

@@ -97,8 +97,9 @@ pub enum Admission {
     Held,
     /// Silently ignore it (RFC 7143 §4.2.2.1): outside the command window or a duplicate.
     Ignore(Ignored),
-    /// Reject the PDU with this reason (RFC 7143 §11.17.1); its CmdSN is consumed when it is
-    /// inside the window, so the window does not stall.
+    /// Reject the PDU with this reason (RFC 7143 §11.17.1). Its CmdSN is not considered
+    /// received (§7.3): the initiator plugs the gap, by sending a command with that CmdSN or
+    /// by aborting it.
     Reject(RejectReason),
     /// The session has ended: the command must never run (it is not answered).
     Ended,
@@ -206,7 +207,12 @@ pub struct Session<T, C, S = std::hash::RandomState> {
 impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     /// A session whose leading login carried `exp_cmd_sn`, allowing `depth` commands in the
     /// target at once and `max_connections` connections (as negotiated).
-    pub fn new(exp_cmd_sn: CmdSn, depth: u32, max_connections: u16, error_recovery_level: u8) -> Self {
+    pub fn new(
+        exp_cmd_sn: CmdSn,
+        depth: u32,
+        max_connections: u16,
+        error_recovery_level: u8,
+    ) -> Self {
         Session {
             window: CmdWindow::new(exp_cmd_sn, depth),
             tasks: HashMap::default(),
@@ -251,6 +257,10 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
 
     pub fn task(&self, itt: Itt) -> Option<&Task<T>> {
         self.tasks.get(&itt)
+    }
+
+    pub fn task_mut(&mut self, itt: Itt) -> Option<&mut Task<T>> {
+        self.tasks.get_mut(&itt)
     }
 
     // ------------------------------------------------------------------------------------
@@ -338,7 +348,10 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
         self.remove_tasks_where(|_, t| t.conn == conn)
     }
 
-    fn remove_tasks_where(&mut self, mut pred: impl FnMut(&Itt, &Task<T>) -> bool) -> Terminated<T> {
+    fn remove_tasks_where(
+        &mut self,
+        mut pred: impl FnMut(&Itt, &Task<T>) -> bool,
+    ) -> Terminated<T> {
         let victims: Vec<Itt> = self
             .tasks
             .iter()
@@ -347,7 +360,7 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
             .collect();
         victims
             .into_iter()
-            .filter_map(|i| self.tasks.remove(&i).map(|t| (i, t)))
+            .filter_map(|i| self.remove(i).map(|t| (i, t)))
             .collect()
     }
 
@@ -370,11 +383,14 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
             return Admission::Ended;
         }
         if cmd.itt == Itt::RESERVED {
-            let _ = self.consume(cmd.cmd_sn, cmd.immediate);
             return Admission::Reject(RejectReason::INVALID_PDU_FIELD);
         }
+        if !cmd.immediate {
+            if let Err(e) = self.window.check(cmd.cmd_sn) {
+                return Admission::Ignore(e);
+            }
+        }
         if self.tasks.contains_key(&cmd.itt) {
-            let _ = self.consume(cmd.cmd_sn, cmd.immediate);
             return Admission::Reject(RejectReason::TASK_IN_PROGRESS);
         }
         let held = Held {
@@ -431,8 +447,8 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
         }
     }
 
-    /// Consume a CmdSN without a command (a rejected command; RFC 7143 §11.5.1's "consider
-    /// the CmdSN received").
+    /// Consume a CmdSN without a command (RFC 7143 §11.5.1's "consider the CmdSN
+    /// received").
     fn consume(&mut self, cmd_sn: CmdSn, immediate: bool) -> Result<(), Ignored> {
         self.window.consume(cmd_sn, immediate)?;
         self.release();
@@ -480,17 +496,20 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
         e
     }
 
-    /// Connections that got events since they last polled, except `except` (the caller,
-    /// which polls its own queue anyway): wake them. Each is reported once.
-    pub fn take_wakeups(&mut self, except: ConnId, mut wake: impl FnMut(&C)) {
+    /// Connections that got events since they last polled, except `me` (the caller, which
+    /// polls its own queue anyway): wake them. Each is reported once. Returns whether `me` has
+    /// events waiting.
+    pub fn take_wakeups(&mut self, me: ConnId, mut wake: impl FnMut(&C)) -> bool {
+        let mut mine = false;
         for c in &mut self.conns {
-            if c.wake && c.id != except {
+            if c.id == me {
+                mine = !c.events.is_empty();
+            } else if c.wake {
                 c.wake = false;
                 wake(&c.payload);
-            } else if c.id == except {
-                c.wake = false;
             }
         }
+        mine
     }
 
     /// The delivered task `itt`'s payload, to update when it starts running; `None` when it
@@ -507,14 +526,14 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
 
     /// Remove a task that completed (or failed before it ran). Whoever removes the task owns
     /// its completion: `None` means a task management function or the session's end took it,
-    /// and no response is sent.
+    /// and no response is sent. A delivered task's window slot opens again: the MaxCmdSN of
+    /// its response already counts it as done.
     pub fn remove(&mut self, itt: Itt) -> Option<Task<T>> {
-        self.tasks.remove(&itt)
-    }
-
-    /// A delivered command's response is queued: its window slot opens again.
-    pub fn complete(&mut self) {
-        self.window.complete();
+        let t = self.tasks.remove(&itt)?;
+        if t.state == TaskState::Delivered {
+            self.window.complete();
+        }
+        Some(t)
     }
 
     /// Remove the tasks that match `pred`: held ones leave their CmdSN consumed, and the

@@ -75,21 +75,36 @@ pub struct ResponsePdu {
     pub status: bool,
 }
 
-/// The PDUs that answer a command (RFC 7143 §11.4, §11.7): `status` and whether there is sense
-/// data, `produced` bytes of read data (at most EDTL of them are sent), `write_needed` the
-/// bytes a write's CDB asked for (its residual), `exp_data_sn` the R2T count of a write (a
-/// SCSI Response's ExpDataSN), and the initiator's `max_xmit` / the session's `max_burst` for
-/// Data-In segmentation. Returns how many bytes of the read data are sent, and the PDUs.
+/// How a command ended, as far as its response PDUs go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    pub status: u8,
+    /// There is sense data (it goes in a SCSI Response, never collapsed into Data-In).
+    pub sense: bool,
+    /// Bytes of read data the command produced (at most EDTL of them are sent).
+    pub produced: u32,
+    /// For a write, the bytes its CDB asked for (its residual against EDTL).
+    pub write_needed: Option<u32>,
+    /// For a write, the R2Ts issued: a SCSI Response's ExpDataSN (§11.4.8).
+    pub exp_data_sn: DataSn,
+}
+
+/// The PDUs that answer a command (RFC 7143 §11.4, §11.7), with the initiator's `max_xmit`
+/// and the session's `max_burst` for Data-In segmentation. Returns how many bytes of the read
+/// data are sent, and the PDUs.
 pub fn response_pdus(
     cmd: &ScsiCommand,
-    status: u8,
-    sense: bool,
-    produced: u32,
-    write_needed: Option<u32>,
-    exp_data_sn: DataSn,
+    outcome: Outcome,
     max_xmit: u32,
     max_burst: u32,
 ) -> (u32, impl Iterator<Item = ResponsePdu>) {
+    let Outcome {
+        status,
+        sense,
+        produced,
+        write_needed,
+        exp_data_sn,
+    } = outcome;
     let edtl = cmd.expected_data_transfer_length;
     let (send, residual) = if cmd.read {
         (produced.min(edtl), Residual::of(edtl, produced))

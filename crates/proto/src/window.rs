@@ -6,9 +6,10 @@
 //! other) is held until the gap fills, then released with everything after it that is already
 //! here. Immediate commands bypass ordering and do not advance ExpCmdSN.
 //!
-//! A CmdSN can also be *consumed* without delivering anything: a rejected command, and the
-//! referenced command of an ABORT TASK that never arrived (§11.5.1: the target considers it
-//! received). A consumed CmdSN ahead of a gap is a placeholder that the gap-filling command
+//! A CmdSN can also be *consumed* without delivering anything: the referenced command of an
+//! ABORT TASK that never arrived (§11.5.1, §7.11: the target considers it received), and the
+//! commands of a connection that is gone. (A rejected command's CmdSN is not consumed, §7.3:
+//! the initiator plugs that gap.) A consumed CmdSN ahead of a gap is a placeholder that the gap-filling command
 //! releases like any other; a later command with that CmdSN is a duplicate and is ignored.
 //!
 //! MaxCmdSN is `ExpCmdSN + depth - 1 - in_flight`, so an initiator can never have more than
@@ -93,7 +94,8 @@ impl<T> CmdWindow<T> {
         cmd_sn.ge(self.exp_cmd_sn) && cmd_sn.le(self.max_cmd_sn())
     }
 
-    fn check(&self, cmd_sn: CmdSn) -> Result<(), Ignored> {
+    /// Whether a non-immediate command with `cmd_sn` would be admitted (held or delivered).
+    pub fn check(&self, cmd_sn: CmdSn) -> Result<(), Ignored> {
         if !cmd_sn.ge(self.exp_cmd_sn) {
             return Err(Ignored::BelowWindow);
         }

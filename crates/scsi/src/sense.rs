@@ -48,6 +48,9 @@ pub enum UnitAttention {
     CommandsClearedByAnotherInitiator,
     /// 3Fh/03h INQUIRY DATA HAS CHANGED.
     InquiryDataChanged,
+    /// 47h/7Fh SOME COMMANDS CLEARED BY ISCSI PROTOCOL EVENT (RFC 7143 §11.14.5: tasks of a
+    /// connection closed or reinstated while its session goes on were terminated).
+    CommandsClearedByIscsiEvent,
     /// 3Fh/0Eh REPORTED LUNS DATA HAS CHANGED.
     ReportedLunsDataChanged,
 }
@@ -65,6 +68,7 @@ impl UnitAttention {
             UnitAttention::CapacityDataChanged => (0x2A, 0x09),
             UnitAttention::CommandsClearedByAnotherInitiator => (0x2F, 0x00),
             UnitAttention::InquiryDataChanged => (0x3F, 0x03),
+            UnitAttention::CommandsClearedByIscsiEvent => (0x47, 0x7F),
             UnitAttention::ReportedLunsDataChanged => (0x3F, 0x0E),
         }
     }

@@ -625,6 +625,7 @@ impl Control {
                         name: name.to_string(),
                         alias: a.get(4).map(|s| s.to_string()),
                         tpgt: 1,
+                        max_connections: None,
                         scsi: Arc::new(ironsan_scsi::Target::new()),
                     },
                     Access::default(),
@@ -710,7 +711,8 @@ fn session_view(s: &Arc<Session>) -> Value {
     let conns = s.with_conns(|conns| {
         conns
             .iter()
-            .map(|c| {
+            .map(|slot| {
+                let c = &slot.payload;
                 let st = &c.stats;
                 let tcp = crate::sys::tcp_info(c.fd).ok().map(|t| {
                     json!({

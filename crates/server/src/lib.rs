@@ -47,6 +47,9 @@ pub struct TargetDef {
     /// SendTargets announce is the tag of the portal (see [`ServerConfig::portal_groups`]);
     /// which groups serve a target is [`ServerConfig::target_portal_groups`].
     pub tpgt: u16,
+    /// The most connections a session with this target may have (MaxConnections, RFC 7143
+    /// §13.2); `None`: [`ServerConfig::negotiation`]'s.
+    pub max_connections: Option<u16>,
     pub scsi: Arc<ironsan_scsi::Target>,
 }
 
@@ -225,6 +228,7 @@ impl ServerConfig {
 pub(crate) struct LiveTarget {
     pub name: String,
     pub alias: Option<String>,
+    pub max_connections: Option<u16>,
     scsi: RwLock<Arc<ironsan_scsi::Target>>,
     /// Latency and throughput counters per LUN, made when a LUN first serves a command (or
     /// is first shown); kept after the LUN is removed, until the target is. Connections cache
@@ -237,6 +241,7 @@ impl LiveTarget {
         LiveTarget {
             name: def.name.clone(),
             alias: def.alias.clone(),
+            max_connections: def.max_connections,
             scsi: RwLock::new(Arc::clone(&def.scsi)),
             metrics: Mutex::default(),
         }

@@ -1,36 +1,48 @@
 //! Sessions and the session registry (RFC 7143 §4.4, §6.3.5 session reinstatement).
 //!
-//! A session is shared by its connections: the CmdSN window and the table of running tasks
-//! are session-wide; Data-Out reassembly is per connection (connection allegiance at
-//! ErrorRecoveryLevel 0). Nothing here assumes one connection per session.
+//! A session is shared by its connections, which may run on different threads. Its
+//! session-wide protocol state (the CmdSN sequencer, the task table with each task's
+//! connection, the connections) is the sans-IO [`ironsan_proto::session::Session`], kept here
+//! under one mutex that no caller holds across I/O or an `.await`: each command takes it to be
+//! admitted, once to be claimed when it starts running, and once to be removed when it
+//! completes. ExpCmdSN and MaxCmdSN are published after every change in one atomic word, so the
+//! writers of every connection stamp them without the lock.
+//!
+//! What the protocol core cannot do is here: aborting a running task (its tokio task, the
+//! zero-copy slot of a write received in place, and telling its LU), closing and waking
+//! connections, and waiting for the readers of a replaced session to stop.
 
 use crate::LiveTarget;
-use ironsan_backend::IntMap;
+use ironsan_backend::int_map::IntHasher;
 use ironsan_proto::login::LoginStatus;
 use ironsan_proto::negotiate::{ConnParams, SessionParams};
-use ironsan_proto::pdu::{Isid, Itt, Tsih};
-use ironsan_proto::window::CmdWindow;
+use ironsan_proto::pdu::{Cid, Isid, Itt, Tsih};
+use ironsan_proto::session::{ConnId, ConnSlot, Joined, Task, Terminated};
 use ironsan_proto::CmdSn;
+use ironsan_scsi::UnitAttention;
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A command the SCSI layer is executing, for task management.
+/// The session-wide protocol core, as this server instantiates it.
+pub type Core = ironsan_proto::session::Session<Running, ConnInfo, BuildHasherDefault<IntHasher>>;
+
+/// What the server keeps per task to abort it.
 #[derive(Debug)]
 pub struct Running {
-    pub lun: u64,
-    /// The command's task, if it has one (a command completing inline never has).
+    /// The command's tokio task, if it has one (a command completing inline never has).
     pub abort: Option<tokio::task::AbortHandle>,
     /// While the command is polled inline by its connection's reader (before it has a task),
     /// this is set: an abort from another thread then waits for it (reads of the LU wait
     /// until the flag is clear, `LogicalUnit::task_aborted`).
-    pub polling: Arc<std::sync::atomic::AtomicBool>,
+    pub polling: Arc<AtomicBool>,
     /// A write received in place while it waits for its Data-Out: aborting the task empties
     /// this, which releases the blocks' range at once (not when its connection next reads).
     pub placed: Option<Arc<PlacedSlot>>,
@@ -75,6 +87,62 @@ impl crate::io::PlaceTarget for PlacedSlot {
     }
 }
 
+/// Why the target closes a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Close {
+    /// Its session ended (reinstated, reset away, recovered), it was logged out from another
+    /// connection or reinstated, or an admin closed it.
+    ByTarget,
+    /// The initiator did not answer a NOP-In ping (a connection failure).
+    NopTimeout,
+}
+
+/// How other threads reach a connection's reader: events due on it (a held command released
+/// by another connection), and whether its reader has stopped.
+#[derive(Debug, Default)]
+pub struct ConnSignals {
+    events: AtomicBool,
+    wake: Notify,
+    stopped: AtomicBool,
+    stop: Notify,
+}
+
+impl ConnSignals {
+    /// Tell the reader its session queue has events.
+    pub fn wake(&self) {
+        self.events.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+    /// Whether events were signalled since the last call (clears it).
+    pub fn take_events(&self) -> bool {
+        self.events.swap(false, Ordering::AcqRel)
+    }
+    /// Wait for [`ConnSignals::wake`].
+    pub async fn woken(&self) {
+        self.wake.notified().await
+    }
+    /// The reader has stopped: it reads and admits nothing more.
+    pub fn mark_stopped(&self) {
+        self.stopped.store(true, Ordering::Release);
+        self.stop.notify_waiters();
+    }
+    /// Wait until the reader has stopped, at most `limit`; `false` if it still runs.
+    pub async fn stopped(&self, limit: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let n = self.stop.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.stopped.load(Ordering::Acquire) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, n).await.is_err() {
+                return self.stopped.load(Ordering::Acquire);
+            }
+        }
+    }
+}
+
 /// One connection as the session sees it.
 #[derive(Debug, Clone)]
 pub struct ConnInfo {
@@ -91,8 +159,15 @@ pub struct ConnInfo {
     pub tx: Arc<crate::writer::TxStats>,
     /// When the login completed.
     pub since: std::time::SystemTime,
-    /// Set to true to make the connection close.
-    pub close: watch::Sender<bool>,
+    /// Set to make the connection close.
+    pub close: watch::Sender<Option<Close>>,
+    pub signals: Arc<ConnSignals>,
+}
+
+impl ConnInfo {
+    pub fn close(&self, why: Close) {
+        let _ = self.close.send(Some(why));
+    }
 }
 
 /// An iSCSI session.
@@ -105,20 +180,15 @@ pub struct Session {
     pub target: Option<Arc<LiveTarget>>,
     pub params: SessionParams,
     pub nexus: ironsan_scsi::Nexus,
-    window: Mutex<CmdWindow<()>>,
-    running: Mutex<IntMap<Itt, Running>>,
-    conns: Mutex<Vec<ConnInfo>>,
+    core: Mutex<Core>,
+    /// (ExpCmdSN << 32) | MaxCmdSN, published after every change of the core.
+    window: AtomicU64,
     pub commands: AtomicU64,
     /// Bytes of write data buffered for this session's writes (the write quota).
     pub buffered_writes: AtomicU64,
-    /// Set by [`Session::end`] and [`Session::leave`] under the connection list's and the
-    /// running table's locks; read by [`Session::admit`] under the latter (a command either
-    /// entered the table before the end, and the end aborts it, or never starts) and by
-    /// [`Session::join`] under the former.
-    ended: AtomicBool,
     /// Connections whose full-feature reader is running, and a wake-up when one stops.
     readers: AtomicUsize,
-    reader_stopped: tokio::sync::Notify,
+    reader_stopped: Notify,
 }
 
 impl Session {
@@ -129,68 +199,107 @@ impl Session {
         target: Option<Arc<LiveTarget>>,
         params: SessionParams,
         nexus: ironsan_scsi::Nexus,
-        window: CmdWindow<()>,
+        core: Core,
     ) -> Self {
-        Session {
+        let s = Session {
             tsih,
             isid,
             initiator_name,
             target,
             params,
             nexus,
-            window: Mutex::new(window),
-            running: Mutex::new(IntMap::default()),
-            conns: Mutex::new(Vec::new()),
+            window: AtomicU64::new(0),
+            core: Mutex::new(core),
             commands: AtomicU64::new(0),
             buffered_writes: AtomicU64::new(0),
-            ended: AtomicBool::new(false),
             readers: AtomicUsize::new(0),
-            reader_stopped: tokio::sync::Notify::new(),
-        }
+            reader_stopped: Notify::new(),
+        };
+        s.with_core(|_| ());
+        s
     }
 
-    /// (ExpCmdSN, MaxCmdSN) to stamp on outgoing PDUs.
+    /// Run `f` on the protocol core under its lock, then publish ExpCmdSN/MaxCmdSN. `f` must
+    /// not wait for anything.
+    pub fn with_core<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {
+        let mut core = lock(&self.core);
+        let r = f(&mut core);
+        let (exp, max) = core.window_sn();
+        self.window.store(
+            (u64::from(exp.0) << 32) | u64::from(max.0),
+            Ordering::Release,
+        );
+        r
+    }
+
+    /// (ExpCmdSN, MaxCmdSN) to stamp on outgoing PDUs, the same on every connection.
     pub fn window_sn(&self) -> (CmdSn, CmdSn) {
-        let w = lock(&self.window);
-        (w.exp_cmd_sn(), w.max_cmd_sn())
+        let w = self.window.load(Ordering::Acquire);
+        (CmdSn((w >> 32) as u32), CmdSn(w as u32))
     }
 
-    pub fn window(&self) -> MutexGuard<'_, CmdWindow<()>> {
-        lock(&self.window)
+    /// Add a logged-in connection (see [`Core::join`]). On a connection reinstatement the old
+    /// connection is told to close and its tasks are aborted here; the caller waits for its
+    /// reader to stop ([`ConnSignals::stopped`]) before answering the login.
+    pub fn join(
+        &self,
+        cid: Cid,
+        info: ConnInfo,
+    ) -> Result<(ConnId, Option<ConnInfo>), LoginStatus> {
+        let Joined { id, replaced } = self.with_core(|c| c.join(cid, info))?;
+        let replaced = replaced.map(|(slot, terminated)| {
+            slot.payload.close(Close::ByTarget);
+            self.terminated_by_iscsi_event(terminated);
+            slot.payload
+        });
+        Ok((id, replaced))
     }
 
-    pub fn running(&self) -> MutexGuard<'_, IntMap<Itt, Running>> {
-        lock(&self.running)
-    }
-
-    /// Enter a command into the running table before it may start; `false` once the session
-    /// has ended (the command must then not run: its initiator was told the session's tasks
-    /// are gone, and a new session may already be writing the same blocks). With `claim`, the
-    /// command is already there (a write that waited for its Data-Out) and only takes its
-    /// entry over: `false` as well when a task management function removed it meanwhile,
-    /// which aborted it.
-    pub fn admit(&self, itt: Itt, r: Running, claim: bool) -> bool {
-        let mut running = self.running();
-        if self.ended.load(Ordering::Relaxed) || (claim && !running.contains_key(&itt)) {
-            return false;
+    /// The connection `id` has stopped reading; `failed` unless it ended by a logout or was
+    /// closed by the target. Returns `true` when the session ended with it: every task is then
+    /// aborted and the other connections are told to close.
+    pub fn leave(&self, id: ConnId, failed: bool) -> bool {
+        let left = self.with_core(|c| c.leave(id, failed));
+        match left.session_ended {
+            Some(others) => {
+                for c in &others {
+                    c.payload.close(Close::ByTarget);
+                }
+                self.abort_tasks(left.terminated);
+                true
+            }
+            None => {
+                self.terminated_by_iscsi_event(left.terminated);
+                false
+            }
         }
-        running.insert(itt, r);
-        true
     }
 
-    /// End the session (reinstated, reset away, or its last connection gone): abort every
-    /// task, and admit none from now on. Returns how many were aborted.
+    /// Tasks of a connection that went away while the session goes on: aborted, and each LU
+    /// they were on raises SOME COMMANDS CLEARED BY ISCSI PROTOCOL EVENT for this nexus (RFC
+    /// 7143 §11.14.5).
+    pub fn terminated_by_iscsi_event(&self, tasks: Terminated<Running>) {
+        let mut luns: Vec<u64> = tasks.iter().map(|(_, t)| t.lun).collect();
+        luns.sort_unstable();
+        luns.dedup();
+        self.abort_tasks(tasks);
+        if let Some(scsi) = self.target.as_ref().map(|t| t.scsi()) {
+            for lun in luns {
+                if let Some(lu) = scsi.lun(lun) {
+                    lu.establish_unit_attention_on(
+                        &self.nexus,
+                        UnitAttention::CommandsClearedByIscsiEvent,
+                    );
+                }
+            }
+        }
+    }
+
+    /// End the session (reinstated or reset away): abort every task, admit and join nothing
+    /// from now on. Returns how many tasks were aborted. The caller closes the connections.
     pub fn end(&self) -> usize {
-        // A connection joins before this (and is closed with the others) or is refused.
-        self.mark_ended(&lock(&self.conns));
-        self.abort_where(|_, _| true)
-    }
-
-    /// Set `ended`; `_conns` is the connection list, locked by the caller (`join` looks under
-    /// that lock), and the running table's lock is taken here (`admit` looks under it).
-    fn mark_ended(&self, _conns: &[ConnInfo]) {
-        let _running = self.running();
-        self.ended.store(true, Ordering::Relaxed);
+        let tasks = self.with_core(|c| c.end());
+        self.abort_tasks(tasks)
     }
 
     /// A connection's full-feature reader begins (it may admit commands until it stops).
@@ -221,89 +330,56 @@ impl Session {
         }
     }
 
-    /// Add a logged-in connection, unless the session has ended (its last connection left,
-    /// or it was reinstated or reset away: SESSION DOES NOT EXIST, RFC 7143 §11.13.5) or has
-    /// `max` connections already (TOO MANY CONNECTIONS). Atomic with [`Session::leave`] and
-    /// [`Session::end`]: a connection never joins a session whose commands are no longer
-    /// admitted, where they would go unanswered.
-    pub fn join(&self, c: ConnInfo, max: usize) -> Result<(), LoginStatus> {
-        let mut conns = lock(&self.conns);
-        if self.ended.load(Ordering::Relaxed) {
-            return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
-        }
-        if conns.len() >= max {
-            return Err(LoginStatus::TOO_MANY_CONNECTIONS);
-        }
-        conns.push(c);
-        Ok(())
-    }
-
-    /// Remove the connection `cid` whose close signal `close` watches (only that one: a
-    /// second login with the same CID does not lose its entry when the first leaves); when it
-    /// was the last, the session ends (ErrorRecoveryLevel 0: every task is aborted and no
-    /// connection can join any more) and `true` is returned.
-    pub fn leave(&self, cid: u16, close: &watch::Receiver<bool>) -> bool {
-        {
-            let mut conns = lock(&self.conns);
-            if let Some(i) = conns
-                .iter()
-                .position(|c| c.cid == cid && c.close.subscribe().same_channel(close))
-            {
-                conns.swap_remove(i);
-            }
-            if !conns.is_empty() {
-                return false;
-            }
-            self.mark_ended(&conns);
-        }
-        self.abort_where(|_, _| true);
-        true
-    }
-
     /// Look at the connections under the session's lock (a connection cannot leave, and so
     /// cannot close its socket, while `f` runs).
-    pub fn with_conns<R>(&self, f: impl FnOnce(&[ConnInfo]) -> R) -> R {
-        f(&lock(&self.conns))
+    pub fn with_conns<R>(&self, f: impl FnOnce(&[ConnSlot<ConnInfo>]) -> R) -> R {
+        f(lock(&self.core).conns())
     }
 
+    #[cfg(test)]
     pub fn conn_count(&self) -> usize {
-        lock(&self.conns).len()
+        lock(&self.core).conns().len()
     }
 
     /// Ask every connection (or the one with `cid`) to close.
     pub fn close_conns(&self, cid: Option<u16>) {
-        for c in lock(&self.conns).iter() {
-            if cid.is_none_or(|id| id == c.cid) {
-                let _ = c.close.send(true);
+        self.with_conns(|conns| {
+            for c in conns {
+                if cid.is_none_or(|id| id == c.cid.0) {
+                    c.payload.close(Close::ByTarget);
+                }
             }
-        }
+        })
     }
 
-    /// Abort running tasks that match `pred`; returns how many.
+    /// Abort the session's tasks that match `pred`; returns how many. With `tell` the
+    /// initiator asked for it (its connections drop what they keep for the tasks); without,
+    /// another initiator did.
+    pub fn abort_where(&self, tell: bool, pred: impl FnMut(&Itt, &Task<Running>) -> bool) -> usize {
+        let tasks = self.with_core(|c| c.abort_where(tell, pred));
+        self.abort_tasks(tasks)
+    }
+
+    /// Abort tasks the core removed; returns how many.
     ///
     /// Each aborted task's LU is told before this returns, so before any task management
     /// response (`LogicalUnit::task_aborted`): `AbortHandle::abort` only schedules the drop of
     /// the task's future, and until it is dropped reads of that LU wait, so no read issued
     /// after the response can miss a write the aborted task leaves in the device
     /// (docs/INTEGRITY.md, "Reads and orphaned writes").
-    pub fn abort_where(&self, pred: impl Fn(&Itt, &Running) -> bool) -> usize {
-        // The LUN map first (its lock is never taken under the running table's).
+    pub fn abort_tasks(&self, tasks: Terminated<Running>) -> usize {
+        if tasks.is_empty() {
+            return 0;
+        }
         let scsi = self.target.as_ref().map(|t| t.scsi());
-        let mut running = self.running();
-        let victims: Vec<Itt> = running
-            .iter()
-            .filter(|(i, r)| pred(i, r))
-            .map(|(i, _)| *i)
-            .collect();
-        for itt in &victims {
-            let Some(r) = running.remove(itt) else {
-                continue;
-            };
+        let n = tasks.len();
+        for (_, t) in tasks {
+            let r = t.payload;
             if let Some(slot) = &r.placed {
                 // Released now, with nothing put after it.
                 drop(slot.take());
             }
-            let lu = scsi.as_ref().and_then(|s| s.lun(r.lun));
+            let lu = scsi.as_ref().and_then(|s| s.lun(t.lun));
             match r.abort {
                 Some(abort) => {
                     abort.abort();
@@ -312,35 +388,30 @@ impl Session {
                     }
                 }
                 None => {
-                    // Being polled inline right now (or already done with): reads wait
-                    // until the reader is out of it.
+                    // Being polled inline right now (or already done with, or never started):
+                    // reads wait until the reader is out of it.
                     let polling = r.polling;
-                    if polling.load(std::sync::atomic::Ordering::Acquire) {
+                    if polling.load(Ordering::Acquire) {
                         if let Some(lu) = lu {
-                            lu.task_aborted(move || {
-                                !polling.load(std::sync::atomic::Ordering::Acquire)
-                            });
+                            lu.task_aborted(move || !polling.load(Ordering::Acquire));
                         }
                     }
                 }
             }
         }
-        victims.len()
+        n
     }
 
     pub fn info(&self) -> SessionInfo {
-        // One lock, released before the struct is built (a second `lock` in the same
-        // expression would deadlock on the first one's temporary guard).
-        let (first, connections) = {
-            let conns = lock(&self.conns);
+        let (first, connections) = self.with_conns(|conns| {
             (
-                conns.first().map(|c| c.params).unwrap_or_default(),
+                conns.first().map(|c| c.payload.params).unwrap_or_default(),
                 conns
                     .iter()
-                    .map(|c| (c.cid, c.peer, c.local))
+                    .map(|c| (c.cid.0, c.payload.peer, c.payload.local))
                     .collect::<Vec<_>>(),
             )
-        };
+        });
         SessionInfo {
             tsih: self.tsih.0,
             isid: self.isid.to_string(),
@@ -443,8 +514,10 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ironsan_proto::pdu::ScsiCommand;
+    use ironsan_proto::session::Admission;
 
-    fn session() -> Session {
+    fn session(max_connections: u16) -> Session {
         Session::new(
             Tsih(1),
             Isid([0x40, 0, 0, 0, 0, 1]),
@@ -457,14 +530,14 @@ mod tests {
                 target_port: "iqn.2026-11.org.ironsan:test,t,0x0001".into(),
                 relative_port: 1,
             },
-            CmdWindow::new(CmdSn(1), 8),
+            Core::new(CmdSn(1), 8, max_connections, 0),
         )
     }
 
-    /// A connection and the receiving end of its close signal (what `leave` is given).
-    fn conn(cid: u16) -> (ConnInfo, watch::Receiver<bool>) {
+    /// A connection and the receiving end of its close signal.
+    fn conn(cid: u16) -> (ConnInfo, watch::Receiver<Option<Close>>) {
         let any: SocketAddr = "127.0.0.1:3260".parse().expect("an address");
-        let (close, rx) = watch::channel(false);
+        let (close, rx) = watch::channel(None);
         let c = ConnInfo {
             cid,
             peer: any,
@@ -475,17 +548,24 @@ mod tests {
             tx: Arc::default(),
             since: std::time::SystemTime::now(),
             close,
+            signals: Arc::default(),
         };
         (c, rx)
     }
 
-    fn running() -> Running {
-        Running {
-            lun: 0,
-            abort: None,
-            polling: Arc::default(),
-            placed: None,
-        }
+    fn admit(s: &Session, id: ConnId, itt: u32, cmd_sn: u32) -> Admission {
+        let cmd = ScsiCommand {
+            itt: Itt(itt),
+            cmd_sn: CmdSn(cmd_sn),
+            ..Default::default()
+        };
+        s.with_core(|c| {
+            c.admit_command(id, &cmd, 0, || Running {
+                abort: None,
+                polling: Arc::default(),
+                placed: None,
+            })
+        })
     }
 
     /// A login that looked the session up before its last connection left must not join it
@@ -493,59 +573,89 @@ mod tests {
     /// SESSION DOES NOT EXIST instead (and the initiator logs in anew).
     #[test]
     fn no_connection_joins_a_session_after_its_last_one_left() {
-        let s = session();
-        let (c0, rx0) = conn(0);
-        assert_eq!(s.join(c0, 2), Ok(()));
-        assert!(s.leave(0, &rx0), "the last connection ends the session");
+        let s = session(2);
+        let (id, _) = s.join(Cid(0), conn(0).0).unwrap();
+        assert!(s.leave(id, false), "the last connection ends the session");
         assert_eq!(
-            s.join(conn(1).0, 2),
-            Err(LoginStatus::SESSION_DOES_NOT_EXIST)
+            s.join(Cid(1), conn(1).0).unwrap_err(),
+            LoginStatus::SESSION_DOES_NOT_EXIST
         );
         assert_eq!(s.conn_count(), 0);
-        assert!(!s.admit(Itt(1), running(), false));
+        assert_eq!(admit(&s, id, 1, 1), Admission::Ended);
     }
 
-    /// One that joined first keeps the session alive when the other connection leaves, and
-    /// its commands are admitted.
+    /// One that joined first keeps the session alive when the other connection leaves
+    /// cleanly, and its commands are admitted.
     #[test]
     fn a_connection_that_joined_first_keeps_the_session() {
-        let s = session();
-        let ((c0, rx0), (c1, rx1)) = (conn(0), conn(1));
-        assert_eq!(s.join(c0, 2), Ok(()));
-        assert_eq!(s.join(c1, 2), Ok(()));
-        assert_eq!(s.join(conn(2).0, 2), Err(LoginStatus::TOO_MANY_CONNECTIONS));
-        assert!(!s.leave(0, &rx0));
-        assert!(s.admit(Itt(1), running(), false));
-        assert!(s.leave(1, &rx1));
-        assert_eq!(s.running().len(), 0, "the end aborts what was running");
+        let s = session(2);
+        let (a, _) = s.join(Cid(0), conn(0).0).unwrap();
+        let (b, _) = s.join(Cid(1), conn(1).0).unwrap();
+        assert_eq!(
+            s.join(Cid(2), conn(2).0).unwrap_err(),
+            LoginStatus::TOO_MANY_CONNECTIONS
+        );
+        assert!(!s.leave(a, false));
+        assert_eq!(admit(&s, b, 1, 1), Admission::Deliver);
+        assert!(s.leave(b, false));
+        assert_eq!(
+            s.with_core(|c| c.tasks().count()),
+            0,
+            "the end aborts what was running"
+        );
     }
 
-    /// A second connection with the same CID (a connection reinstatement) keeps its entry, and
-    /// the session, when the first one leaves.
+    /// At ErrorRecoveryLevel 0 a failed connection takes its session with it, and the other
+    /// connections are told to close.
     #[test]
-    fn a_connection_leaving_removes_only_itself() {
-        let s = session();
-        let ((old, old_rx), (new, new_rx)) = (conn(0), conn(0));
-        assert_eq!(s.join(old, 2), Ok(()));
-        assert_eq!(s.join(new, 2), Ok(()));
-        assert!(
-            !s.leave(0, &old_rx),
-            "the new connection's session ended with the old one"
-        );
+    fn a_failed_connection_ends_its_session_and_closes_the_others() {
+        let s = session(2);
+        let (a, _) = s.join(Cid(0), conn(0).0).unwrap();
+        let (other, mut other_rx) = conn(1);
+        s.join(Cid(1), other).unwrap();
+        assert!(s.leave(a, true));
+        assert_eq!(*other_rx.borrow_and_update(), Some(Close::ByTarget));
+    }
+
+    /// A second login with the same CID reinstates the connection: the old one is told to
+    /// close, and the session keeps one connection.
+    #[test]
+    fn a_login_with_a_known_cid_replaces_that_connection() {
+        let s = session(2);
+        let (old, mut old_rx) = conn(0);
+        let (old_id, _) = s.join(Cid(0), old).unwrap();
+        let (new_id, replaced) = s.join(Cid(0), conn(0).0).unwrap();
+        assert!(replaced.is_some());
+        assert_eq!(*old_rx.borrow_and_update(), Some(Close::ByTarget));
         assert_eq!(s.conn_count(), 1);
-        assert!(s.leave(0, &new_rx));
+        assert!(
+            !s.leave(old_id, true),
+            "the old connection's end is not the session's"
+        );
+        assert!(s.leave(new_id, false));
     }
 
     /// A reinstated (or reset) session refuses connections too, and admits nothing.
     #[test]
     fn an_ended_session_takes_no_connection() {
-        let s = session();
-        assert_eq!(s.join(conn(0).0, 2), Ok(()));
+        let s = session(2);
+        let (id, _) = s.join(Cid(0), conn(0).0).unwrap();
         s.end();
         assert_eq!(
-            s.join(conn(1).0, 2),
-            Err(LoginStatus::SESSION_DOES_NOT_EXIST)
+            s.join(Cid(1), conn(1).0).unwrap_err(),
+            LoginStatus::SESSION_DOES_NOT_EXIST
         );
-        assert!(!s.admit(Itt(1), running(), false));
+        assert_eq!(admit(&s, id, 1, 1), Admission::Ended);
+    }
+
+    #[test]
+    fn the_published_window_follows_the_core() {
+        let s = session(1);
+        let (id, _) = s.join(Cid(0), conn(0).0).unwrap();
+        assert_eq!(s.window_sn(), (CmdSn(1), CmdSn(8)));
+        admit(&s, id, 1, 1);
+        assert_eq!(s.window_sn(), (CmdSn(2), CmdSn(8)));
+        s.with_core(|c| c.remove(Itt(1)));
+        assert_eq!(s.window_sn(), (CmdSn(2), CmdSn(9)));
     }
 }

@@ -8,22 +8,14 @@ use crate::io::{Digests, WriteBatch};
 use crate::metrics::{Stamp, Timing};
 use crate::session::Session;
 use bytes::Bytes;
-use ironsan_proto::pdu::{Header, Pdu, TargetSn};
+use ironsan_proto::pdu::{Header, Pdu, StatSnCounter};
 use ironsan_proto::StatSn;
 use ironsan_scsi::DataIn;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::mpsc;
 
-/// How a PDU relates to StatSN.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SnMode {
-    /// Carries a status: gets the next StatSN.
-    Status,
-    /// Carries the current StatSN without advancing it (R2T, Data-In without status,
-    /// target-initiated NOP-In).
-    Current,
-}
+pub use ironsan_proto::pdu::SnMode;
 
 /// One PDU for the writer. Its data segment is in memory, or (a read's Data-In with no data
 /// digest) a range of a file LUN's backing file that the batch sends with `sendfile`.
@@ -89,23 +81,6 @@ impl Out {
     }
 }
 
-/// Where a target PDU keeps its TargetSn.
-fn target_sn(h: &mut Header) -> Option<&mut TargetSn> {
-    match h {
-        Header::NopIn(p) => Some(&mut p.sn),
-        Header::ScsiResponse(p) => Some(&mut p.sn),
-        Header::TaskMgmtResponse(p) => Some(&mut p.sn),
-        Header::LoginResponse(p) => Some(&mut p.sn),
-        Header::TextResponse(p) => Some(&mut p.sn),
-        Header::DataIn(p) => Some(&mut p.sn),
-        Header::LogoutResponse(p) => Some(&mut p.sn),
-        Header::R2t(p) => Some(&mut p.sn),
-        Header::AsyncMessage(p) => Some(&mut p.sn),
-        Header::Reject(p) => Some(&mut p.sn),
-        _ => None,
-    }
-}
-
 /// Counters the writer keeps for the admin view.
 #[derive(Debug, Default)]
 pub struct TxStats {
@@ -121,23 +96,14 @@ pub struct TxStats {
 fn push(
     pdus: Vec<OutPdu>,
     batch: &mut WriteBatch,
-    stat_sn: &mut StatSn,
+    stat_sn: &mut StatSnCounter,
     session: &Option<Arc<Session>>,
     digests: Digests,
     stats: &TxStats,
 ) {
     for mut p in pdus {
         let window = session.as_ref().map(|s| s.window_sn());
-        if let Some(sn) = target_sn(&mut p.header) {
-            sn.stat_sn = *stat_sn;
-            if let Some((exp, max)) = window {
-                sn.exp_cmd_sn = exp;
-                sn.max_cmd_sn = max;
-            }
-        }
-        if p.mode == SnMode::Status {
-            *stat_sn = stat_sn.next();
-        }
+        stat_sn.stamp(&mut p.header, p.mode, window);
         match p.data {
             DataIn::Memory(data) => {
                 let pdu = Pdu::new(p.header, data);
@@ -168,7 +134,7 @@ fn push(
 /// What the writer keeps between writes: the StatSN counter, the session whose window it
 /// stamps, the digests, and the encoded bytes not yet written with what waits for them.
 struct Core {
-    stat_sn: StatSn,
+    stat_sn: StatSnCounter,
     session: Option<Arc<Session>>,
     digests: Digests,
     batch: WriteBatch,
@@ -258,7 +224,7 @@ impl Writer {
     pub fn new(sock: OwnedWriteHalf, stats: Arc<TxStats>) -> Arc<Writer> {
         Arc::new(Writer {
             core: Mutex::new(Core {
-                stat_sn: StatSn(0),
+                stat_sn: StatSnCounter(StatSn(0)),
                 session: None,
                 digests: Digests::default(),
                 batch: WriteBatch::default(),
@@ -384,7 +350,7 @@ async fn serve(
     first_stat_sn: StatSn,
 ) -> std::io::Result<()> {
     use std::sync::atomic::Ordering::SeqCst;
-    lock(&w.core).stat_sn = first_stat_sn;
+    lock(&w.core).stat_sn = StatSnCounter(first_stat_sn);
     const BATCH_BYTES: usize = 1 << 20;
     let mut close = false;
     while let Some(first) = rx.recv().await {

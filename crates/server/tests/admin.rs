@@ -56,6 +56,7 @@ async fn start(name: &str) -> (SocketAddr, PathBuf, tokio::sync::oneshot::Sender
         name: TARGET.into(),
         alias: Some("adm".into()),
         tpgt: 1,
+        max_connections: None,
         scsi: Arc::new(scsi),
     };
     let cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);

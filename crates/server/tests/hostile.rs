@@ -431,12 +431,13 @@ async fn c02_lengths_that_lie() {
         Bytes::new(),
     )
     .bhs();
-    c.cmd_sn = c.cmd_sn.next();
     bhs.0[4] = 1; // one word of AHS...
     let mut raw = bhs.0.to_vec();
     raw.extend_from_slice(&[0x00, 0xff, 0x01, 0x00]); // ...claiming 255 bytes of CDB
     c.send_bytes(&raw).await.unwrap();
     expect_reject(&mut c, RejectReason::INVALID_PDU_FIELD).await;
+    // A rejected command's CmdSN is not received (RFC 7143 §7.3): the next command plugs the
+    // gap with it.
     assert_eq!(c.ping(Bytes::from_static(b"x")).await.unwrap(), "x");
     // Immediate data longer than EDTL: Reject (protocol error), nothing written.
     let itt = c.itt();
@@ -449,7 +450,6 @@ async fn c02_lengths_that_lie() {
         cdb: write16_cdb(300, 1),
         ..Default::default()
     };
-    c.cmd_sn = c.cmd_sn.next();
     c.send(Header::ScsiCommand(cmd), pattern(1024, 3))
         .await
         .unwrap();
@@ -922,11 +922,11 @@ async fn c09_tag_reuse() {
         cdb: [0; 16],
         ..Default::default()
     };
-    c.cmd_sn = c.cmd_sn.next();
     c.send(Header::ScsiCommand(dup), Bytes::new())
         .await
         .unwrap();
     expect_reject(&mut c, RejectReason::TASK_IN_PROGRESS).await;
+    // Its CmdSN was not received (RFC 7143 §7.3): the commands after it reuse it.
     // The original write still completes.
     let d = DataOut {
         final_bit: true,
@@ -977,12 +977,42 @@ async fn c09_reserved_itt_on_a_command_is_rejected() {
         cdb: [0; 16],
         ..Default::default()
     };
-    c.cmd_sn = c.cmd_sn.next();
     c.send(Header::ScsiCommand(cmd), Bytes::new())
         .await
         .unwrap();
     expect_reject(&mut c, RejectReason::INVALID_PDU_FIELD).await;
-    // The CmdSN was consumed: the session goes on.
+    // The CmdSN was not received (RFC 7143 §7.3): a command after it waits for the gap...
+    let held = c.cmd_sn.next();
+    let mut tur = ScsiCommand {
+        final_bit: true,
+        itt: c.itt(),
+        cmd_sn: held,
+        cdb: [0; 16],
+        ..Default::default()
+    };
+    c.send(Header::ScsiCommand(tur.clone()), Bytes::new())
+        .await
+        .unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), c.recv())
+            .await
+            .is_err(),
+        "a command behind the gap ran"
+    );
+    // ...until the initiator plugs it, here with a command that takes the rejected CmdSN;
+    // then both run, in order.
+    tur.itt = c.itt();
+    tur.cmd_sn = c.cmd_sn;
+    c.send(Header::ScsiCommand(tur), Bytes::new())
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let Header::ScsiResponse(r) = c.recv().await.unwrap().header else {
+            panic!("expected two SCSI Responses")
+        };
+        assert_eq!(r.status, 0);
+    }
+    c.cmd_sn = held.next();
     let r = c.command(0, &[0u8; 6], None, 0).await.unwrap();
     assert_eq!(r.status, 0);
 }

@@ -32,6 +32,7 @@ fn target(name: &str) -> TargetDef {
         name: name.into(),
         alias: None,
         tpgt: 1,
+        max_connections: None,
         scsi: Arc::new(scsi),
     }
 }

@@ -1,6 +1,6 @@
 use super::*;
 use crate::pdu::{Lun, ScsiCommand};
-use crate::task::{response_pdus, DataOutError};
+use crate::task::{response_pdus, DataOutError, Outcome};
 use crate::DataSn;
 use proptest::prelude::*;
 
@@ -52,8 +52,14 @@ fn unsolicited_data_of_a_held_write_is_taken_and_it_completes_on_delivery() {
     let t = c.begin_write(65536, 8192, false).unwrap();
     c.insert_write(Itt(2), Lun::default(), t, false, vec![]);
     let d = data_out(2, Ttt::RESERVED, 0, 8192, true);
-    assert!(matches!(c.data_out(&d, 57344), DataOutPlan::Accept { offset: 8192 }));
-    assert!(matches!(c.after_data(Itt(2)), Next::Waiting), "not delivered yet");
+    assert!(matches!(
+        c.data_out(&d, 57344),
+        DataOutPlan::Accept { offset: 8192 }
+    ));
+    assert!(
+        matches!(c.after_data(Itt(2)), Next::Waiting),
+        "not delivered yet"
+    );
     assert!(matches!(c.deliver_write(Itt(2)), Next::Complete(w) if w.itt == Itt(2)));
     assert!(r2ts(&mut c).is_empty());
 }
@@ -74,7 +80,11 @@ fn data_out_for_no_write_or_out_of_sequence_is_refused() {
         DataOutPlan::Refused(DataOutError::BadDataSn, w) => assert_eq!(w.itt, Itt(5)),
         other => panic!("{other:?}"),
     }
-    assert_eq!(c.outstanding_r2ts(), 0, "the refused write's R2T no longer counts");
+    assert_eq!(
+        c.outstanding_r2ts(),
+        0,
+        "the refused write's R2T no longer counts"
+    );
     assert!(c.write_mut(Itt(5)).is_none());
 }
 
@@ -127,10 +137,15 @@ fn long_text_responses_continue_with_our_ttt() {
     };
     assert!(r.cont && !r.final_bit && r.ttt != Ttt::RESERVED);
     assert_eq!(first.len(), 512);
-    let next = TextRequest { ttt: r.ttt, ..t.clone() };
+    let next = TextRequest {
+        ttt: r.ttt,
+        ..t.clone()
+    };
     let (_, second) = c.text_continue(&next).expect("continues");
     let (h3, third) = c.text_continue(&next).expect("continues");
-    assert!(matches!(h3, Header::TextResponse(ref r) if r.final_bit && !r.cont && r.ttt == Ttt::RESERVED));
+    assert!(
+        matches!(h3, Header::TextResponse(ref r) if r.final_bit && !r.cont && r.ttt == Ttt::RESERVED)
+    );
     assert_eq!([first, second, third].concat(), body.to_vec());
     assert!(c.text_continue(&next).is_none(), "nothing left");
 }
@@ -182,7 +197,15 @@ fn write_case() -> impl Strategy<Value = WriteCase> {
                 let max_burst = max_burst.max(first_burst);
                 let fb = first_burst.min(edtl);
                 (
-                    Just((edtl, first_burst, max_burst, max_r2t, mrdsl, budget, unsolicited)),
+                    Just((
+                        edtl,
+                        first_burst,
+                        max_burst,
+                        max_r2t,
+                        mrdsl,
+                        budget,
+                        unsolicited,
+                    )),
                     0..=fb.min(mrdsl),
                     proptest::collection::vec(0usize..16, 64),
                     proptest::collection::vec(1u32..70_000, 64),
@@ -190,7 +213,12 @@ fn write_case() -> impl Strategy<Value = WriteCase> {
             },
         )
         .prop_map(
-            |((edtl, first_burst, max_burst, max_r2t, mrdsl, budget, unsolicited), immediate, picks, sizes)| {
+            |(
+                (edtl, first_burst, max_burst, max_r2t, mrdsl, budget, unsolicited),
+                immediate,
+                picks,
+                sizes,
+            )| {
                 WriteCase {
                     edtl,
                     immediate,
@@ -284,7 +312,8 @@ proptest! {
         text_len in 0usize..100_000,
     ) {
         let cmd = ScsiCommand { read: true, expected_data_transfer_length: edtl, ..Default::default() };
-        let (send, pdus) = response_pdus(&cmd, 0, sense, produced, None, DataSn(0), max_xmit, max_burst);
+        let outcome = Outcome { status: 0, sense, produced, write_needed: None, exp_data_sn: DataSn(0) };
+        let (send, pdus) = response_pdus(&cmd, outcome, max_xmit, max_burst);
         prop_assert_eq!(send, produced.min(edtl));
         let mut off = 0;
         let mut statuses = 0;

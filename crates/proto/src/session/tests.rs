@@ -37,7 +37,10 @@ fn a_command_ahead_of_a_gap_waits_and_its_own_connection_runs_it() {
     assert_eq!(s.admit_command(b, &cmd(11, 1), 0, || 11), Admission::Held);
     assert_eq!(s.task(Itt(11)).map(|t| t.state), Some(TaskState::Held));
     assert_eq!(s.claim(Itt(11)), None, "a held task must not run");
-    assert_eq!(s.admit_command(a, &cmd(10, 0), 0, || 10), Admission::Deliver);
+    assert_eq!(
+        s.admit_command(a, &cmd(10, 0), 0, || 10),
+        Admission::Deliver
+    );
     // A filled the gap: B is told (and woken), A is not.
     let mut woken = Vec::new();
     s.take_wakeups(a, |c| woken.push(*c));
@@ -52,18 +55,27 @@ fn a_command_ahead_of_a_gap_waits_and_its_own_connection_runs_it() {
 #[test]
 fn itts_are_unique_across_the_connections_of_a_session() {
     let (mut s, ids) = session(&[1, 2]);
-    assert_eq!(s.admit_command(ids[0], &cmd(7, 0), 0, || 0), Admission::Deliver);
+    assert_eq!(
+        s.admit_command(ids[0], &cmd(7, 0), 0, || 0),
+        Admission::Deliver
+    );
     assert_eq!(
         s.admit_command(ids[1], &cmd(7, 1), 0, || 0),
         Admission::Reject(RejectReason::TASK_IN_PROGRESS)
     );
-    // The rejected command's CmdSN is consumed: the window does not stall on it.
-    assert_eq!(s.window_sn().0, CmdSn(2));
+    // A rejected command's CmdSN is not received (RFC 7143 §7.3): the initiator plugs the
+    // gap, here with another command with that CmdSN.
+    assert_eq!(s.window_sn().0, CmdSn(1));
     assert_eq!(
-        s.admit_command(ids[1], &cmd(RESERVED, 2), 0, || 0),
+        s.admit_command(ids[1], &cmd(RESERVED, 1), 0, || 0),
         Admission::Reject(RejectReason::INVALID_PDU_FIELD)
     );
-    assert_eq!(s.window_sn().0, CmdSn(3));
+    assert_eq!(s.window_sn().0, CmdSn(1));
+    assert_eq!(
+        s.admit_command(ids[1], &cmd(8, 1), 0, || 0),
+        Admission::Deliver
+    );
+    assert_eq!(s.window_sn().0, CmdSn(2));
 }
 
 const RESERVED: u32 = crate::pdu::RESERVED_TAG;
@@ -71,12 +83,18 @@ const RESERVED: u32 = crate::pdu::RESERVED_TAG;
 #[test]
 fn a_cmdsn_reused_on_another_connection_is_ignored() {
     let (mut s, ids) = session(&[1, 2]);
-    assert_eq!(s.admit_command(ids[0], &cmd(1, 0), 0, || 0), Admission::Deliver);
+    assert_eq!(
+        s.admit_command(ids[0], &cmd(1, 0), 0, || 0),
+        Admission::Deliver
+    );
     assert_eq!(
         s.admit_command(ids[1], &cmd(2, 0), 0, || 0),
         Admission::Ignore(Ignored::BelowWindow)
     );
-    assert_eq!(s.admit_command(ids[1], &cmd(3, 2), 0, || 0), Admission::Held);
+    assert_eq!(
+        s.admit_command(ids[1], &cmd(3, 2), 0, || 0),
+        Admission::Held
+    );
     assert_eq!(
         s.admit_command(ids[0], &cmd(4, 2), 0, || 0),
         Admission::Ignore(Ignored::Duplicate)
@@ -126,7 +144,11 @@ fn aborting_a_held_task_consumes_its_cmdsn_and_tells_its_connection() {
     assert_eq!(events(&mut s, b), vec![Event::Drop(Itt(5))]);
     s.admit_command(a, &cmd(6, 0), 0, || 6);
     assert_eq!(s.window_sn().0, CmdSn(2), "CmdSN 1 counts as received");
-    assert_eq!(events(&mut s, b), vec![], "nothing delivered for the aborted task");
+    assert_eq!(
+        events(&mut s, b),
+        vec![],
+        "nothing delivered for the aborted task"
+    );
     assert_eq!(s.in_flight(), 1);
 }
 
@@ -141,7 +163,10 @@ fn abort_task_of_a_command_never_received_consumes_its_cmdsn() {
         cmd_sn: CmdSn(1),
         ..Default::default()
     };
-    assert_eq!(s.task_management(&tmf, true).response, TmfResponseCode::COMPLETE);
+    assert_eq!(
+        s.task_management(&tmf, true).response,
+        TmfResponseCode::COMPLETE
+    );
     // The command arrives late: it is a duplicate now and never runs.
     assert_eq!(
         s.admit_command(ids[0], &cmd(9, 0), 0, || 9),
@@ -187,7 +212,10 @@ fn task_set_functions_need_a_lun_and_reach_every_connection() {
         TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED
     );
     tmf.function = TmfFunction(99);
-    assert_eq!(s.task_management(&tmf, true).response, TmfResponseCode::REJECTED);
+    assert_eq!(
+        s.task_management(&tmf, true).response,
+        TmfResponseCode::REJECTED
+    );
 }
 
 #[test]
@@ -224,8 +252,14 @@ fn a_failed_connection_ends_the_session_at_erl_0() {
     assert_eq!(others.len(), 1);
     assert_eq!(left.terminated.len(), 1, "every task of the session ends");
     assert!(s.is_ended());
-    assert_eq!(s.join(Cid(3), "x").unwrap_err(), LoginStatus::SESSION_DOES_NOT_EXIST);
-    assert_eq!(s.admit_command(ids[1], &cmd(2, 1), 0, || 2), Admission::Ended);
+    assert_eq!(
+        s.join(Cid(3), "x").unwrap_err(),
+        LoginStatus::SESSION_DOES_NOT_EXIST
+    );
+    assert_eq!(
+        s.admit_command(ids[1], &cmd(2, 1), 0, || 2),
+        Admission::Ended
+    );
 }
 
 #[test]
@@ -264,7 +298,10 @@ fn logout_closes_the_named_connection_from_any_connection() {
     assert_eq!(s.conns().len(), 1);
     assert!(!s.is_ended());
     assert!(matches!(
-        s.logout(ids[0], &req(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 1)),
+        s.logout(
+            ids[0],
+            &req(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 1)
+        ),
         LogoutPlan::Respond(LogoutResponseCode::RECOVERY_NOT_SUPPORTED)
     ));
     assert!(matches!(
@@ -349,7 +386,6 @@ proptest! {
                 // Everyone waits for the window: SCSI completes the oldest.
                 let itt = running.pop_front().expect("something runs when the window is full");
                 prop_assert!(s.remove(itt).is_some());
-                s.complete();
                 continue;
             }
             let sn = queues[c].pop_front().expect("live");
@@ -383,7 +419,6 @@ proptest! {
             while running.len() > sc.scsi_depth {
                 let itt = running.pop_front().expect("non-empty");
                 prop_assert!(s.remove(itt).is_some());
-                s.complete();
             }
         }
         let sns: Vec<u32> = delivered.iter().map(|d| d.0).collect();

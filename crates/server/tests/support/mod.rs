@@ -31,6 +31,7 @@ pub fn target_on(name: &str, backend: Arc<dyn BlockDevice>, naa: u64) -> TargetD
         name: name.into(),
         alias: None,
         tpgt: 1,
+        max_connections: None,
         scsi: Arc::new(scsi),
     }
 }

@@ -1,0 +1,379 @@
+//! Running a delivered command on the SCSI layer and turning its outcome into PDUs.
+//!
+//! A command's future (`scsi::Target::execute` plus building the response) is polled once
+//! inline: most commands (RAM, page-cache hits of file LUNs, tmpfs files, errors) finish right
+//! there, with no task and no wake-up, and their response joins the reader's batch. A command
+//! that must wait (backend I/O in flight, the transmit budget, a range lock) becomes a task of
+//! its own.
+
+use super::write::{Slot, WriteData};
+use super::{Connection, PollingFlag};
+use crate::metrics::{Class, Stamp, Timing};
+use crate::writer::{Out, OutPdu};
+use crate::{LiveTarget, Shared};
+use bytes::Bytes;
+use ironsan_proto::negotiate::ConnParams;
+use ironsan_proto::pdu::*;
+use ironsan_proto::task::{response_pdus, Outcome};
+use ironsan_proto::DataSn;
+use ironsan_scsi::{Command, Response};
+use std::future::Future;
+use std::sync::Arc;
+
+/// The smallest read sent straight from a file LUN's page cache or mapping (below it the
+/// `cachestat` a mapped read asks costs about what the copy saves), and the smallest
+/// MaxRecvDataSegmentLength for which `sendfile` is used: each Data-In segment then costs a
+/// `sendfile` (and a `sendmsg` for its header) instead of two copies; below this, copying
+/// into one batched vectored write is cheaper (docs/PERFORMANCE.md).
+const IN_PLACE_MIN: u32 = 64 * 1024;
+
+/// Whether and how a connection sends large file-LUN reads without copying them
+/// ([`crate::ZeroCopyReads`]): never with a data digest (it needs the bytes); `sendfile` only
+/// with segments of at least [`IN_PLACE_MIN`] and, in `auto`, on a connection whose congestion
+/// control does not pace inside TCP (BBR), where a mapping of a tmpfs file is sent from
+/// instead (docs/PERFORMANCE.md). Reads of nothing stored may go as the zero page with
+/// `sendfile` in `on` and `auto` alike, given segments of at least [`IN_PLACE_MIN`].
+pub(super) fn in_place_reads(
+    mode: crate::ZeroCopyReads,
+    params: &ConnParams,
+    fd: std::os::fd::RawFd,
+) -> Option<ironsan_backend::InPlaceRead> {
+    use crate::ZeroCopyReads as Z;
+    use ironsan_backend::SendFrom;
+    if params.data_digest {
+        return None;
+    }
+    let big_segments = params.max_xmit_data_segment_length >= IN_PLACE_MIN;
+    let from = match mode {
+        Z::Off => return None,
+        Z::On if big_segments => SendFrom::PageCache,
+        Z::On => return None,
+        Z::Mapped => SendFrom::Mapping,
+        Z::Auto => {
+            let paced = crate::sys::tcp_congestion(fd).is_ok_and(|cc| cc.starts_with("bbr"));
+            if big_segments && !paced {
+                SendFrom::PageCache
+            } else {
+                SendFrom::Mapping
+            }
+        }
+    };
+    Some(ironsan_backend::InPlaceRead {
+        min: IN_PLACE_MIN,
+        from,
+        zero_page: big_segments && mode != Z::Mapped,
+    })
+}
+
+/// The CDB with any Extended CDB AHS appended (RFC 7143 §11.2.2.3). `None` if an AHS is
+/// malformed.
+pub(super) fn extended_cdb(cdb16: &[u8; 16], ahs: &Bytes) -> Option<Bytes> {
+    if ahs.is_empty() {
+        return Some(Bytes::copy_from_slice(cdb16));
+    }
+    let mut cdb = cdb16.to_vec();
+    let mut rest = &ahs[..];
+    while !rest.is_empty() {
+        let hdr = rest.get(..3)?;
+        let len = u16::from_be_bytes([hdr[0], hdr[1]]) as usize;
+        let ahs_type = hdr[2];
+        let body = rest.get(4..4 + len.saturating_sub(1))?;
+        if ahs_type == 1 {
+            cdb.extend_from_slice(body);
+        }
+        let total = 4 + len.saturating_sub(1);
+        let padded = total + ironsan_proto::pdu::pad_len(total);
+        rest = rest.get(padded..).unwrap_or(&[]);
+    }
+    Some(Bytes::from(cdb))
+}
+
+/// Turn a SCSI response into iSCSI PDUs ([`response_pdus`]: Data-In with the status collapsed
+/// into the last one when there is no sense data, and/or a SCSI Response with the sense),
+/// slicing the read data (never copying it) into the Data-In segments.
+fn response(
+    cmd: &ScsiCommand,
+    resp: Response,
+    write_needed: Option<u32>,
+    exp_data_sn: DataSn,
+    max_xmit: u32,
+    max_burst: u32,
+) -> Vec<OutPdu> {
+    let produced = resp.data_in.len() as u32;
+    let status = resp.status.0;
+    let outcome = Outcome {
+        status,
+        sense: resp.sense.is_some(),
+        produced,
+        write_needed,
+        exp_data_sn,
+    };
+    let (send, pdus) = response_pdus(cmd, outcome, max_xmit, max_burst);
+    // Moved, not cloned: a clone of a freshly frozen buffer allocates its shared header.
+    let mut data = resp.data_in;
+    data.truncate(send as usize);
+    let sense = resp.sense;
+    pdus.map(|p| {
+        let segment = if p.data_len > 0 {
+            // Each segment is split off the front; the last (usually the only) one takes what
+            // is left without a clone.
+            data.split_to(p.data_len as usize)
+        } else if matches!(p.header, Header::ScsiResponse(_)) {
+            sense
+                .as_deref()
+                .map(sense_segment)
+                .unwrap_or_default()
+                .into()
+        } else {
+            ironsan_scsi::DataIn::default()
+        };
+        OutPdu {
+            header: p.header,
+            data: segment,
+            mode: if p.status {
+                SnMode::Status
+            } else {
+                SnMode::Current
+            },
+        }
+    })
+    .collect()
+}
+
+/// PREEMPT AND ABORT (SPC-4): the SCSI layer names the I_T nexuses whose tasks on the LUN
+/// must be aborted; find their sessions and abort those tasks (no responses are sent for them).
+fn abort_preempted(shared: &Shared, target: &LiveTarget, lun: u64) {
+    let Some(lu) = target.scsi().lun(lun).cloned() else {
+        return;
+    };
+    let victims = lu.take_pr_aborts();
+    if victims.is_empty() {
+        return;
+    }
+    let sessions = shared
+        .sessions
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .of_target(&target.name);
+    for s in sessions {
+        let hit = victims
+            .iter()
+            .any(|(i, t)| *i == s.nexus.initiator_port && *t == s.nexus.target_port);
+        if hit {
+            s.abort_where(false, |_, t| t.lun == lun);
+        }
+    }
+}
+
+impl Connection {
+    /// Run a delivered command whose data is complete (normal sessions only). It must still
+    /// have its entry in the session's task table (a task management function or the end of
+    /// the session may have removed it, which aborted it: then it does not run).
+    pub(super) fn spawn_exec(
+        &mut self,
+        cmd: ScsiCommand,
+        cdb: Bytes,
+        data_out: WriteData,
+        exp_data_sn: DataSn,
+        slot: Slot,
+        t_header: Stamp,
+    ) {
+        // A command without Data-Out comes here straight from its header: no second clock
+        // read for a stage that is empty.
+        let t_data = if cmd.write { Stamp::now() } else { t_header };
+        let Some(target) = self.session.target.clone() else {
+            return;
+        };
+        let session = Arc::clone(&self.session);
+        let shared = Arc::clone(&self.shared);
+        let scmd_op = cdb.first().copied().unwrap_or(0);
+        let max_xmit = self.params.max_xmit_data_segment_length;
+        let max_burst = session.params.max_burst_length;
+        let in_place = self.in_place;
+        let lun = cmd.lun.number().unwrap_or(u64::MAX);
+        let itt = cmd.itt;
+        // The LUN map as of this command: a LUN removed meanwhile still finishes this command.
+        let scsi = target.scsi();
+        // Latency counters only for LUNs that exist (an initiator cannot make entries).
+        let metrics = match self.lun_metrics.get(&lun) {
+            Some(m) => Some(Arc::clone(m)),
+            None if scsi.lun(lun).is_some() => {
+                let m = target.lun_metrics(lun);
+                self.lun_metrics.insert(lun, Arc::clone(&m));
+                Some(m)
+            }
+            None => None,
+        };
+        let class = Class::of(cmd.read, cmd.write);
+        let (data_out, placed) = match data_out {
+            WriteData::Buffer(b) => (b, None),
+            WriteData::Placed(p) => (Bytes::new(), Some(p)),
+        };
+        let write_bytes = match &placed {
+            Some(p) => p.target().len(),
+            None => data_out.len(),
+        };
+        let write_needed = if cmd.write {
+            let bs = scsi.lun(lun).map(|l| l.block_size()).unwrap_or(512);
+            Some(ironsan_scsi::data_out_len(&cdb, bs).unwrap_or(write_bytes as u32))
+        } else {
+            None
+        };
+        let write_bytes = write_bytes as u64;
+        // A read first takes its size from the connection's transmit budget (returned when the
+        // writer has sent its Data-In), holding its CmdSN slot while it waits.
+        let budget = (cmd.read && cmd.expected_data_transfer_length > 0).then(|| {
+            let n =
+                (cmd.expected_data_transfer_length as usize).min(super::tx_budget_bytes(&shared));
+            (Arc::clone(&self.tx_budget), n as u32)
+        });
+        // The flag is set before the task's entry is claimed: an abort that removes the entry
+        // after the claim sees it set and makes the LU's reads wait until the reader is out
+        // of the inline poll. Cleared however this function ends (a panic in the inline poll
+        // included): a flag left set would make the LU's reads and writes wait for an aborted
+        // task forever.
+        let _polling = PollingFlag::set(&self.polling);
+        let polling = Arc::clone(&self.polling);
+        let claimed = self.sess(|c| match c.claim(itt) {
+            Some(r) => {
+                r.polling = polling;
+                true
+            }
+            None => false,
+        });
+        if !claimed {
+            // The session has ended (reinstated or reset away), or a task management function
+            // aborted the command before it ran: it never runs.
+            return;
+        }
+        let body = {
+            let session = Arc::clone(&session);
+            async move {
+                // Execution starts when the budget is had: no second clock read when it was
+                // there at once (the usual case).
+                let (permit, t_exec) = match budget {
+                    Some((b, n)) => match Arc::clone(&b).try_acquire_many_owned(n) {
+                        Ok(p) => (Some(p), t_data),
+                        Err(_) => {
+                            let p = b.acquire_many_owned(n).await.ok()?;
+                            (Some(p), Stamp::now())
+                        }
+                    },
+                    None => (None, t_data),
+                };
+                let resp = match placed {
+                    // The data is in place; the command's checks were made before it came.
+                    Some(p) => match p.finish() {
+                        Ok(()) => Response::good(Bytes::new()),
+                        Err(reason) => Response::check_condition(reason),
+                    },
+                    None => {
+                        let scmd = Command {
+                            cdb,
+                            data_out,
+                            expected_in_len: cmd.expected_data_transfer_length,
+                            in_place,
+                        };
+                        scsi.execute(lun, &session.nexus, scmd).await
+                    }
+                };
+                let t_done = Stamp::now();
+                // Whoever removes the entry owns the completion: TMF or us, never both.
+                session.with_core(|c| c.remove(itt))?;
+                if scmd_op == ironsan_scsi::opcode::PERSISTENT_RESERVE_OUT {
+                    abort_preempted(&shared, &target, lun);
+                }
+                let bytes = match class {
+                    Class::Read => (resp.data_in.len() as u64)
+                        .min(u64::from(cmd.expected_data_transfer_length)),
+                    Class::Write => write_bytes,
+                    Class::Other => 0,
+                };
+                let pdus = response(&cmd, resp, write_needed, exp_data_sn, max_xmit, max_burst);
+                drop(slot);
+                let timing = metrics.map(|lun| Timing {
+                    lun,
+                    class,
+                    bytes,
+                    header: t_header,
+                    data: t_data,
+                    exec: t_exec,
+                    done: t_done,
+                    queued: Stamp::now(),
+                });
+                Some(Out::Command {
+                    pdus,
+                    permit,
+                    timing,
+                })
+            }
+        };
+        // Most commands (RAM, the page-cache fast path of file LUNs, errors) complete the
+        // first time they are polled: run them here, with no task, no wake-up and no queue
+        // hop, and keep the response for the writer's next batch. The rest become tasks.
+        let mut body = Box::pin(body);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match body.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(Some(out)) => self.keep(out),
+            std::task::Poll::Ready(None) => {}
+            std::task::Poll::Pending => {
+                let tx = self.tx.clone();
+                // Polled again by the task, every future in `body` registers the task's
+                // waker in place of the no-op one.
+                let handle = self.tasks.spawn(async move {
+                    if let Some(out) = body.await {
+                        let _ = tx.send(out).await;
+                    }
+                });
+                let mut handle = Some(handle);
+                self.sess(|c| {
+                    if let Some(t) = c.task_mut(itt) {
+                        t.payload.abort = handle.take();
+                    }
+                });
+                if let Some(handle) = handle {
+                    // A task management function took the entry while the command was
+                    // polled here: it is aborted, like every other task it found.
+                    handle.abort();
+                    if let Some(lu) = scsi_lu(&self.session, lun) {
+                        lu.task_aborted(move || handle.is_finished());
+                    }
+                }
+            }
+        }
+        // Out of the inline poll (completed, or a task that an abort now knows about): the
+        // flag clears as `_polling` drops.
+    }
+
+    /// Complete a command that failed before it ran, if its entry in the task table is still
+    /// there to take (else a task management function aborted it: no response).
+    pub(super) fn finish_waiting(
+        &mut self,
+        cmd: ScsiCommand,
+        resp: Response,
+        exp_data_sn: DataSn,
+        slot: Slot,
+    ) {
+        let itt = cmd.itt;
+        if self.sess(|c| c.remove(itt)).is_none() {
+            return;
+        }
+        let pdus = response(
+            &cmd,
+            resp,
+            None,
+            exp_data_sn,
+            self.params.max_xmit_data_segment_length,
+            self.session.params.max_burst_length,
+        );
+        drop(slot);
+        self.keep(Out::Pdus(pdus));
+    }
+}
+
+fn scsi_lu(session: &crate::session::Session, lun: u64) -> Option<Arc<ironsan_scsi::LogicalUnit>> {
+    session
+        .target
+        .as_ref()
+        .and_then(|t| t.scsi().lun(lun).cloned())
+}

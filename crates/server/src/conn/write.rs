@@ -1,0 +1,590 @@
+//! SCSI commands as they arrive (RFC 7143 §3.2.2, §11.3): admission in CmdSN order across the
+//! session's connections, immediate data, and a write's Data-Out into its buffer or straight
+//! into the medium. A command that arrives ahead of a CmdSN gap is held, with its data, until
+//! the session delivers it.
+
+use super::{reject, ConnResult, Connection};
+use crate::admin::ConnStats;
+use crate::io;
+use crate::metrics::Stamp;
+use crate::session::{PlacedSlot, Running, Session};
+use bytes::{Bytes, BytesMut};
+use ironsan_proto::connection::{DataOutPlan, Next, Write};
+use ironsan_proto::negotiate::ConnParams;
+use ironsan_proto::pdu::*;
+use ironsan_proto::session::Admission;
+use ironsan_proto::task::WriteParams;
+use ironsan_proto::DataSn;
+use ironsan_scsi::{Response, SenseReason};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// The smallest write received in place: from 64 KiB (below that the data mostly arrives with
+/// the command, already buffered), and only without a data digest, which must be checked
+/// before a byte may reach the medium.
+const PLACE_MIN: u32 = 64 * 1024;
+
+/// Writes whose Data-Out is received in place ([`crate::ServerConfig::zero_copy_writes`]).
+pub(super) fn place_min(on: bool, params: &ConnParams) -> Option<u32> {
+    (on && !params.data_digest).then_some(PLACE_MIN)
+}
+
+/// The session's negotiated write parameters with this connection's MaxRecvDataSegmentLength.
+pub(super) fn write_params(session: &Session, params: &ConnParams) -> WriteParams {
+    let p = &session.params;
+    WriteParams {
+        initial_r2t: p.initial_r2t,
+        immediate_data: p.immediate_data,
+        first_burst_length: p.first_burst_length,
+        max_burst_length: p.max_burst_length,
+        max_outstanding_r2t: p.max_outstanding_r2t,
+        max_recv_data_segment_length: params.max_recv_data_segment_length,
+    }
+}
+
+/// Bytes of a write counted against the session's `write_buffer_per_session`.
+pub(super) struct WriteQuota {
+    session: Arc<Session>,
+    bytes: u64,
+}
+
+impl WriteQuota {
+    fn try_new(session: &Arc<Session>, bytes: u64, limit: u64) -> Option<WriteQuota> {
+        session
+            .buffered_writes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
+                (cur + bytes <= limit).then_some(cur + bytes)
+            })
+            .ok()?;
+        Some(WriteQuota {
+            session: Arc::clone(session),
+            bytes,
+        })
+    }
+}
+
+impl Drop for WriteQuota {
+    fn drop(&mut self) {
+        self.session
+            .buffered_writes
+            .fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// What a command holds until it completes or is dropped: its share of the session's write
+/// quota, and, once delivered, its place in the connection's in-flight count.
+pub(super) struct Slot {
+    #[allow(dead_code)] // held for its Drop
+    quota: Option<WriteQuota>,
+    counted: Option<Arc<ConnStats>>,
+}
+
+impl Slot {
+    fn new(quota: Option<WriteQuota>) -> Self {
+        Slot {
+            quota,
+            counted: None,
+        }
+    }
+
+    /// The session delivered the command: count it (once).
+    pub(super) fn deliver(&mut self, stats: &Arc<ConnStats>, cmd: &ScsiCommand) {
+        if self.counted.is_none() {
+            stats.command(cmd.read, cmd.write, cmd.expected_data_transfer_length);
+            self.counted = Some(Arc::clone(stats));
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(s) = &self.counted {
+            s.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// What the driver keeps for a write waiting for its Data-Out (the protocol core tracks the
+/// transfer itself).
+pub(super) struct PendingWrite {
+    cmd: ScsiCommand,
+    cdb: Bytes,
+    buf: BytesMut,
+    /// The data goes straight into the medium instead of `buf` (see [`place_min`]), a
+    /// whole block at a time.
+    placed: Option<(Arc<PlacedSlot>, io::Placement)>,
+    /// Aborted while received in place (a task management function emptied its slot): the
+    /// rest of its data is received and dropped, as a buffered write's is, and it ends with no
+    /// response.
+    discard: bool,
+    slot: Slot,
+    /// When the command's header was read (start of the "receive" stage).
+    t_header: Stamp,
+}
+
+/// A command held behind a CmdSN gap, ready to run (or to fail) when it is delivered. Writes
+/// still waiting for data are kept by the protocol core instead.
+pub(super) enum Held {
+    Run {
+        cmd: ScsiCommand,
+        cdb: Bytes,
+        data: Bytes,
+        exp_data_sn: DataSn,
+        slot: Slot,
+        t_header: Stamp,
+    },
+    Fail {
+        cmd: ScsiCommand,
+        resp: Response,
+        exp_data_sn: DataSn,
+        slot: Slot,
+    },
+}
+
+/// A write's data on its way to execution: in a buffer, or already in place in the medium.
+pub(super) enum WriteData {
+    Buffer(Bytes),
+    Placed(ironsan_scsi::PlacedWrite),
+}
+
+/// What an arrived command does once it may (at once, or when delivered).
+enum Start {
+    Run(Bytes, DataSn),
+    Fail(Response),
+    AwaitData(ironsan_proto::task::WriteTransfer),
+}
+
+impl Connection {
+    pub(super) async fn on_scsi_command(
+        &mut self,
+        rd: &mut io::RecvBuf<tokio::net::tcp::OwnedReadHalf>,
+        bhs: &Bhs,
+        ahs: Bytes,
+        plan: &ReceivePlan,
+        cmd: ScsiCommand,
+        t_header: Stamp,
+    ) -> ConnResult {
+        if self.session.target.is_none() {
+            // SCSI commands are not allowed in a discovery session (RFC 7143 §4.3).
+            io::skip_data(rd, plan).await?;
+            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                .await;
+            return Ok(());
+        }
+        let edtl = cmd.expected_data_transfer_length;
+        let immediate_len = plan.data_len as u32;
+        // Faults of the PDU itself are rejected before its CmdSN is looked at: a rejected
+        // command is not received (RFC 7143 §7.3), the initiator plugs the gap.
+        let cdb = match super::exec::extended_cdb(&cmd.cdb, &ahs) {
+            Some(c) if immediate_len <= edtl => c,
+            bad => {
+                io::skip_data(rd, plan).await?;
+                let reason = if bad.is_none() {
+                    RejectReason::INVALID_PDU_FIELD
+                } else {
+                    RejectReason::PROTOCOL_ERROR
+                };
+                self.send(vec![reject(reason, bhs)]).await;
+                return Ok(());
+            }
+        };
+        // CmdSN order and ITT uniqueness across the session's connections.
+        let lun = cmd.lun.number().unwrap_or(u64::MAX);
+        let (id, idle) = (self.id, Arc::clone(&self.not_polling));
+        let admission = self.sess(|c| {
+            c.admit_command(id, &cmd, lun, || Running {
+                abort: None,
+                polling: idle,
+                placed: None,
+            })
+        });
+        let delivered = match admission {
+            Admission::Deliver => true,
+            Admission::Held => false,
+            Admission::Ignore(why) => {
+                tracing::debug!(
+                    cmd_sn = cmd.cmd_sn.0,
+                    ?why,
+                    "command outside the CmdSN window ignored"
+                );
+                io::skip_data(rd, plan).await?;
+                return Ok(());
+            }
+            Admission::Reject(reason) => {
+                io::skip_data(rd, plan).await?;
+                self.send(vec![reject(reason, bhs)]).await;
+                return Ok(());
+            }
+            // The session has ended (reinstated or reset away): the command never runs.
+            Admission::Ended => {
+                io::skip_data(rd, plan).await?;
+                return Ok(());
+            }
+        };
+        self.session.commands.fetch_add(1, Ordering::Relaxed);
+        let oversize = cmd.write && edtl > self.shared.cfg.max_io_bytes;
+        // The session's write buffer quota is taken before the buffer is allocated.
+        let quota_limit = self
+            .shared
+            .cfg
+            .write_buffer_per_session
+            .max(u64::from(self.shared.cfg.max_io_bytes));
+        let quota = (cmd.write && !oversize && edtl > 0)
+            .then(|| WriteQuota::try_new(&self.session, u64::from(edtl), quota_limit));
+        let over_quota = matches!(quota, Some(None));
+        let quota = quota.flatten();
+        let buffered = cmd.write && !oversize && !over_quota;
+        // A write whose data all came as immediate data, already received, keeps it where it
+        // lies: a slice of the receive buffer, not a copy in a buffer of its own.
+        let mut shared = if buffered && immediate_len > 0 && immediate_len == edtl && cmd.final_bit
+        {
+            io::read_data_shared(rd, plan).await?
+        } else {
+            None
+        };
+        // A delivered write that may be received in place needs a buffer for its immediate
+        // data only. A held one is buffered: nothing may reach the medium before it is
+        // delivered.
+        let place_on = if delivered && buffered && self.place_min.is_some_and(|m| edtl >= m) {
+            self.session
+                .target
+                .as_ref()
+                .map(|t| t.scsi())
+                .filter(|scsi| scsi.can_place_writes(lun))
+        } else {
+            None
+        };
+        let mut buf = if buffered && shared.is_none() {
+            // Capacity only: data is appended as it arrives (`io::read_data_at`).
+            let cap = if place_on.is_some() {
+                immediate_len
+            } else {
+                edtl
+            };
+            BytesMut::with_capacity(cap as usize)
+        } else {
+            BytesMut::new()
+        };
+        let digest_ok = if let Some((_, ok)) = &shared {
+            *ok
+        } else if immediate_len > 0 && buffered {
+            io::read_data_at(rd, plan, &mut buf, 0).await?
+        } else if immediate_len > 0 {
+            io::skip_data(rd, plan).await?;
+            true
+        } else {
+            true
+        };
+        let fail = Response::check_condition;
+        let start = if !digest_ok {
+            // RFC 7143 §7.8: discard, Reject, and fail the command (its CmdSN was received).
+            let r = self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs);
+            self.send(vec![r]).await;
+            Start::Fail(fail(SenseReason::ProtocolCrcError))
+        } else if oversize {
+            Start::Fail(fail(SenseReason::InvalidFieldInCdb { byte: 0, bit: None }))
+        } else if over_quota {
+            // SAM-5 §5.3: the session has other writes holding the buffer (a write alone
+            // always fits the quota), so TASK SET FULL; the initiator retries later.
+            tracing::debug!(
+                itt = cmd.itt.0,
+                edtl,
+                "write buffer quota exhausted: TASK SET FULL"
+            );
+            Start::Fail(Response::status_only(ironsan_scsi::Status::TASK_SET_FULL))
+        } else if !cmd.write || edtl == 0 {
+            Start::Run(Bytes::new(), DataSn(0))
+        } else {
+            match self.core.begin_write(edtl, immediate_len, cmd.final_bit) {
+                Err(_) => {
+                    self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                        .await;
+                    Start::Fail(fail(SenseReason::DataPhaseError))
+                }
+                Ok(t) if t.is_complete() => {
+                    let data = match shared.take() {
+                        Some((data, _)) => data,
+                        None => {
+                            buf.resize(edtl as usize, 0);
+                            std::mem::take(&mut buf).freeze()
+                        }
+                    };
+                    Start::Run(data, t.r2t_count())
+                }
+                Ok(t) => Start::AwaitData(t),
+            }
+        };
+        let mut slot = Slot::new(quota);
+        let itt = cmd.itt;
+        match start {
+            Start::Run(data, exp_data_sn) if delivered => {
+                slot.deliver(&self.stats, &cmd);
+                self.spawn_exec(
+                    cmd,
+                    cdb,
+                    WriteData::Buffer(data),
+                    exp_data_sn,
+                    slot,
+                    t_header,
+                );
+            }
+            Start::Run(data, exp_data_sn) => {
+                let h = Held::Run {
+                    cmd,
+                    cdb,
+                    data,
+                    exp_data_sn,
+                    slot,
+                    t_header,
+                };
+                self.held.insert(itt, h);
+            }
+            Start::Fail(resp) if delivered => {
+                slot.deliver(&self.stats, &cmd);
+                self.finish_waiting(cmd, resp, DataSn(0), slot);
+            }
+            Start::Fail(resp) => {
+                let h = Held::Fail {
+                    cmd,
+                    resp,
+                    exp_data_sn: DataSn(0),
+                    slot,
+                };
+                self.held.insert(itt, h);
+            }
+            Start::AwaitData(transfer) => {
+                if let Some((data, _)) = shared {
+                    buf.extend_from_slice(&data);
+                }
+                let placed = place_on.and_then(|scsi| self.place(&scsi, &cmd, &cdb, &buf));
+                if placed.is_some() {
+                    buf = BytesMut::new();
+                } else if buf.capacity() < edtl as usize {
+                    buf.reserve(edtl as usize - buf.len());
+                }
+                if delivered {
+                    slot.deliver(&self.stats, &cmd);
+                }
+                let pw = PendingWrite {
+                    cmd,
+                    cdb,
+                    buf,
+                    placed,
+                    discard: false,
+                    slot,
+                    t_header,
+                };
+                let lun = pw.cmd.lun;
+                self.core.insert_write(itt, lun, transfer, delivered, pw);
+            }
+        }
+        Ok(())
+    }
+
+    /// Begin a delivered write in place ([`crate::ServerConfig::zero_copy_writes`]): the SCSI
+    /// layer checks it and takes its blocks' range now; its slot enters the task's entry, so
+    /// an abort from now on empties it; then the immediate data goes in through the slot.
+    /// `None`: the usual path (the SCSI layer declined, the task was aborted meanwhile, or the
+    /// medium refused the immediate data).
+    fn place(
+        &mut self,
+        scsi: &ironsan_scsi::Target,
+        cmd: &ScsiCommand,
+        cdb: &Bytes,
+        immediate: &[u8],
+    ) -> Option<(Arc<PlacedSlot>, io::Placement)> {
+        let lun = cmd.lun.number()?;
+        let edtl = cmd.expected_data_transfer_length;
+        let p = scsi.place_write(lun, &self.session.nexus, cdb, edtl)?;
+        let slot = Arc::new(PlacedSlot::new(p));
+        let itt = cmd.itt;
+        let entered = self.sess(|c| match c.task_mut(itt) {
+            Some(t) => {
+                t.payload.placed = Some(Arc::clone(&slot));
+                true
+            }
+            None => false,
+        });
+        if !entered {
+            // Aborted already: release the range; the write goes the usual way and is not run.
+            drop(slot.take());
+            return None;
+        }
+        let mut placement = io::Placement::default();
+        match placement.put(&*slot, 0, immediate) {
+            Ok(()) => Some((slot, placement)),
+            Err(_) => {
+                // The medium refused it (or an abort took the write): the usual path writes,
+                // and reports, everything; an aborted write's claim fails there.
+                drop(slot.take());
+                None
+            }
+        }
+    }
+
+    /// The session delivered the held task `itt` (a CmdSN gap before it filled).
+    pub(super) fn deliver(&mut self, itt: Itt) {
+        if let Some(h) = self.held.remove(&itt) {
+            match h {
+                Held::Run {
+                    cmd,
+                    cdb,
+                    data,
+                    exp_data_sn,
+                    mut slot,
+                    t_header,
+                } => {
+                    slot.deliver(&self.stats, &cmd);
+                    self.spawn_exec(
+                        cmd,
+                        cdb,
+                        WriteData::Buffer(data),
+                        exp_data_sn,
+                        slot,
+                        t_header,
+                    );
+                }
+                Held::Fail {
+                    cmd,
+                    resp,
+                    exp_data_sn,
+                    mut slot,
+                } => {
+                    slot.deliver(&self.stats, &cmd);
+                    self.finish_waiting(cmd, resp, exp_data_sn, slot);
+                }
+            }
+            return;
+        }
+        let stats = Arc::clone(&self.stats);
+        if let Some(w) = self.core.write_mut(itt) {
+            let pw = &mut w.payload;
+            pw.slot.deliver(&stats, &pw.cmd);
+        }
+        if let Next::Complete(w) = self.core.deliver_write(itt) {
+            self.write_complete(w);
+        }
+    }
+
+    pub(super) async fn on_data_out(
+        &mut self,
+        rd: &mut io::RecvBuf<tokio::net::tcp::OwnedReadHalf>,
+        bhs: &Bhs,
+        plan: &ReceivePlan,
+        d: DataOut,
+    ) -> ConnResult {
+        let len = plan.data_len as u32;
+        let offset = match self.core.data_out(&d, len) {
+            DataOutPlan::Accept { offset } => offset as usize,
+            DataOutPlan::NoTask => {
+                // Data-Out for no write of this connection (RFC 7143 §11.7, §4.2.5.1: a task's
+                // data never comes on another connection): discard and Reject.
+                io::skip_data(rd, plan).await?;
+                self.send(vec![reject(RejectReason::INVALID_PDU_FIELD, bhs)])
+                    .await;
+                return Ok(());
+            }
+            DataOutPlan::Refused(e, w) => {
+                io::skip_data(rd, plan).await?;
+                tracing::debug!(itt = d.itt.0, "Data-Out refused: {e}");
+                // ErrorRecoveryLevel 0 cannot recover a broken data sequence: Reject the PDU
+                // and end the command with CHECK CONDITION, so nothing is written.
+                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                    .await;
+                self.write_failed(w, SenseReason::DataPhaseError);
+                return Ok(());
+            }
+        };
+        let Some(w) = self.core.write_mut(d.itt) else {
+            return Ok(());
+        };
+        let pw = &mut w.payload;
+        if pw.discard {
+            io::skip_data(rd, plan).await?;
+        } else if let Some((slot, placement)) = &mut pw.placed {
+            if let Err(e) = placement.receive(rd, plan, &**slot, offset).await? {
+                let Some(placed) = pw.placed.take().and_then(|(slot, _)| slot.take()) else {
+                    // A task management function aborted it (and emptied the slot; the rest
+                    // of this segment was skipped): take the rest of its data and drop it.
+                    pw.discard = true;
+                    if let Next::Complete(w) = self.core.after_data(d.itt) {
+                        self.write_complete(w);
+                    }
+                    return Ok(());
+                };
+                tracing::warn!(itt = d.itt.0, "Data-Out not received in place: {e}");
+                let reason = placed.failed(&e);
+                if let Some(w) = self.core.take(d.itt) {
+                    self.write_failed(w, reason);
+                }
+                return Ok(());
+            }
+            self.shared
+                .stats
+                .zero_copy_write_bytes
+                .fetch_add(u64::from(len), Ordering::Relaxed);
+        } else if !io::read_data_at(rd, plan, &mut pw.buf, offset).await? {
+            let r = self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs);
+            self.send(vec![r]).await;
+            if let Some(w) = self.core.take(d.itt) {
+                self.write_failed(w, SenseReason::ProtocolCrcError);
+            }
+            return Ok(());
+        }
+        if let Next::Complete(w) = self.core.after_data(d.itt) {
+            self.write_complete(w);
+        }
+        Ok(())
+    }
+
+    /// Every byte of a delivered write is in: run it.
+    fn write_complete(&mut self, w: Write<PendingWrite>) {
+        let exp_data_sn = w.r2t_count();
+        let mut pw = w.payload;
+        if pw.discard {
+            // Aborted: its last data is in; it ends here, unanswered.
+            return;
+        }
+        if let Some((slot, placement)) = pw.placed.take() {
+            let Some(placed) = slot.take() else {
+                // Aborted while it waited (its range is released already).
+                return;
+            };
+            if placement.is_pending() {
+                // Every byte arrived, so no block can be waiting for more: a bug if so.
+                let resp = Response::check_condition(SenseReason::InternalTargetFailure);
+                self.finish_waiting(pw.cmd, resp, exp_data_sn, pw.slot);
+                return;
+            }
+            let data = WriteData::Placed(placed);
+            self.spawn_exec(pw.cmd, pw.cdb, data, exp_data_sn, pw.slot, pw.t_header);
+            return;
+        }
+        // Every byte arrived; a buffer filled out of order is as long as the transfer.
+        pw.buf
+            .resize(pw.cmd.expected_data_transfer_length as usize, 0);
+        let data = WriteData::Buffer(pw.buf.freeze());
+        self.spawn_exec(pw.cmd, pw.cdb, data, exp_data_sn, pw.slot, pw.t_header);
+    }
+
+    /// A write's data could not be taken: it ends with CHECK CONDITION, when it is delivered
+    /// (at once if it is).
+    fn write_failed(&mut self, w: Write<PendingWrite>, reason: SenseReason) {
+        let exp_data_sn = w.r2t_count();
+        let delivered = w.is_delivered();
+        let pw = w.payload;
+        let resp = Response::check_condition(reason);
+        if delivered {
+            self.finish_waiting(pw.cmd, resp, exp_data_sn, pw.slot);
+        } else {
+            let itt = pw.cmd.itt;
+            let h = Held::Fail {
+                cmd: pw.cmd,
+                resp,
+                exp_data_sn,
+                slot: pw.slot,
+            };
+            self.held.insert(itt, h);
+        }
+    }
+}
