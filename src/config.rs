@@ -15,6 +15,7 @@
 //! name = "iqn.2026-11.org.ironsan:disk1"
 //! alias = "disk1"
 //! # portal_groups = [1, 2]  # default: every portal
+//! # connections_per_session = 4   # MaxConnections offered (MC/S), 1-64
 //!
 //! [[target.lun]]
 //! backend = "file"          # null | ram | file
@@ -205,7 +206,15 @@ pub struct TargetPlan {
     pub access: Access,
     /// The tags of the portal groups that serve it; `None`: every portal.
     pub portal_groups: Option<Vec<u16>>,
+    /// MaxConnections offered to its sessions (several connections per session, RFC 7143
+    /// §13.2); `None`: the server's default (`--connections-per-session`, else 4).
+    pub connections_per_session: Option<u16>,
 }
+
+/// Most connections per session a target may offer: each is a reader and a writer task with
+/// their buffers, so the session-wide count stays small; `[limits] max_connections` bounds
+/// the server's total.
+pub const MAX_CONNECTIONS_PER_SESSION: u16 = 64;
 
 /// Resource limits (docs/SECURITY.md). Defaults are safe for a storage node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -495,6 +504,7 @@ struct FileTarget {
     name: Spanned<String>,
     alias: Option<String>,
     portal_groups: Option<Spanned<Vec<Spanned<i64>>>>,
+    connections_per_session: Option<Spanned<i64>>,
     #[serde(default)]
     lun: Vec<FileLun>,
     acl: Option<Vec<Spanned<String>>>,
@@ -959,12 +969,30 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
                 Some(tags)
             }
         };
+        let connections_per_session = match &t.connections_per_session {
+            None => None,
+            Some(n) => Some(
+                u16::try_from(*n.get_ref())
+                    .ok()
+                    .filter(|n| (1..=MAX_CONNECTIONS_PER_SESSION).contains(n))
+                    .ok_or_else(|| {
+                        at(
+                            n.span(),
+                            format!(
+                                "connections_per_session must be between 1 and \
+                                 {MAX_CONNECTIONS_PER_SESSION}"
+                            ),
+                        )
+                    })?,
+            ),
+        };
         targets.push(TargetPlan {
             name: t.name.into_inner(),
             alias: t.alias,
             luns,
             access,
             portal_groups: groups,
+            connections_per_session,
         });
     }
     if targets.is_empty() {
@@ -1227,6 +1255,7 @@ pub fn from_flags(
             luns: plans,
             access,
             portal_groups: None,
+            connections_per_session: None,
         }],
         discovery,
         limits: Limits::default(),

@@ -210,7 +210,7 @@ impl BinHooks {
                                 name: t.name.clone(),
                                 alias: t.alias.clone(),
                                 tpgt: 1,
-                                max_connections: None,
+                                max_connections: t.connections_per_session,
                                 scsi: Arc::new(scsi),
                             },
                             t.access.clone(),
@@ -230,6 +230,15 @@ impl BinHooks {
                 step(
                     format!("~ target {}: access (ACL/CHAP)", t.name),
                     &mut || control.set_access(Some(&t.name), t.access.clone()),
+                );
+            }
+            if control.connections_per_session(&t.name).ok() != Some(t.connections_per_session) {
+                let what = t
+                    .connections_per_session
+                    .map_or("the default".to_string(), |n| n.to_string());
+                step(
+                    format!("~ target {}: connections per session {what}", t.name),
+                    &mut || control.set_connections_per_session(&t.name, t.connections_per_session),
                 );
             }
             if control.portal_groups(&t.name).ok().as_ref() != Some(&t.portal_groups) {
@@ -438,6 +447,9 @@ impl BinHooks {
             if let Some(g) = control.portal_groups(&t)? {
                 let g: Vec<String> = g.iter().map(u16::to_string).collect();
                 out.push_str(&format!("portal_groups = [{}]\n", g.join(", ")));
+            }
+            if let Some(n) = control.connections_per_session(&t)? {
+                out.push_str(&format!("connections_per_session = {n}\n"));
             }
             access_lines(&t, &control.access(Some(&t))?, &mut out)?;
             let luns = control.lun_list(&t)?;
@@ -696,7 +708,7 @@ mod tests {
                 name: t.name.clone(),
                 alias: None,
                 tpgt: 1,
-                max_connections: None,
+                max_connections: t.connections_per_session,
                 scsi: Arc::new(scsi),
             });
         }

@@ -1,14 +1,15 @@
 //! `ironsan load`: the pipelined load generator of `ironsan-initiator` on the command line.
 
 use anyhow::{anyhow, bail, Result};
-use ironsan_initiator::load::{run, Pattern, Report, Spec, Url};
+use ironsan_initiator::load::{run, Pattern, Report, Spec, Spread, Url};
 use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct LoadArgs {
     /// iscsi://[user%secret@]HOST[:PORT]/TARGET-IQN/LUN (libiscsi's URL form). With several
     /// URLs (paths to one LUN, or LUNs of several targets), session i logs in to URL
-    /// i mod their number.
+    /// i mod their number, and its connection j (--connections) to URL (i + j) mod their
+    /// number.
     #[arg(required = true, num_args = 1..)]
     url: Vec<String>,
     /// randread | read | randwrite | write | randrw | rw (a mix: see --rwmixread).
@@ -26,6 +27,13 @@ pub struct LoadArgs {
     /// Sessions, all driven from one thread.
     #[arg(long, default_value_t = 1)]
     sessions: u32,
+    /// TCP connections per session (MC/S: one CmdSN space; the target must allow as many).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    connections: u32,
+    /// How a session's commands go over its connections: rr (round robin) or lqd (the one
+    /// with the fewest in flight).
+    #[arg(long, default_value = "rr")]
+    spread: String,
     /// Seconds to run.
     #[arg(short = 't', long = "time", default_value_t = 10.0)]
     time: f64,
@@ -62,8 +70,12 @@ pub fn main(a: LoadArgs) -> Result<()> {
     if !(a.time.is_finite() && a.time > 0.0 && a.time <= 1e7) {
         bail!("--time must be a positive number of seconds (at most 10^7)");
     }
+    let spread = Spread::parse(&a.spread)
+        .ok_or_else(|| anyhow!("--spread {:?}: want rr or lqd", a.spread))?;
     let mut spec = Spec::new(pattern, a.bs, a.queue_depth);
     spec.sessions = a.sessions;
+    spec.connections = a.connections;
+    spec.spread = spread;
     spec.read_percent = a.rwmixread;
     spec.duration = Duration::from_secs_f64(a.time);
     spec.count = a.count;
@@ -107,11 +119,30 @@ fn print(json: &bool, spec: &Spec, r: &Report) {
                 })
             })
             .collect();
+        let connections: Vec<_> = r
+            .connections
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "session": c.session,
+                    "cid": c.cid,
+                    "portal": c.portal,
+                    "ios": c.ios,
+                    "bytes": c.bytes,
+                    "seconds": c.elapsed.as_secs_f64(),
+                    "mib_per_s": c.mib_per_s(),
+                    "lat_mean_us": c.lat_mean_us,
+                    "lat_stddev_us": c.lat_stddev_us,
+                })
+            })
+            .collect();
         let v = serde_json::json!({
             "rw": spec.pattern.name(),
             "bs": spec.io_bytes,
             "qd": spec.queue_depth,
             "sessions": spec.sessions,
+            "connections": spec.connections,
+            "spread": spec.spread.name(),
             "ios": r.ios,
             "writes": r.writes,
             "bytes": r.bytes,
@@ -129,18 +160,20 @@ fn print(json: &bool, spec: &Spec, r: &Report) {
             "block_size": r.block_size,
             "blocks": r.blocks,
             "per_session": sessions,
+            "per_connection": connections,
         });
         println!("{v}");
         return;
     }
     println!(
-        "{} bs={} qd={} sessions={}: {} I/Os in {secs:.2} s = {:.0} IOPS, {:.1} MiB/s; \
-         latency mean {:.1} us, p50 {:.0} us, p99 {:.0} us, max {:.0} us; failed {}; \
-         verify failures {}; client CPU {cpu_us_per_io:.2} us/IO",
+        "{} bs={} qd={} sessions={} connections={}: {} I/Os in {secs:.2} s = {:.0} IOPS, \
+         {:.1} MiB/s; latency mean {:.1} us, p50 {:.0} us, p99 {:.0} us, max {:.0} us; \
+         failed {}; verify failures {}; client CPU {cpu_us_per_io:.2} us/IO",
         spec.pattern.name(),
         spec.io_bytes,
         spec.queue_depth,
         spec.sessions,
+        spec.connections,
         r.ios,
         r.iops(),
         r.mib_per_s(),
@@ -160,6 +193,21 @@ fn print(json: &bool, spec: &Spec, r: &Report) {
                 s.mib_per_s(),
                 s.lat_mean_us,
                 s.lat_stddev_us
+            );
+        }
+    }
+    if spec.connections > 1 {
+        for c in &r.connections {
+            println!(
+                "  session {} connection {} via {}: {} I/Os, {:.1} MiB/s; turnaround mean {:.1} \
+                 us, sd {:.1} us",
+                c.session,
+                c.cid,
+                c.portal,
+                c.ios,
+                c.mib_per_s(),
+                c.lat_mean_us,
+                c.lat_stddev_us
             );
         }
     }

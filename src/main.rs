@@ -132,6 +132,10 @@ struct ServeArgs {
     /// (fail without it), threads. Overrides `io_engine` in [limits]. Default: auto.
     #[arg(long, value_name = "ENGINE")]
     io_engine: Option<ironsan_backend::IoEngine>,
+    /// TCP connections a session may have (MaxConnections offered: MC/S, RFC 7143 §13.2),
+    /// 1-64, for every target that does not set `connections_per_session`. Default: 4.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=config::MAX_CONNECTIONS_PER_SESSION as i64))]
+    connections_per_session: Option<u16>,
 }
 
 /// The file LUNs' I/O engine, fixed at start-up (LUNs added later by `ctl` use it too).
@@ -335,6 +339,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
     if let Some(e) = args.io_engine {
         plan.limits.io_engine = e;
     }
+    if let Some(n) = args.connections_per_session {
+        for t in plan.targets.iter_mut() {
+            t.connections_per_session.get_or_insert(n);
+        }
+    }
     let _ = IO_ENGINE.set(plan.limits.io_engine);
     let mut targets = Vec::new();
     let mut summary = Vec::new();
@@ -373,7 +382,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             name: t.name.clone(),
             alias: t.alias.clone(),
             tpgt: 1,
-            max_connections: None,
+            max_connections: t.connections_per_session,
             scsi: Arc::new(scsi),
         });
     }

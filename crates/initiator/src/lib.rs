@@ -142,6 +142,8 @@ pub struct LoginOptions {
     pub first_burst_length: u32,
     pub max_burst_length: u32,
     pub max_outstanding_r2t: u32,
+    /// MaxConnections offered in a leading login (RFC 7143 §13.2).
+    pub max_connections: u16,
     /// Extra key=value pairs to send in the login.
     pub extra: Vec<(String, String)>,
     /// Authenticate with CHAP in a security stage.
@@ -235,6 +237,7 @@ impl LoginOptions {
             first_burst_length: 65536,
             max_burst_length: 262144,
             max_outstanding_r2t: 1,
+            max_connections: 1,
             extra: Vec::new(),
             chap: None,
             auth_method: None,
@@ -483,7 +486,8 @@ impl Client {
                 opts.max_recv_data_segment_length.to_string(),
             ),
         ]);
-        if opts.target_name.is_some() {
+        // Leading-only keys only in the session's leading login (RFC 7143 §13: "LO").
+        if opts.target_name.is_some() && opts.tsih.0 == 0 {
             keys.extend([
                 ("InitialR2T".into(), yn(opts.initial_r2t)),
                 ("ImmediateData".into(), yn(opts.immediate_data)),
@@ -499,7 +503,7 @@ impl Client {
                 ("ErrorRecoveryLevel".into(), "0".into()),
                 ("DefaultTime2Wait".into(), "2".into()),
                 ("DefaultTime2Retain".into(), "0".into()),
-                ("MaxConnections".into(), "1".into()),
+                ("MaxConnections".into(), opts.max_connections.to_string()),
                 ("DataPDUInOrder".into(), "Yes".into()),
                 ("DataSequenceInOrder".into(), "Yes".into()),
             ]);
@@ -548,6 +552,40 @@ impl Client {
             ));
         }
         Ok(())
+    }
+
+    /// A numeric key as the target answered it at login.
+    pub fn negotiated_u32(&self, key: &str) -> Option<u32> {
+        self.negotiated
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, v)| v.parse().ok())
+    }
+
+    /// Log in a further connection of `leader`'s session (RFC 7143 §6.3: the session's ISID
+    /// and TSIH, a new CID), continuing the session's CmdSN; the session-wide values agreed by
+    /// the leading login apply to it. The caller keeps the connections' CmdSNs in step (CmdSN
+    /// is the session's, §4.2.2.1).
+    pub async fn join(
+        addr: SocketAddr,
+        opts: &LoginOptions,
+        leader: &Client,
+        cid: u16,
+    ) -> Result<Client> {
+        let mut o = opts.clone();
+        o.tsih = leader.tsih;
+        o.cid = Cid(cid);
+        let mut c = Self::connect(addr).await?;
+        c.cmd_sn = leader.cmd_sn;
+        // Task tags are the session's too: keep this connection's apart from the leader's.
+        c.next_itt = u32::from(cid) << 24 | 1;
+        c.login_on(&o).await?;
+        c.first_burst = leader.first_burst;
+        c.max_burst = leader.max_burst;
+        c.immediate_data = leader.immediate_data;
+        c.initial_r2t = leader.initial_r2t;
+        Ok(c)
     }
 
     /// A fresh initiator task tag.

@@ -22,7 +22,6 @@ use ironsan_proto::pdu::*;
 use ironsan_proto::{CmdSn, StatSn};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
-use tokio::io::Interest;
 use tokio::net::TcpStream;
 
 /// Access pattern.
@@ -126,6 +125,33 @@ impl Url {
     }
 }
 
+/// How a session spreads its commands over its connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spread {
+    /// Each command on the next connection.
+    RoundRobin,
+    /// Each command on the connection with the fewest commands in flight (ties round robin),
+    /// as Microsoft's initiator offers.
+    LeastQueueDepth,
+}
+
+impl Spread {
+    /// `rr` or `lqd`.
+    pub fn parse(s: &str) -> Option<Spread> {
+        match s {
+            "rr" => Some(Spread::RoundRobin),
+            "lqd" => Some(Spread::LeastQueueDepth),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Spread::RoundRobin => "rr",
+            Spread::LeastQueueDepth => "lqd",
+        }
+    }
+}
+
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct Spec {
@@ -135,6 +161,10 @@ pub struct Spec {
     /// Commands in flight per session.
     pub queue_depth: u32,
     pub sessions: u32,
+    /// TCP connections per session (MC/S, RFC 7143 §4.2.2.1: one CmdSN space over them).
+    pub connections: u32,
+    /// How a session's commands are spread over its connections.
+    pub spread: Spread,
     /// Of a mixed pattern's commands, the percentage that read (0..=100; fio's `rwmixread`).
     pub read_percent: u8,
     /// Stop issuing after this long...
@@ -155,6 +185,8 @@ impl Spec {
             io_bytes,
             queue_depth,
             sessions: 1,
+            connections: 1,
+            spread: Spread::RoundRobin,
             read_percent: 50,
             duration: Duration::from_secs(10),
             count: None,
@@ -275,6 +307,8 @@ pub struct Report {
     pub blocks: u64,
     /// Each session's own figures, in the order they were logged in.
     pub sessions: Vec<SessionReport>,
+    /// Each connection's own figures (sessions in order, their connections by CID).
+    pub connections: Vec<ConnReport>,
     /// When the first command was sent and the last answer came, over all sessions.
     first_sent: Option<Instant>,
     last_done: Option<Instant>,
@@ -324,6 +358,28 @@ impl SessionReport {
     }
 }
 
+/// One connection's share of a run (fairness between the connections of a session).
+#[derive(Clone, Debug)]
+pub struct ConnReport {
+    /// The session it belongs to (its index in the run).
+    pub session: u32,
+    pub cid: u16,
+    /// `host:port` of the portal it logged in to.
+    pub portal: String,
+    pub ios: u64,
+    pub bytes: u64,
+    pub elapsed: Duration,
+    /// Command turnaround on this connection.
+    pub lat_mean_us: f64,
+    pub lat_stddev_us: f64,
+}
+
+impl ConnReport {
+    pub fn mib_per_s(&self) -> f64 {
+        self.bytes as f64 / (1 << 20) as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
 /// CPU time of this process so far (utime + stime from /proc/self/stat, in clock ticks of
 /// 10 ms; coarse, fine over seconds).
 fn process_cpu() -> Duration {
@@ -342,7 +398,9 @@ fn process_cpu() -> Duration {
 
 /// Run `spec` against `urls`: log in `spec.sessions` sessions, session `i` to
 /// `urls[i % urls.len()]` (several paths to one LUN, or LUNs of several targets, striped by
-/// session), drive them all from the current thread, log out. Call from a current-thread
+/// session) with `spec.connections` connections each (connection `j` of session `i` to
+/// `urls[(i + j) % urls.len()]`: several lines to one portal group), drive them all from the
+/// current thread, log out. Call from a current-thread
 /// Tokio runtime for the figures to mean "one client core".
 pub async fn run(urls: &[Url], spec: &Spec) -> Result<Report> {
     if spec.queue_depth == 0 || spec.sessions == 0 || spec.io_bytes == 0 || urls.is_empty() {
@@ -356,9 +414,15 @@ pub async fn run(urls: &[Url], spec: &Spec) -> Result<Report> {
             spec.read_percent
         )));
     }
+    if spec.connections == 0 || spec.connections > 64 {
+        return Err(Error::Protocol(
+            "connections per session must be 1 to 64".into(),
+        ));
+    }
     let mut conns = Vec::new();
-    for (i, url) in (0..spec.sessions).zip(urls.iter().cycle()) {
-        conns.push((url.addr, Session::login(url, spec, i).await?));
+    for i in 0..spec.sessions {
+        let addr = urls[i as usize % urls.len()].addr;
+        conns.push((addr, Session::login(urls, spec, i).await?));
     }
     let cpu0 = process_cpu();
     let mut runs = Vec::new();
@@ -367,10 +431,12 @@ pub async fn run(urls: &[Url], spec: &Spec) -> Result<Report> {
     }
     let mut report = Report::default();
     let mut sessions = Vec::new();
+    let mut connections = Vec::new();
     for (addr, r) in runs {
-        let r = r
+        let (r, c) = r
             .await
             .map_err(|e| Error::Protocol(format!("session task: {e}")))??;
+        connections.extend(c);
         sessions.push(SessionReport {
             portal: addr.to_string(),
             ios: r.ios,
@@ -385,6 +451,7 @@ pub async fn run(urls: &[Url], spec: &Spec) -> Result<Report> {
         report.merge(r);
     }
     report.sessions = sessions;
+    report.connections = connections;
     report.elapsed = match (report.first_sent, report.last_done) {
         (Some(a), Some(b)) => b.saturating_duration_since(a),
         _ => Duration::ZERO,
@@ -412,6 +479,8 @@ struct Slot {
     received: u32,
     /// This slot's write data (writes only).
     wbuf: Vec<u8>,
+    /// The connection its command went on.
+    conn: usize,
 }
 
 /// What the PDU whose data segment is being received is.
@@ -440,9 +509,65 @@ const SILENCE_LIMIT: Duration = Duration::from_secs(30);
 /// Largest data segment kept for a PDU other than Data-In.
 const SMALL_MAX: usize = 64 * 1024;
 
-struct Session {
+/// Mean and deviation of latencies without a histogram (per connection).
+#[derive(Clone, Copy, Debug, Default)]
+struct Moments {
+    n: u64,
+    sum_ns: u128,
+    sum_sq_ns: u128,
+}
+
+impl Moments {
+    fn record(&mut self, d: Duration) {
+        let ns = d.as_nanos();
+        self.n += 1;
+        self.sum_ns += ns;
+        self.sum_sq_ns = self.sum_sq_ns.saturating_add(ns * ns);
+    }
+    fn mean_us(&self) -> f64 {
+        if self.n == 0 {
+            return 0.0;
+        }
+        self.sum_ns as f64 / self.n as f64 / 1000.0
+    }
+    fn stddev_us(&self) -> f64 {
+        if self.n == 0 {
+            return 0.0;
+        }
+        let n = self.n as f64;
+        let mean = self.sum_ns as f64 / n;
+        ((self.sum_sq_ns as f64 / n - mean * mean).max(0.0)).sqrt() / 1000.0
+    }
+}
+
+/// One TCP connection of a session: its socket, what is queued for it, what it is receiving,
+/// its own StatSN, and its share of the run.
+struct Conn {
     stream: TcpStream,
+    cid: u16,
+    portal: SocketAddr,
+    out: Outbox,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    rx: Rx,
+    exp_stat_sn: StatSn,
+    /// The target's MaxRecvDataSegmentLength on this connection.
+    target_mrdsl: u32,
+    /// Commands in flight on it (least-queue-depth spreading).
+    busy: u32,
+    /// Closed by the target after the session's Logout.
+    closed: bool,
+    ios: u64,
+    bytes: u64,
+    latency: Moments,
+    first_sent: Option<Instant>,
+    last_done: Option<Instant>,
+}
+
+struct Session {
     spec: Spec,
+    index: u32,
     lun: Lun,
     block_size: u32,
     /// Blocks per command.
@@ -454,17 +579,18 @@ struct Session {
     /// The read/write choice of mixed patterns, a stream of its own so the LBAs of a mix
     /// are the ones the pure pattern would draw.
     mix: u64,
+    /// CmdSN and the window are the session's, shared by its connections (RFC 7143 §4.2.2.1).
     cmd_sn: CmdSn,
-    exp_stat_sn: StatSn,
     max_cmd_sn: CmdSn,
-    target_mrdsl: u32,
     first_burst: u32,
     immediate_data: bool,
     initial_r2t: bool,
+    conns: Vec<Conn>,
+    /// The connection the next command goes on, for round robin.
+    next_conn: usize,
     slots: Vec<Slot>,
     /// Slots whose next command waits for the CmdSN window to open.
     waiting: Vec<usize>,
-    out: Outbox,
     issued: u64,
     stop: bool,
     logout_sent: bool,
@@ -489,8 +615,35 @@ fn failure(report: &mut Report, why: impl FnOnce() -> String) {
     }
 }
 
+impl Conn {
+    fn new(c: Client, cid: u16, portal: SocketAddr) -> Result<Conn> {
+        Ok(Conn {
+            cid,
+            portal,
+            out: Outbox::default(),
+            buf: vec![0u8; RX_BUF],
+            start: 0,
+            end: 0,
+            rx: Rx::Header,
+            exp_stat_sn: c.exp_stat_sn,
+            target_mrdsl: c.target_mrdsl.max(512),
+            busy: 0,
+            closed: false,
+            ios: 0,
+            bytes: 0,
+            latency: Moments::default(),
+            first_sent: None,
+            last_done: None,
+            stream: c.into_stream()?,
+        })
+    }
+}
+
 impl Session {
-    async fn login(url: &Url, spec: &Spec, index: u32) -> Result<Session> {
+    /// Log in session `index`: its leading connection to `urls[index % n]`, connection `j`
+    /// to `urls[(index + j) % n]` (several paths, or lines, of one portal group).
+    async fn login(urls: &[Url], spec: &Spec, index: u32) -> Result<Session> {
+        let url = &urls[index as usize % urls.len()];
         let mut o = LoginOptions::new(Some(&url.target));
         o.initiator_name = spec.initiator_name.clone();
         // Random-qualifier format (0x80) with this process's id and the session index, so two
@@ -504,6 +657,7 @@ impl Session {
         o.max_burst_length = 262_144;
         o.initial_r2t = false;
         o.immediate_data = true;
+        o.max_connections = spec.connections.clamp(1, u32::from(u16::MAX)) as u16;
         if let Some((u, s)) = &url.chap {
             o.chap = Some(ChapOptions::new(u, s.as_bytes()));
         }
@@ -512,6 +666,15 @@ impl Session {
             return Err(Error::Protocol(
                 "the load generator runs without digests".into(),
             ));
+        }
+        if spec.connections > 1 {
+            let agreed = c.negotiated_u32("MaxConnections").unwrap_or(1);
+            if agreed < spec.connections {
+                return Err(Error::Protocol(format!(
+                    "the target allows {agreed} connections per session, not {}",
+                    spec.connections
+                )));
+            }
         }
         // READ CAPACITY(16), past any unit attention.
         let mut cdb = [0u8; 16];
@@ -563,8 +726,31 @@ impl Session {
             })
             .collect();
         let sessions = u64::from(spec.sessions.max(1));
+        // The other connections join the session (same ISID and TSIH, CIDs 1, 2, ...) and
+        // continue its CmdSN.
+        let mut cmd_sn = c.cmd_sn;
+        let mut max_cmd_sn = c.max_cmd_sn;
+        let (first_burst, immediate_data, initial_r2t) =
+            (c.first_burst, c.immediate_data, c.initial_r2t);
+        let tsih = c.tsih;
+        let mut conns = vec![Conn::new(c, 0, url.addr)?];
+        for j in 1..spec.connections {
+            let u = &urls[(index + j) as usize % urls.len()];
+            let mut oj = o.clone();
+            oj.tsih = tsih;
+            oj.cid = Cid(j as u16);
+            let mut cj = Client::connect(u.addr).await?;
+            cj.cmd_sn = cmd_sn;
+            cj.login_on(&oj).await?;
+            cmd_sn = cj.cmd_sn;
+            if cj.max_cmd_sn.gt(max_cmd_sn) {
+                max_cmd_sn = cj.max_cmd_sn;
+            }
+            conns.push(Conn::new(cj, j as u16, u.addr)?);
+        }
         Ok(Session {
             spec: spec.clone(),
+            index,
             lun: Lun::from_number(url.lun),
             block_size,
             bpc,
@@ -573,16 +759,15 @@ impl Session {
             next_seq: span / sessions * u64::from(index),
             rng: spec.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(index + 1) | 1,
             mix: spec.seed.wrapping_mul(0xd6e8_feb8_6659_fd93) ^ u64::from(index + 1) | 1,
-            cmd_sn: c.cmd_sn,
-            exp_stat_sn: c.exp_stat_sn,
-            max_cmd_sn: c.max_cmd_sn,
-            target_mrdsl: c.target_mrdsl.max(512),
-            first_burst: c.first_burst,
-            immediate_data: c.immediate_data,
-            initial_r2t: c.initial_r2t,
+            cmd_sn,
+            max_cmd_sn,
+            first_burst,
+            immediate_data,
+            initial_r2t,
+            conns,
+            next_conn: 0,
             slots,
             waiting: Vec::new(),
-            out: Outbox::default(),
             issued: 0,
             stop: false,
             logout_sent: false,
@@ -594,7 +779,6 @@ impl Session {
                 blocks,
                 ..Report::default()
             },
-            stream: c.into_stream()?,
         })
     }
 
@@ -608,6 +792,27 @@ impl Session {
             p
         };
         pos * self.bpc
+    }
+
+    /// The connection the next command goes on.
+    fn pick_conn(&mut self) -> usize {
+        let n = self.conns.len();
+        match self.spec.spread {
+            Spread::RoundRobin => {
+                let c = self.next_conn % n;
+                self.next_conn = (c + 1) % n;
+                c
+            }
+            Spread::LeastQueueDepth => {
+                // Ties go round robin, so an idle session still uses every connection.
+                let start = self.next_conn % n;
+                self.next_conn = (start + 1) % n;
+                (0..n)
+                    .map(|k| (start + k) % n)
+                    .min_by_key(|&c| self.conns[c].busy)
+                    .unwrap_or(0)
+            }
+        }
     }
 
     /// Start the next command on `slot` (or park the slot until the window opens).
@@ -634,6 +839,7 @@ impl Session {
                     >= u64::from(self.spec.read_percent)
             }
         };
+        let ci = self.pick_conn();
         let Some(s) = self.slots.get_mut(slot) else {
             return;
         };
@@ -641,6 +847,7 @@ impl Session {
         s.write = write;
         s.lba = lba;
         s.received = 0;
+        s.conn = ci;
         if write && self.spec.verify {
             let bs = self.block_size as usize;
             for (i, block) in s.wbuf.chunks_exact_mut(bs).enumerate() {
@@ -649,10 +856,13 @@ impl Session {
                 block[bs - 8..].copy_from_slice(&b);
             }
         }
+        let Some(c) = self.conns.get_mut(ci) else {
+            return;
+        };
         let blocks = (u64::from(io) / u64::from(self.block_size)) as u32;
         let (imm, unsolicited_end) = if write {
             let imm = if self.immediate_data {
-                io.min(self.first_burst).min(self.target_mrdsl)
+                io.min(self.first_burst).min(c.target_mrdsl)
             } else {
                 0
             };
@@ -675,7 +885,7 @@ impl Session {
             itt,
             expected_data_transfer_length: io,
             cmd_sn: self.cmd_sn,
-            exp_stat_sn: self.exp_stat_sn,
+            exp_stat_sn: c.exp_stat_sn,
             cdb: if write {
                 write16_cdb(lba, blocks)
             } else {
@@ -685,24 +895,27 @@ impl Session {
         };
         self.cmd_sn = self.cmd_sn.next();
         self.issued += 1;
+        c.busy += 1;
         let mut bhs = Header::ScsiCommand(cmd).encode();
         bhs.set_lengths(0, imm);
-        self.out.push_bytes(&bhs.0);
-        self.out.push_slot(slot, 0, imm);
+        c.out.push_bytes(&bhs.0);
+        c.out.push_slot(slot, 0, imm);
         push_data_out(
-            &mut self.out,
+            &mut c.out,
             &DataOutSeq {
                 lun: self.lun,
                 itt,
                 ttt: Ttt::RESERVED,
-                exp_stat_sn: self.exp_stat_sn,
-                mrdsl: self.target_mrdsl,
+                exp_stat_sn: c.exp_stat_sn,
+                mrdsl: c.target_mrdsl,
             },
             slot,
             imm,
             unsolicited_end,
         );
-        s.start = Some(Instant::now());
+        let now = Instant::now();
+        s.start = Some(now);
+        c.first_sent.get_or_insert(now);
         if self.report.first_sent.is_none() {
             self.report.first_sent = s.start;
         }
@@ -719,11 +932,24 @@ impl Session {
             return;
         }
         s.busy = false;
-        if let Some(t) = s.start.take() {
-            self.report.latency.record(now - t);
+        let (write, ci) = (s.write, s.conn);
+        let latency = s.start.take().map(|t| now - t);
+        if let Some(l) = latency {
+            self.report.latency.record(l);
+        }
+        if let Some(c) = self.conns.get_mut(ci) {
+            c.busy = c.busy.saturating_sub(1);
+            c.ios += 1;
+            c.last_done = Some(now);
+            if let Some(l) = latency {
+                c.latency.record(l);
+            }
+            if ok.is_ok() {
+                c.bytes += io;
+            }
         }
         self.report.ios += 1;
-        if s.write {
+        if write {
             self.report.writes += 1;
         }
         match ok {
@@ -737,19 +963,27 @@ impl Session {
         self.issue(slot);
     }
 
-    fn note_sn(&mut self, sn: &TargetSn, status: bool) {
+    fn note_sn(&mut self, ci: usize, sn: &TargetSn, status: bool) {
         if status {
-            self.exp_stat_sn = sn.stat_sn.next();
+            if let Some(c) = self.conns.get_mut(ci) {
+                c.exp_stat_sn = sn.stat_sn.next();
+            }
         }
         if sn.max_cmd_sn.gt(self.max_cmd_sn) {
             self.max_cmd_sn = sn.max_cmd_sn;
         }
     }
 
-    fn slot_of(&self, itt: Itt) -> Result<usize> {
+    /// The slot of a task the target answered on connection `ci`: it must be running, and
+    /// on that connection (RFC 7143 §4.2.5.1: every PDU of a task on its connection).
+    fn slot_of(&self, ci: usize, itt: Itt) -> Result<usize> {
         let i = itt.0 as usize;
         match self.slots.get(i) {
-            Some(s) if s.busy => Ok(i),
+            Some(s) if s.busy && s.conn == ci => Ok(i),
+            Some(s) if s.busy => Err(Error::Protocol(format!(
+                "response for task {:#x} on connection {}, not on its own ({})",
+                itt.0, ci, s.conn
+            ))),
             _ => Err(Error::Protocol(format!(
                 "response for task {:#x}, which is not running",
                 itt.0
@@ -793,14 +1027,14 @@ impl Session {
         }
     }
 
-    /// A header arrived: act on it, return what its data segment is.
-    fn header(&mut self, bhs: &Bhs) -> Result<Rx> {
+    /// A header arrived on connection `ci`: act on it, return what its data segment is.
+    fn header(&mut self, ci: usize, bhs: &Bhs) -> Result<Rx> {
         let len = bhs.data_len() as usize;
         let pad = pad_len(len);
         let h = Header::decode(bhs);
         match h {
             Header::DataIn(d) => {
-                let slot = self.slot_of(d.itt)?;
+                let slot = self.slot_of(ci, d.itt)?;
                 let received = self.slots.get(slot).map_or(0, |s| s.received);
                 if d.buffer_offset != received {
                     return Err(Error::Protocol(format!(
@@ -811,7 +1045,7 @@ impl Session {
                 if u64::from(received) + len as u64 > u64::from(self.spec.io_bytes) {
                     return Err(Error::Protocol("Data-In beyond the transfer length".into()));
                 }
-                self.note_sn(&d.sn, d.status.is_some());
+                self.note_sn(ci, &d.sn, d.status.is_some());
                 Ok(Rx::Data {
                     kind: Kind::DataIn {
                         slot,
@@ -823,8 +1057,8 @@ impl Session {
                 })
             }
             Header::R2t(ref r) => {
-                let slot = self.slot_of(r.itt)?;
-                self.note_sn(&r.sn, false);
+                let slot = self.slot_of(ci, r.itt)?;
+                self.note_sn(ci, &r.sn, false);
                 let io = self.spec.io_bytes;
                 let end = r
                     .buffer_offset
@@ -837,44 +1071,45 @@ impl Session {
                         if write { "write" } else { "read" }
                     )));
                 }
-                push_data_out(
-                    &mut self.out,
-                    &DataOutSeq {
-                        lun: self.lun,
+                let lun = self.lun;
+                if let Some(c) = self.conns.get_mut(ci) {
+                    let seq = DataOutSeq {
+                        lun,
                         itt: r.itt,
                         ttt: r.ttt,
-                        exp_stat_sn: self.exp_stat_sn,
-                        mrdsl: self.target_mrdsl,
-                    },
-                    slot,
-                    r.buffer_offset,
-                    end,
-                );
+                        exp_stat_sn: c.exp_stat_sn,
+                        mrdsl: c.target_mrdsl,
+                    };
+                    push_data_out(&mut c.out, &seq, slot, r.buffer_offset, end);
+                }
                 self.other_data(h, len, pad)
             }
             Header::NopIn(ref n) => {
-                self.note_sn(&n.sn, false);
+                self.note_sn(ci, &n.sn, false);
                 if n.ttt != Ttt::RESERVED {
-                    let reply = NopOut {
-                        immediate: true,
-                        lun: n.lun,
-                        itt: Itt::RESERVED,
-                        ttt: n.ttt,
-                        cmd_sn: self.cmd_sn,
-                        exp_stat_sn: self.exp_stat_sn,
-                    };
-                    self.out.push_bytes(&Header::NopOut(reply).encode().0);
+                    let cmd_sn = self.cmd_sn;
+                    if let Some(c) = self.conns.get_mut(ci) {
+                        let reply = NopOut {
+                            immediate: true,
+                            lun: n.lun,
+                            itt: Itt::RESERVED,
+                            ttt: n.ttt,
+                            cmd_sn,
+                            exp_stat_sn: c.exp_stat_sn,
+                        };
+                        c.out.push_bytes(&Header::NopOut(reply).encode().0);
+                    }
                 }
                 self.other_data(h, len, pad)
             }
             Header::ScsiResponse(ref r) => {
-                self.slot_of(r.itt)?;
-                self.note_sn(&r.sn, true);
+                self.slot_of(ci, r.itt)?;
+                self.note_sn(ci, &r.sn, true);
                 self.other_data(h, len, pad)
             }
             Header::AsyncMessage(ref a) => {
                 // An Asynchronous Message carries a StatSN of its own (RFC 7143 §11.9).
-                self.note_sn(&a.sn, true);
+                self.note_sn(ci, &a.sn, true);
                 // Logout requested, connection or session dropped: stop issuing.
                 if matches!(a.async_event, 1..=3) {
                     self.stop = true;
@@ -882,7 +1117,7 @@ impl Session {
                 self.other_data(h, len, pad)
             }
             Header::LogoutResponse(ref l) => {
-                self.note_sn(&l.sn, true);
+                self.note_sn(ci, &l.sn, true);
                 self.logged_out = true;
                 self.other_data(h, len, pad)
             }
@@ -963,8 +1198,33 @@ impl Session {
         self.complete(slot, ok);
     }
 
-    /// Parse whole headers and any data from `buf[*start..end]`; leaves a partial header.
-    fn receive(&mut self, rx: &mut Rx, buf: &[u8], start: &mut usize, end: usize) -> Result<()> {
+    /// Parse whole headers and any data connection `ci` received; leaves a partial header.
+    fn receive(&mut self, ci: usize) -> Result<()> {
+        let Some(c) = self.conns.get_mut(ci) else {
+            return Ok(());
+        };
+        let (mut rx, buf) = (
+            std::mem::replace(&mut c.rx, Rx::Header),
+            std::mem::take(&mut c.buf),
+        );
+        let (mut start, end) = (c.start, c.end);
+        let r = self.receive_from(ci, &mut rx, &buf, &mut start, end);
+        if let Some(c) = self.conns.get_mut(ci) {
+            c.rx = rx;
+            c.buf = buf;
+            c.start = start;
+        }
+        r
+    }
+
+    fn receive_from(
+        &mut self,
+        ci: usize,
+        rx: &mut Rx,
+        buf: &[u8],
+        start: &mut usize,
+        end: usize,
+    ) -> Result<()> {
         loop {
             let avail = end - *start;
             match rx {
@@ -979,7 +1239,7 @@ impl Session {
                         return Ok(());
                     }
                     *start += BHS_LEN + ahs;
-                    *rx = self.header(&bhs)?;
+                    *rx = self.header(ci, &bhs)?;
                 }
                 Rx::Data { kind, left, pad } => {
                     if *left + *pad > 0 && avail == 0 {
@@ -1019,15 +1279,18 @@ impl Session {
         !self.slots.iter().any(|s| s.busy)
     }
 
-    /// Write what is queued without waiting (vectored: payload straight from the slots'
-    /// buffers); true if everything went.
-    fn flush(&mut self) -> Result<bool> {
-        while !self.out.is_empty() {
-            let slots = &self.slots;
-            let iov = self
+    /// Write what is queued on connection `ci` without waiting (vectored: payload straight
+    /// from the slots' buffers); true if everything went.
+    fn flush(&mut self, ci: usize) -> Result<bool> {
+        let slots = &self.slots;
+        let Some(c) = self.conns.get_mut(ci) else {
+            return Ok(true);
+        };
+        while !c.out.is_empty() {
+            let iov = c
                 .out
                 .slices(|slot| slots.get(slot).map_or(&[][..], |s| &s.wbuf));
-            match self.stream.try_write_vectored(&iov) {
+            match c.stream.try_write_vectored(&iov) {
                 Ok(0) => {
                     return Err(Error::Protocol(
                         "the socket took no bytes of a non-empty write".into(),
@@ -1035,26 +1298,85 @@ impl Session {
                 }
                 Ok(n) => {
                     drop(iov);
-                    self.out.advance(n);
+                    c.out.advance(n);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => return Err(e.into()),
             }
         }
-        self.out.clear();
+        c.out.clear();
         Ok(true)
     }
 
-    async fn drive(mut self) -> Result<Report> {
-        let mut buf = vec![0u8; RX_BUF];
-        let (mut start, mut end) = (0usize, 0usize);
-        let mut rx = Rx::Header;
+    /// Read what connection `ci` has; `Ok(true)` if anything came.
+    fn read_some(&mut self, ci: usize) -> Result<bool> {
+        let logout_sent = self.logout_sent;
+        let idle = self.idle();
+        let Some(c) = self.conns.get_mut(ci) else {
+            return Ok(false);
+        };
+        if c.closed {
+            return Ok(false);
+        }
+        if c.start == c.end {
+            c.start = 0;
+            c.end = 0;
+        } else if matches!(c.rx, Rx::Header) && c.buf.len() - c.end < BHS_LEN + 1024 {
+            c.buf.copy_within(c.start..c.end, 0);
+            c.end -= c.start;
+            c.start = 0;
+        }
+        let end = c.end;
+        match c.stream.try_read(&mut c.buf[end..]) {
+            // After the Logout the target closes the session's connections; some targets
+            // (istgt) close instead of answering it. With every command answered, the run
+            // is complete all the same.
+            Ok(0) if logout_sent && idle => {
+                c.closed = true;
+                Ok(false)
+            }
+            Err(e)
+                if logout_sent
+                    && idle
+                    && matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                    ) =>
+            {
+                c.closed = true;
+                Ok(false)
+            }
+            Ok(0) => Err(Error::Protocol(format!(
+                "the target closed connection {} after {} of {} commands completed ({} in \
+                 flight; {})",
+                c.cid,
+                self.report.ios,
+                self.issued,
+                self.slots.iter().filter(|s| s.busy).count(),
+                if logout_sent {
+                    "logout sent"
+                } else {
+                    "before logout"
+                }
+            ))),
+            Ok(n) => {
+                c.end += n;
+                self.receive(ci)?;
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn drive(mut self) -> Result<(Report, Vec<ConnReport>)> {
         self.deadline = Instant::now() + self.spec.duration;
         // However long the run, a target that stops answering ends it with an error.
         let mut silent_since = tokio::time::Instant::now();
         for slot in 0..self.slots.len() {
             self.issue(slot);
         }
+        let mut flushed = vec![true; self.conns.len()];
         loop {
             // Slots parked on the CmdSN window.
             while !self.stop && !self.cmd_sn.gt(self.max_cmd_sn) {
@@ -1065,93 +1387,92 @@ impl Session {
             }
             if self.stop && self.idle() && !self.logout_sent {
                 self.waiting.clear();
+                // Close the session on its leading connection: the target closes the others.
                 let l = LogoutRequest {
                     immediate: true,
                     reason: LogoutReason::CLOSE_SESSION,
                     itt: Itt(0x4c4f_4755),
                     cid: Cid(0),
                     cmd_sn: self.cmd_sn,
-                    exp_stat_sn: self.exp_stat_sn,
+                    exp_stat_sn: self.conns[0].exp_stat_sn,
                 };
-                self.out.push_bytes(&Header::LogoutRequest(l).encode().0);
+                self.conns[0]
+                    .out
+                    .push_bytes(&Header::LogoutRequest(l).encode().0);
                 self.logout_sent = true;
             }
-            let flushed = self.flush()?;
+            for (ci, f) in flushed.iter_mut().enumerate() {
+                *f = self.flush(ci)?;
+            }
             if self.logged_out {
                 break;
             }
-            if start == end {
-                start = 0;
-                end = 0;
-            } else if matches!(rx, Rx::Header) && buf.len() - end < BHS_LEN + 1024 {
-                buf.copy_within(start..end, 0);
-                end -= start;
-                start = 0;
+            let mut got = false;
+            for ci in 0..self.conns.len() {
+                got |= self.read_some(ci)?;
             }
-            match self.stream.try_read(&mut buf[end..]) {
-                // Some targets (istgt) may close instead of answering the Logout: with every
-                // command answered, the run is complete all the same.
-                Ok(0) if self.logout_sent && self.idle() => break,
-                Err(e)
-                    if self.logout_sent
-                        && self.idle()
-                        && matches!(
-                            e.kind(),
-                            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
-                        ) =>
-                {
-                    break
+            if self.logged_out || (self.logout_sent && self.conns.iter().all(|c| c.closed)) {
+                break;
+            }
+            if got {
+                silent_since = tokio::time::Instant::now();
+                continue;
+            }
+            let give_up = silent_since + SILENCE_LIMIT;
+            let conns = &self.conns;
+            let ready = std::future::poll_fn(|cx| {
+                for (c, &f) in conns.iter().zip(&flushed) {
+                    if c.closed {
+                        continue;
+                    }
+                    if let std::task::Poll::Ready(r) = c.stream.poll_read_ready(cx) {
+                        return std::task::Poll::Ready(r);
+                    }
+                    if !f {
+                        if let std::task::Poll::Ready(r) = c.stream.poll_write_ready(cx) {
+                            return std::task::Poll::Ready(r);
+                        }
+                    }
                 }
-                Ok(0) => {
+                std::task::Poll::Pending
+            });
+            match tokio::time::timeout_at(give_up, ready).await {
+                Ok(r) => r?,
+                Err(_) => {
                     return Err(Error::Protocol(format!(
-                        "the target closed the connection after {} of {} commands completed \
-                         ({} in flight; {})",
+                        "the target sent nothing for {SILENCE_LIMIT:?} with {} commands in \
+                         flight ({} of {} completed; {})",
+                        self.slots.iter().filter(|s| s.busy).count(),
                         self.report.ios,
                         self.issued,
-                        self.slots.iter().filter(|s| s.busy).count(),
                         if self.logout_sent {
-                            "logout sent"
+                            "waiting for the Logout response"
                         } else {
                             "before logout"
                         }
                     )))
                 }
-                Ok(n) => {
-                    end += n;
-                    silent_since = tokio::time::Instant::now();
-                    self.receive(&mut rx, &buf, &mut start, end)?;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    let interest = if flushed {
-                        Interest::READABLE
-                    } else {
-                        Interest::READABLE | Interest::WRITABLE
-                    };
-                    let give_up = silent_since + SILENCE_LIMIT;
-                    match tokio::time::timeout_at(give_up, self.stream.ready(interest)).await {
-                        Ok(r) => {
-                            r?;
-                        }
-                        Err(_) => {
-                            return Err(Error::Protocol(format!(
-                                "the target sent nothing for {SILENCE_LIMIT:?} with {} commands \
-                                 in flight ({} of {} completed; {})",
-                                self.slots.iter().filter(|s| s.busy).count(),
-                                self.report.ios,
-                                self.issued,
-                                if self.logout_sent {
-                                    "waiting for the Logout response"
-                                } else {
-                                    "before logout"
-                                }
-                            )))
-                        }
-                    }
-                }
-                Err(e) => return Err(e.into()),
             }
         }
-        Ok(self.report)
+        let index = self.index;
+        let conns = self
+            .conns
+            .iter()
+            .map(|c| ConnReport {
+                session: index,
+                cid: c.cid,
+                portal: c.portal.to_string(),
+                ios: c.ios,
+                bytes: c.bytes,
+                elapsed: match (c.first_sent, c.last_done) {
+                    (Some(a), Some(b)) => b.saturating_duration_since(a),
+                    _ => Duration::ZERO,
+                },
+                lat_mean_us: c.latency.mean_us(),
+                lat_stddev_us: c.latency.stddev_us(),
+            })
+            .collect();
+        Ok((self.report, conns))
     }
 }
 

@@ -198,6 +198,7 @@ impl Control {
                     json!({
                         "name": t.name,
                         "alias": t.alias,
+                        "connections_per_session": t.max_connections().unwrap_or(self.shared.cfg.negotiation.max_connections),
                         "portal_groups": rt.portal_groups.get(n.as_str()),
                         "luns": t.scsi().luns().count(),
                         "sessions": sessions.iter().filter(|s| s.target.as_ref().is_some_and(|x| x.name == t.name)).count(),
@@ -403,6 +404,21 @@ impl Control {
     /// The alias of a target.
     pub fn alias(&self, target: &str) -> Result<Option<String>, String> {
         Ok(self.target(target)?.alias.clone())
+    }
+
+    /// The connections a session with `target` may have (MaxConnections it offers), if set
+    /// for the target (else the server's default applies).
+    pub fn connections_per_session(&self, target: &str) -> Result<Option<u16>, String> {
+        Ok(self.target(target)?.max_connections())
+    }
+
+    /// Set (or clear) the target's MaxConnections offer; sessions logged in later get it.
+    pub fn set_connections_per_session(&self, target: &str, n: Option<u16>) -> Result<(), String> {
+        if n == Some(0) {
+            return Err("connections_per_session must be at least 1".into());
+        }
+        self.target(target)?.set_max_connections(n);
+        Ok(())
     }
 
     // ----- changes ---------------------------------------------------------------------------

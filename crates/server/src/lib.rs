@@ -228,7 +228,8 @@ impl ServerConfig {
 pub(crate) struct LiveTarget {
     pub name: String,
     pub alias: Option<String>,
-    pub max_connections: Option<u16>,
+    /// MaxConnections offered for this target's sessions; 0: the server's default.
+    max_connections: std::sync::atomic::AtomicU16,
     scsi: RwLock<Arc<ironsan_scsi::Target>>,
     /// Latency and throughput counters per LUN, made when a LUN first serves a command (or
     /// is first shown); kept after the LUN is removed, until the target is. Connections cache
@@ -241,10 +242,23 @@ impl LiveTarget {
         LiveTarget {
             name: def.name.clone(),
             alias: def.alias.clone(),
-            max_connections: def.max_connections,
+            max_connections: std::sync::atomic::AtomicU16::new(def.max_connections.unwrap_or(0)),
             scsi: RwLock::new(Arc::clone(&def.scsi)),
             metrics: Mutex::default(),
         }
+    }
+
+    /// The MaxConnections this target offers (`None`: the server's default).
+    pub fn max_connections(&self) -> Option<u16> {
+        match self.max_connections.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n),
+        }
+    }
+
+    pub fn set_max_connections(&self, n: Option<u16>) {
+        self.max_connections
+            .store(n.unwrap_or(0), Ordering::Relaxed);
     }
 
     /// The counters of a LUN (made on first use).

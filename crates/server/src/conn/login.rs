@@ -64,7 +64,7 @@ impl LoginPolicy for Policy {
                 TargetLookup::Allowed {
                     tpgt: self.tag,
                     alias: t.alias.clone(),
-                    max_connections: t.max_connections,
+                    max_connections: t.max_connections(),
                 }
             }
             Some(_) => TargetLookup::Denied,
