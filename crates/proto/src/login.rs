@@ -189,6 +189,16 @@ pub trait LoginPolicy {
     fn chap_credentials(&self, _target_name: Option<&str>) -> Option<&dyn ChapCredentials> {
         None
     }
+    /// The negotiated parameters of the session with this TSIH, if it is this initiator's
+    /// (same name and ISID): a login adding a connection to it hears the values in effect.
+    fn session_params(
+        &self,
+        _tsih: Tsih,
+        _isid: Isid,
+        _initiator_name: &str,
+    ) -> Option<SessionParams> {
+        None
+    }
 }
 
 /// What the server needs to decide how the login completes.
@@ -655,6 +665,11 @@ impl Login {
         let initiator = value(pairs, "InitiatorName").ok_or(LoginStatus::MISSING_PARAMETER)?;
         if !valid_iscsi_name(initiator) {
             return Err(NegotiationError::BadInitiatorName.into());
+        }
+        if let Some(ids) = self.ids.filter(|i| i.tsih != Tsih(0)) {
+            if let Some(p) = policy.session_params(ids.tsih, ids.isid, initiator) {
+                self.negotiator.set_joining(p);
+            }
         }
         let session_type = match value(pairs, "SessionType") {
             None | Some("Normal") => SessionType::Normal,

@@ -193,6 +193,50 @@ pub static KEYS: &[KeyDef] = &[
 /// The CHAP keys (RFC 7143 §12.1.3), handled by the login's security stage, not by this table.
 pub const CHAP_KEYS: &[&str] = &["CHAP_A", "CHAP_I", "CHAP_C", "CHAP_N", "CHAP_R"];
 
+/// A session's value of a leading-only key, as an answer to `offer` in a non-leading login:
+/// `Some` when negotiating `offer` against it gives it back (so the answer is a valid result
+/// of the key's function), else `None`.
+fn value_in_effect(def: &KeyDef, offer: &str, s: &SessionParams) -> Option<String> {
+    match def.rule {
+        Rule::Min | Rule::Max => {
+            let cur: u64 = match def.name {
+                "MaxConnections" => s.max_connections.into(),
+                "MaxBurstLength" => s.max_burst_length.into(),
+                "FirstBurstLength" => s.first_burst_length.into(),
+                "DefaultTime2Wait" => s.default_time2wait.into(),
+                "DefaultTime2Retain" => s.default_time2retain.into(),
+                "MaxOutstandingR2T" => s.max_outstanding_r2t.into(),
+                "ErrorRecoveryLevel" => s.error_recovery_level.into(),
+                _ => return None,
+            };
+            let offer = parse_number(offer).filter(|n| (def.min..=def.max).contains(n))?;
+            let result = if def.rule == Rule::Min {
+                offer.min(cur)
+            } else {
+                offer.max(cur)
+            };
+            (result == cur).then(|| cur.to_string())
+        }
+        Rule::Or | Rule::And => {
+            let cur = match def.name {
+                "InitialR2T" => s.initial_r2t,
+                "ImmediateData" => s.immediate_data,
+                "DataPDUInOrder" => s.data_pdu_in_order,
+                "DataSequenceInOrder" => s.data_sequence_in_order,
+                _ => return None,
+            };
+            let offer = parse_bool(offer)?;
+            let result = if def.rule == Rule::Or {
+                offer || cur
+            } else {
+                offer && cur
+            };
+            (result == cur).then(|| yes_no(cur).to_owned())
+        }
+        _ => None,
+    }
+}
+
 /// Look a key up in [`KEYS`].
 pub fn key_def(name: &str) -> Option<&'static KeyDef> {
     KEYS.iter().find(|k| k.name == name)
@@ -464,6 +508,9 @@ pub struct Negotiator {
     auth_methods: Vec<String>,
     auth_method: Option<String>,
     leading: bool,
+    /// The session a non-leading login joins: its leading-only keys are answered with the
+    /// values in effect where those are a valid answer to the offer.
+    joining: Option<SessionParams>,
     /// Keys the initiator has sent in this login.
     seen: Vec<String>,
     /// Keys we have declared in this login.
@@ -482,6 +529,7 @@ impl Negotiator {
             auth_methods: vec!["None".to_owned()],
             auth_method: None,
             leading: true,
+            joining: None,
             seen: Vec::new(),
             declared: Vec::new(),
             session: SessionParams::default(),
@@ -505,6 +553,11 @@ impl Negotiator {
     /// setting differs from the defaults'.
     pub fn set_max_connections(&mut self, n: u16) {
         self.defaults.max_connections = n.max(1);
+    }
+
+    /// The session this non-leading login adds a connection to (see [`Negotiator::set_leading`]).
+    pub fn set_joining(&mut self, session: SessionParams) {
+        self.joining = Some(session);
     }
 
     /// Whether this connection leads a new session (TSIH 0). Leading-only keys on other
@@ -589,7 +642,15 @@ impl Negotiator {
             return Ok(Some(REJECT.to_owned()));
         }
         if def.key_use == KeyUse::LeadingOnly && !self.leading {
-            return Ok(Some(IRRELEVANT.to_owned()));
+            // The RFC says only that these keys belong to the leading login (§13). Answering
+            // the session's value, where that is what the negotiation would give for this
+            // offer, tells the initiator what is in effect and satisfies initiators that
+            // check every answer; otherwise Irrelevant. Nothing of the session changes.
+            let in_effect = self
+                .joining
+                .as_ref()
+                .and_then(|s| value_in_effect(def, v, s));
+            return Ok(Some(in_effect.unwrap_or_else(|| IRRELEVANT.to_owned())));
         }
         if def.irrelevant_in_discovery && self.session.session_type == SessionType::Discovery {
             return Ok(Some(IRRELEVANT.to_owned()));

@@ -762,6 +762,65 @@ impl<R: AsyncRead + Unpin> RecvBuf<R> {
     }
 }
 
+impl<R: AsyncRead + Unpin> RecvBuf<R> {
+    /// Bytes a whole header takes (BHS, AHS, header digest), as far as the buffer tells: the
+    /// BHS alone until its AHS length is here.
+    fn header_len(&self, header_digest: bool) -> usize {
+        let ahs = self.buf.get(4).map_or(0, |&words| usize::from(words) * 4);
+        BHS_LEN + ahs + if header_digest { 4 } else { 0 }
+    }
+
+    /// Wait until a whole PDU header is buffered, reading into the buffer only, so that
+    /// dropping the future loses no byte (cancel-safe: a connection waits for its next header
+    /// in a `select!` with its close and wake-up signals). `Ok(false)` at end of stream.
+    /// Right after a large payload (see the type's docs) only what the header needs is read,
+    /// so the next payload still goes straight to its destination.
+    pub async fn header_buffered(&mut self, header_digest: bool) -> std::io::Result<bool> {
+        std::future::poll_fn(|cx| self.poll_header_buffered(cx, header_digest)).await
+    }
+
+    fn poll_header_buffered(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        header_digest: bool,
+    ) -> std::task::Poll<std::io::Result<bool>> {
+        use bytes::BufMut;
+        use std::future::Future;
+        loop {
+            let need = self.header_len(header_digest);
+            if self.buf.len() >= need {
+                return std::task::Poll::Ready(Ok(true));
+            }
+            if self.buf.is_empty() && self.direct_left == 0 {
+                std::task::ready!(self.poll_fill(cx))?;
+                if self.buf.is_empty() {
+                    return std::task::Poll::Ready(Ok(false));
+                }
+                continue;
+            }
+            if self.buf.is_empty() {
+                self.prepare_fill();
+            }
+            let missing = need - self.buf.len();
+            let want = if self.direct_left > 0 {
+                missing
+            } else {
+                missing.max(self.size)
+            };
+            self.buf.reserve(want);
+            let n = {
+                let mut limited = (&mut self.buf).limit(want);
+                let fut = AsyncReadExt::read_buf(&mut self.inner, &mut limited);
+                let fut = std::pin::pin!(fut);
+                std::task::ready!(fut.poll(cx))?
+            };
+            if n == 0 {
+                return std::task::Poll::Ready(Ok(false));
+            }
+        }
+    }
+}
+
 impl RecvBuf<tokio::net::tcp::OwnedReadHalf> {
     /// Receive without waiting into an empty buffer (busy polling): `Ok(0)` at end of stream,
     /// `WouldBlock` when nothing is there.

@@ -154,6 +154,53 @@ async fn a_command_ahead_of_a_cmdsn_gap_waits_for_it() {
     assert_eq!(r.data, data);
 }
 
+/// A connection woken by another one (here: its held command released) while only part of
+/// its next header has arrived keeps those bytes: the header completes and is answered, and
+/// the stream stays in step. (Found with a third-party MC/S initiator: a wake-up used to
+/// drop a header read in progress, and the connection then read garbage.)
+#[tokio::test]
+async fn a_wake_up_in_the_middle_of_a_header_loses_nothing() {
+    let (addr, _stop) = start().await;
+    let mut conns = session(addr, 2, 10).await;
+    let gap = conns[0].cmd_sn;
+    conns[1].cmd_sn = gap.next();
+    let (held, _) = conns[1].send_read16(0, 0, 1, 512).await.unwrap();
+    expect_nothing(&mut conns[1]).await;
+    // Half of a ping's header on connection 1...
+    let ping = NopOut {
+        immediate: true,
+        itt: Itt(0x5050),
+        cmd_sn: conns[1].cmd_sn,
+        ..Default::default()
+    };
+    let pdu = Pdu::new(Header::NopOut(ping), Bytes::from_static(b"halfway"));
+    let wire = ironsan_initiator::wire_pdu(&pdu.bhs(), &pdu.data, false, false);
+    conns[1].send_bytes(&wire[..20]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // ...then connection 0 fills the gap, which wakes connection 1...
+    conns[0].cmd_sn = gap;
+    let (r, _) = conns[0].send_read16(0, 8, 1, 512).await.unwrap();
+    assert_eq!(status_of(&mut conns[0], r).await, 0);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // ...and the rest of the header arrives.
+    conns[1].send_bytes(&wire[20..]).await.unwrap();
+    let (mut got_read, mut got_ping) = (false, false);
+    while !(got_read && got_ping) {
+        let p = tokio::time::timeout(Duration::from_secs(10), conns[1].recv())
+            .await
+            .expect("answers")
+            .expect("the connection stays up");
+        match p.header {
+            Header::DataIn(d) if d.itt == held => got_read |= d.status == Some(0),
+            Header::NopIn(n) if n.itt == Itt(0x5050) => {
+                assert_eq!(&p.data[..], b"halfway");
+                got_ping = true;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
 /// A CmdSN already used on one connection is a duplicate on another: ignored.
 #[tokio::test]
 async fn a_cmdsn_reused_on_another_connection_is_ignored() {

@@ -36,6 +36,7 @@ const REPLACED_READERS: std::time::Duration = std::time::Duration::from_secs(5);
 /// login.
 struct Policy {
     rt: Arc<Runtime>,
+    shared: Arc<Shared>,
     peer: IpAddr,
     /// The tag of the portal group the connection came in on.
     tag: u16,
@@ -81,6 +82,20 @@ impl LoginPolicy for Policy {
         let a = self.access(target_name);
         a.auth_required().then_some(a as &dyn ChapCredentials)
     }
+    fn session_params(
+        &self,
+        tsih: Tsih,
+        isid: Isid,
+        initiator_name: &str,
+    ) -> Option<ironsan_proto::negotiate::SessionParams> {
+        let s = self
+            .shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(tsih)?;
+        (s.isid == isid && s.initiator_name == initiator_name).then(|| s.params.clone())
+    }
 }
 
 /// A connection that completed its login.
@@ -118,6 +133,7 @@ pub(super) async fn login_phase(
     let local = portal.addr;
     let policy = Policy {
         rt: shared.runtime(),
+        shared: Arc::clone(shared),
         peer: peer.ip(),
         tag: portal.tag,
     };

@@ -613,7 +613,13 @@ impl Connection {
                     continue;
                 }
                 _ = signals.woken() => continue,
-                h = io::read_header(rd, digests, max_data) => h,
+                // Cancel-safe: bytes of a header that is not all here stay in the buffer when
+                // another branch wins (a wake-up from another connection of the session).
+                r = rd.header_buffered(digests.header) => match r {
+                    Ok(true) => continue,
+                    Ok(false) => Err(ReadError::Closed),
+                    Err(e) => Err(ReadError::Io(e)),
+                },
             };
             self.on_pdu(rd, header).await?;
         }
