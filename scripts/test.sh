@@ -89,6 +89,11 @@ fi
 section "cargo build --release"
 cargo build --release
 
+section "third-party MC/S initiator (tests/mcs-peer: iscsi-client-rs, a test tool)"
+# A separate package (AGPL, never linked into ironsan); tests/clients.rs runs it.
+CARGO_TARGET_DIR="$TARGET_DIR/mcs-peer" cargo build --release --manifest-path tests/mcs-peer/Cargo.toml
+export IRONSAN_MCS_PEER="$TARGET_DIR/mcs-peer/release/ironsan-mcs-peer"
+
 section "cargo test --workspace --release"
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" \
     cargo test --workspace --release

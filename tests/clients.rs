@@ -12,6 +12,7 @@ mod common;
 use common::*;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
@@ -2140,4 +2141,151 @@ fn without_io_uring_auto_falls_back_to_threads_and_uring_refuses_to_start() {
         "{}",
         uring.output_text()
     );
+}
+
+/// `ironsan load --connections N`: one session of several connections (MC/S), commands
+/// spread round robin and by least queue depth, every block verified; `ctl sessions` shows
+/// the session's connections, each with its own counters.
+#[test]
+fn load_generator_runs_one_session_over_several_connections() {
+    let ctl_dir = tempfile::tempdir().unwrap();
+    let sock = ctl_dir.path().join("control.sock");
+    let sock_s = sock.display().to_string();
+    let s = Server::start(&["--lun", "ram:64M", "--control", &sock_s]);
+    let u = s.url(0);
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(u64::MAX);
+    let w = load(
+        &u,
+        &[
+            "--connections",
+            "4",
+            "--rw",
+            "write",
+            "--bs",
+            "65536",
+            "--qd",
+            "16",
+            "--count",
+            "1024",
+            "--verify",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("write pass over 4 connections: {e}"));
+    assert_eq!((n(&w, "ios"), n(&w, "failed")), (1024, 0), "{w}");
+    let per = w["per_connection"].as_array().cloned().unwrap_or_default();
+    assert_eq!(per.len(), 4, "{w}");
+    // Round robin: 256 commands on each connection.
+    assert!(per.iter().all(|c| n(c, "ios") == 256), "{w}");
+    for spread in ["rr", "lqd"] {
+        let r = load(
+            &u,
+            &[
+                "--connections",
+                "3",
+                "--spread",
+                spread,
+                "--rw",
+                "randread",
+                "--count",
+                "20000",
+                "--verify",
+            ],
+        )
+        .unwrap_or_else(|e| panic!("random reads over 3 connections ({spread}): {e}"));
+        assert_eq!((n(&r, "ios"), n(&r, "failed")), (20_000, 0), "{r}");
+        assert_eq!(n(&r, "verify_failures"), 0, "{r}");
+        let per = r["per_connection"].as_array().cloned().unwrap_or_default();
+        assert!(
+            per.len() == 3 && per.iter().all(|c| n(c, "ios") > 0),
+            "every connection carried commands: {r}"
+        );
+    }
+    // While a session of 4 connections runs, `ctl sessions` lists them all.
+    let mut bg = Background::spawn(
+        bin(),
+        &[
+            "load",
+            &u,
+            "--connections",
+            "4",
+            "--rw",
+            "randread",
+            "-t",
+            "8",
+        ],
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(8);
+    let cids = loop {
+        let out = run_stdout(bin(), &["ctl", "--control", &sock_s, "--json", "sessions"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+        let cids: Vec<u64> = v
+            .as_array()
+            .and_then(|a| a.first())
+            .and_then(|s| s["connections"].as_array())
+            .map(|c| c.iter().filter_map(|x| x["cid"].as_u64()).collect())
+            .unwrap_or_default();
+        if cids.len() == 4 || std::time::Instant::now() > deadline {
+            break cids;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut sorted = cids.clone();
+    sorted.sort();
+    assert_eq!(sorted, vec![0, 1, 2, 3]);
+    assert!(bg
+        .wait_timeout(Duration::from_secs(30))
+        .is_some_and(|st| st.success()));
+    // More connections than the target allows: refused with a clear message.
+    let err = load(&u, &["--connections", "5", "--count", "10"]).expect_err("5 > 4 accepted");
+    assert!(err.contains("allows 4 connections"), "{err}");
+}
+
+/// The third-party initiator `ironsan-mcs-peer` (tests/mcs-peer: the crates.io crate
+/// iscsi-client-rs, which does MC/S; built by scripts/test.sh), as a new user with that
+/// initiator would use it: sessions of 2 and 4 connections, with and without digests, data
+/// written on one connection verified through another, every connection logged out.
+#[test]
+fn a_third_party_mcs_initiator_moves_verified_data_over_several_connections() {
+    let peer = std::env::var("IRONSAN_MCS_PEER").unwrap_or_else(|_| {
+        format!(
+            "{}/target/mcs-peer/release/ironsan-mcs-peer",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    });
+    if !Path::new(&peer).exists() {
+        if std::env::var("IRONSAN_REQUIRE_TOOLS").as_deref() == Ok("1") {
+            panic!("{peer} is missing: scripts/test.sh builds it (tests/mcs-peer)");
+        }
+        eprintln!("SKIPPED: {peer} is not built (cargo build --release --manifest-path tests/mcs-peer/Cargo.toml)");
+        return;
+    }
+    let s = Server::start(&["--lun", "ram:64M"]);
+    let addr = s.addr().to_string();
+    for (conns, digest, blocks, cmds) in [
+        ("2", "None", "128", "128"),
+        ("4", "None", "16", "256"),
+        ("4", "CRC32C", "128", "128"),
+    ] {
+        let out = run_env(
+            &peer,
+            &[],
+            &[
+                ("TARGET", &addr),
+                ("TARGET_NAME", DEFAULT_TARGET),
+                ("NCONN", conns),
+                ("DIGEST", digest),
+                ("BLOCKS", blocks),
+                ("NCMDS", cmds),
+                ("MAX_INFLIGHT", "16"),
+            ],
+            Duration::from_secs(120),
+        );
+        let text = show(&out);
+        assert!(
+            out.status.success()
+                && text.contains(&format!("MCS-PEER OK conns={conns} cmds={cmds}")),
+            "{conns} connections, digest {digest}:\n{text}\n{}",
+            s.logs()
+        );
+    }
 }

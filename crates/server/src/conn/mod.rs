@@ -352,9 +352,25 @@ pub async fn run(
             t.scsi().nexus_lost(session.nexus.id);
         }
     }
+    if matches!(reason, ConnError::Logout) {
+        // RFC 7143 §11.15: after a Logout Response both ends close. Initiators close first
+        // once they have read it; one that notices our close before it reads the response
+        // (iscsi-client-rs does) fails the logout, so its close is waited for, briefly.
+        let _ = tokio::time::timeout(LOGOUT_LINGER, until_eof(&mut rd)).await;
+    }
     let _ = conn.tx.send(Out::Close).await;
     drop(conn);
     let _ = writer.await;
+}
+
+/// How long a connection that answered a Logout waits for the initiator to close it.
+const LOGOUT_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Read and drop whatever still comes, until the peer closes.
+async fn until_eof(rd: &mut io::RecvBuf<OwnedReadHalf>) {
+    use tokio::io::AsyncReadExt;
+    let mut scratch = [0u8; 512];
+    while matches!(rd.read(&mut scratch).await, Ok(n) if n > 0) {}
 }
 
 /// The writer task, started when the first Login Request tells the StatSN to begin with
