@@ -22,14 +22,23 @@
 #                system, write cache on) and BLOCKIO (the same file with O_DIRECT).
 #     mpio       the same dd over two lines (MPIO): one session per line, each moving half
 #                the data, against one line; the ratio two / one (iSCSI-SCST got 1.67x).
-#     sessions   the multiple-connections experiment (IISc) with sessions instead of
-#                connections: 4 sessions sharing one Gigabit line, sequential writes then
-#                reads; per session: MiB/s, command turnaround mean and deviation; Jain's
-#                fairness index over the sessions; the senders' congestion windows sampled
+#     sessions   the multiple-connections experiment (IISc): one session of 4 connections
+#                (MC/S) sharing one Gigabit line, sequential 512 KiB writes then reads, one
+#                command in flight per connection; beside it 4 separate sessions on the same
+#                line. Per connection (or session): MiB/s, command turnaround mean and
+#                deviation; Jain's fairness index; the senders' congestion windows sampled
 #                every 0.5 s, their TCP retransmissions and the share of their busy time
 #                spent limited by the receiver's window or their send buffer (ss -ti,
-#                tcp_info's rwnd_limited / sndbuf_limited). ironsan negotiates
-#                MaxConnections=1 (and no initiator here does MC/S): see docs/PERFORMANCE.md.
+#                tcp_info's rwnd_limited / sndbuf_limited). Commands spread round robin
+#                (rr: equal counts per connection, so unfairness shows in turnaround) and to
+#                the least loaded connection (lqd: it shows in throughput); ironsan with its
+#                connection fairness off and on; istgt (MC/S too); tgt (one connection per
+#                session) with sessions only.
+#     mcs        one session over 1, 2 and 4 lines, one connection per line (sequential
+#                512 KiB writes then reads, 2 in flight per connection): the ratio to one
+#                line (goal: N lines give N x one line); and on loopback, 4 KiB QD32 random
+#                reads and 512 KiB QD8 reads with 1, 2 and 4 connections: IOPS and target
+#                CPU per I/O. ironsan and istgt (tgt offers one connection per session).
 #     cache      target-side cache: a 4 KiB random 70/30 read/write mix at QD8 over a
 #                256 MiB file on a disk file system, FILEIO (page cache, warmed first) against
 #                BLOCKIO (O_DIRECT), ironsan and tgt, loopback; the ratio FILEIO / BLOCKIO.
@@ -67,7 +76,7 @@ cd "$ROOT"
 die() { printf 'classic: ERROR: %s\n' "$*" >&2; exit 1; }
 note() { printf 'classic: %s\n' "$*" >&2; }
 
-ALL_EXPERIMENTS="iometer ramdisk dd mpio sessions cache scaleout breakdown"
+ALL_EXPERIMENTS="iometer ramdisk dd mpio sessions mcs cache scaleout breakdown"
 EXPERIMENTS="" TARGETS="ironsan tgt istgt" QUICK=0 FULL=0 SAVE=1 RATE=1gbit TSV="" TCP_CC=""
 while [[ $# -gt 0 ]]; do
     case $1 in
@@ -108,6 +117,8 @@ DISK=$(mktemp -d "${DISK_DIR:-/var/tmp}/ironsan-classic.XXXXXX")
 OUT=$WORK/report.txt
 : >"$OUT"
 declare -A PID=() URL=() KIND=()
+# Extra `ironsan serve` arguments of the next start_target (e.g. --connection-fairness on).
+IRONSAN_ARGS=()
 LINES=0
 
 cleanup() {
@@ -149,7 +160,7 @@ lines_up() {
 }
 lines_down() {
     local i
-    for ((i = 1; i <= 3; i++)); do ip link del "icl$i" 2>/dev/null || true; done
+    for ((i = 1; i <= 4; i++)); do ip link del "icl$i" 2>/dev/null || true; done
     ip netns del "$NS" 2>/dev/null || true
     LINES=0
 }
@@ -180,7 +191,7 @@ start_target() {
                 *) spec=file:$file ;;
             esac
             NO_COLOR=1 taskset -c "$TARGET_CPU" "$BIN" serve --listen "0.0.0.0:$port" \
-                --target iqn.2026-11.org.ironsan:classic --lun "$spec" "${extra[@]}" \
+                --target iqn.2026-11.org.ironsan:classic --lun "$spec" "${extra[@]}" "${IRONSAN_ARGS[@]}" \
                 --data-dir "$dir/data" --control "$dir/control.sock" \
                 </dev/null >"$dir/ironsan.log" 2>&1 &
             pid=$!
@@ -430,33 +441,25 @@ cwnd_trace() {
         sleep 0.5
     done
 }
-exp_sessions() {
-    header "sessions: 4 sessions over one $RATE line, sequential 512 KiB QD1, ${SESSION_SECS} s each way"
-    prepare_files
-    lines_up 1
-    local t rw
-    for t in ironsan tgt istgt; do
-        serves "$t" shm || continue
-        start_target "$t" "$t" shm
-        for rw in write read; do
-            local side=initiator
-            [[ $rw == read ]] && side=target
-            cwnd_trace "$side" "$SESSION_SECS" "$WORK/cwnd" &
-            local tracer=$!
-            load "$t" 1 --sessions 4 --rw "$rw" --bs 524288 --qd 1 -t "$SESSION_SECS"
-            wait "$tracer" 2>/dev/null || true
-            say "$t $rw: total $(awk -v m="$(j mib_per_s)" 'BEGIN { printf "%.1f", m * 1.048576 }') MB/s; turnaround mean $(j lat_mean_us | cut -d. -f1) us, sd $(j lat_stddev_us | cut -d. -f1) us"
-            python3 - "$L_JSON" "$WORK/cwnd" <<'EOF' | tee -a "$OUT"
+# share_report KEY: per unit (KEY per_connection or per_session of L_JSON) MB/s and
+# turnaround, Jain's index, and the congestion windows traced in $WORK/cwnd.
+share_report() {
+    python3 - "$L_JSON" "$WORK/cwnd" "$1" <<'EOF' | tee -a "$OUT"
 import json, re, sys
 r = json.loads(sys.argv[1])
+key = sys.argv[3]
+unit = "connection" if key == "per_connection" else "session"
 rates = []
-for i, s in enumerate(r.get("per_session", [])):
+for i, s in enumerate(r.get(key, [])):
     mbs = s["mib_per_s"] * 1.048576
     rates.append(mbs)
-    print(f"  session {i}: {mbs:7.1f} MB/s, turnaround mean {s['lat_mean_us']:8.0f} us, sd {s['lat_stddev_us']:7.0f} us")
+    print(f"  {unit} {i}: {mbs:7.1f} MB/s, turnaround mean {s['lat_mean_us']:8.0f} us, sd {s['lat_stddev_us']:7.0f} us")
+def jain(v):
+    return sum(v) ** 2 / (len(v) * sum(x * x for x in v)) if v and sum(v) > 0 else 0
 if rates and sum(r * r for r in rates) > 0:
-    jain = sum(rates) ** 2 / (len(rates) * sum(r * r for r in rates))
-    print(f"  Jain's fairness index {jain:.3f} (1 = equal shares); min/max {min(rates) / max(rates):.2f}")
+    print(f"  Jain's fairness index {jain(rates):.3f} (1 = equal shares); min/max {min(rates) / max(rates):.2f}")
+    turn = [s["lat_mean_us"] for s in r.get(key, [])]
+    print(f"  Jain's index of the mean turnaround {jain(turn):.3f}; min/max {min(turn) / max(turn):.2f}")
 # ss lines: local and peer address, then the info line; one block per sample.
 # rwnd_limited / sndbuf_limited: the share of the sender's busy time spent waiting for the
 # receiver's window or for its own send buffer (tcp_info, cumulative: the last sample counts).
@@ -471,19 +474,114 @@ for line in open(sys.argv[2]):
     m = re.search(r"\bretrans:\d+/(\d+)", line)
     retrans[conn] = int(m.group(1)) if m else 0
     lim = []
-    for key, name in (("rwnd_limited", "rwnd"), ("sndbuf_limited", "sndbuf")):
-        m = re.search(r"\b" + key + r":\d+ms\(([\d.]+)%\)", line)
+    for k, name in (("rwnd_limited", "rwnd"), ("sndbuf_limited", "sndbuf")):
+        m = re.search(r"\b" + k + r":\d+ms\(([\d.]+)%\)", line)
         if m:
             lim.append(f"{name}-limited {float(m.group(1)):.0f} %")
     limits[conn] = ", ".join(lim) if lim else "not window- or buffer-limited"
 for conn, t in sorted(traces.items()):
     print(f"  cwnd {conn}: {' '.join(t[:24])}{' ...' if len(t) > 24 else ''}; retransmitted {retrans.get(conn, 0)}; {limits.get(conn, '')}")
 EOF
-            tsv sessions "$t" "$rw" "$(j mib_per_s)" "$(j lat_mean_us)" "$(j lat_stddev_us)"
+}
+# jain KEY: Jain's index over L_JSON's KEY list (MB/s), for the TSV.
+jain() {
+    python3 -c 'import json, sys
+r = [x["mib_per_s"] for x in json.loads(sys.argv[1]).get(sys.argv[2], [])]
+print(f"{sum(r) ** 2 / (len(r) * sum(x * x for x in r)):.3f}" if r and sum(r) > 0 else "0")' "$L_JSON" "$1"
+}
+exp_sessions() {
+    header "sessions: one session of 4 connections, and 4 sessions, over one $RATE line; sequential 512 KiB, one in flight per connection, ${SESSION_SECS} s each way"
+    prepare_files
+    lines_up 1
+    local t rw mode
+    for t in ironsan tgt istgt; do
+        serves "$t" shm || continue
+        local modes="sessions"
+        case $t in
+            ironsan) modes="mcs-rr mcs-rr-fair mcs-lqd mcs-lqd-fair sessions" ;;
+            istgt) modes="mcs-rr mcs-lqd sessions" ;;
+        esac
+        for mode in $modes; do
+            IRONSAN_ARGS=()
+            if [[ $t == ironsan ]]; then
+                IRONSAN_ARGS=(--connection-fairness off)
+                [[ $mode == *-fair ]] && IRONSAN_ARGS=(--connection-fairness on)
+            fi
+            local spread=rr
+            [[ $mode == mcs-lqd* ]] && spread=lqd
+            start_target "$t" "$t" shm
+            IRONSAN_ARGS=()
+            for rw in write read; do
+                local side=initiator key=per_connection
+                [[ $rw == read ]] && side=target
+                cwnd_trace "$side" "$SESSION_SECS" "$WORK/cwnd" &
+                local tracer=$!
+                if [[ $mode == sessions ]]; then
+                    key=per_session
+                    load "$t" 1 --sessions 4 --rw "$rw" --bs 524288 --qd 1 -t "$SESSION_SECS"
+                else
+                    load "$t" 1 --connections 4 --spread "$spread" --rw "$rw" --bs 524288 --qd 4 -t "$SESSION_SECS"
+                fi
+                wait "$tracer" 2>/dev/null || true
+                say "$t $mode $rw: total $(awk -v m="$(j mib_per_s)" 'BEGIN { printf "%.1f", m * 1.048576 }') MB/s; turnaround mean $(j lat_mean_us | cut -d. -f1) us, sd $(j lat_stddev_us | cut -d. -f1) us"
+                share_report "$key"
+                tsv sessions "$t" "$mode" "$rw" "$(j mib_per_s)" "$(j lat_mean_us)" "$(j lat_stddev_us)" "$(jain "$key")"
+            done
+            stop_target "$t"
+        done
+    done
+    lines_down
+}
+
+# --- 5b. one session over several lines (MC/S), and connections on loopback ----------------
+exp_mcs() {
+    header "mcs: one session over 1, 2 and 4 $RATE lines, one connection per line; sequential 512 KiB, 2 in flight per connection, ${SESSION_SECS} s each way (MB/s)"
+    prepare_files
+    lines_up 4
+    say "$(printf '%-8s %-6s %10s %10s %10s %8s %8s' target rw '1 line' '2 lines' '4 lines' '2/1' '4/1')"
+    local t rw n m
+    for t in ironsan istgt; do
+        serves "$t" shm || continue
+        start_target "$t" "$t" shm
+        for rw in write read; do
+            local mbs=()
+            for n in 1 2 4; do
+                local tnames="" k
+                for ((k = 0; k < n; k++)); do tnames+=" $t"; done
+                load "$tnames" 1 --connections "$n" --rw "$rw" --bs 524288 --qd $((2 * n)) -t "$SESSION_SECS"
+                read -r m _ _ <<<"$(point)"
+                mbs+=("$m")
+            done
+            say "$(printf '%-8s %-6s %10s %10s %10s %8s %8s' "$t" "$rw" "${mbs[0]}" "${mbs[1]}" "${mbs[2]}" \
+                "$(awk -v a="${mbs[0]}" -v b="${mbs[1]}" 'BEGIN { printf "%.2fx", (a > 0 ? b / a : 0) }')" \
+                "$(awk -v a="${mbs[0]}" -v b="${mbs[2]}" 'BEGIN { printf "%.2fx", (a > 0 ? b / a : 0) }')")"
+            tsv mcs-lines "$t" "$rw" "${mbs[@]}"
         done
         stop_target "$t"
     done
     lines_down
+    header "mcs: connections per session on loopback (IOPS / target CPU us per I/O), ${SESSION_SECS} s each"
+    say "$(printf '%-8s %-20s %16s %16s %16s' target workload '1 conn' '2 conns' '4 conns')"
+    local wl bs qd lun cpu
+    for t in ironsan istgt; do
+        lun=ram
+        [[ $t == istgt ]] && lun=shm
+        serves "$t" "$lun" || continue
+        start_target "$t" "$t" "$lun"
+        [[ $t == ironsan ]] && load "$t" 0 --rw write --bs 524288 --qd 8 --count 2048 -t 600
+        for wl in "randread 4096 32" "read 524288 8"; do
+            read -r rw bs qd <<<"$wl"
+            local cells=()
+            for n in 1 2 4; do
+                load "$t" 0 --connections "$n" --rw "$rw" --bs "$bs" --qd "$qd" -t "$SESSION_SECS"
+                read -r _ _ cpu <<<"$(point)"
+                cells+=("$(printf '%.0f / %s' "$(j iops)" "$cpu")")
+                tsv mcs-loop "$t" "$rw" "$bs" "$qd" "$n" "$(j iops)" "$cpu"
+            done
+            say "$(printf '%-8s %-20s %16s %16s %16s' "$t" "$rw $bs QD$qd" "${cells[@]}")"
+        done
+        stop_target "$t"
+    done
 }
 
 # --- 6. target-side cache ------------------------------------------------------------------

@@ -43,6 +43,7 @@
 //! # busy_poll_us = 0         # opt-in: spin up to N us per connection before sleeping
 //! # zero_copy_reads = "auto" # large file-LUN reads sent from the page cache, RAM holes as the zero page (auto|on|mapped|off)
 //! # zero_copy_writes = "on"  # tmpfs file LUNs: large writes received into the file's pages (on|off)
+//! # connection_fairness = "on" # a session's connections (MC/S) move data in equal shares (on|off)
 //! # io_engine = "auto"       # file LUNs' blocking I/O: io_uring, else threads (auto|uring|threads)
 //!
 //! # Top-level keys (before any [table]); the --metrics / --control flags override them.
@@ -236,6 +237,8 @@ pub struct Limits {
     pub zero_copy_reads: ironsan_server::ZeroCopyReads,
     /// Large writes to tmpfs/ramfs file LUNs received straight into the file's pages.
     pub zero_copy_writes: bool,
+    /// The connections of a session with several move data in equal shares.
+    pub connection_fairness: bool,
     /// What runs file LUNs' I/O that may block (process-wide, fixed at start).
     pub io_engine: ironsan_backend::IoEngine,
 }
@@ -268,6 +271,7 @@ impl Default for Limits {
             busy_poll_us: d.busy_poll.as_micros() as u64,
             zero_copy_reads: d.zero_copy_reads,
             zero_copy_writes: d.zero_copy_writes,
+            connection_fairness: d.connection_fairness,
             io_engine: ironsan_backend::IoEngine::Auto,
         }
     }
@@ -545,6 +549,7 @@ struct FileLimits {
     busy_poll_us: Option<Spanned<u64>>,
     zero_copy_reads: Option<Spanned<String>>,
     zero_copy_writes: Option<Spanned<String>>,
+    connection_fairness: Option<Spanned<String>>,
     io_engine: Option<Spanned<String>>,
 }
 
@@ -722,6 +727,10 @@ fn limits_from_file(l: Option<FileLimits>, at: At) -> Result<Limits, String> {
             .get_ref()
             .parse()
             .map_err(|e| at(z.span(), format!("zero_copy_reads: {e}")))?;
+    }
+    if let Some(f) = &l.connection_fairness {
+        out.connection_fairness = parse_on_off(f.get_ref())
+            .map_err(|e| at(f.span(), format!("connection_fairness: {e}")))?;
     }
     if let Some(z) = &l.zero_copy_writes {
         out.zero_copy_writes = parse_on_off(z.get_ref())

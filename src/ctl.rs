@@ -561,7 +561,7 @@ fn duration_text(d: std::time::Duration) -> String {
 /// The `[limits]` section with every limit (the running values, defaults included).
 fn limits_text(l: &Limits) -> String {
     format!(
-        "\n[limits]\nlogin_timeout = {}\nnop_interval = {}\nnop_timeout = {}\nmax_connections = {}\nmax_sessions = {}\nmax_sessions_per_initiator = {}\nwrite_buffer_per_session = \"{}\"\nmax_r2ts_per_connection = {}\ntx_buffer_per_connection = \"{}\"\nshutdown_grace = \"{}\"\nbusy_poll_us = {}\nzero_copy_reads = \"{}\"\nzero_copy_writes = \"{}\"\nio_engine = \"{}\"\n",
+        "\n[limits]\nlogin_timeout = {}\nnop_interval = {}\nnop_timeout = {}\nmax_connections = {}\nmax_sessions = {}\nmax_sessions_per_initiator = {}\nwrite_buffer_per_session = \"{}\"\nmax_r2ts_per_connection = {}\ntx_buffer_per_connection = \"{}\"\nshutdown_grace = \"{}\"\nbusy_poll_us = {}\nzero_copy_reads = \"{}\"\nzero_copy_writes = \"{}\"\nconnection_fairness = \"{}\"\nio_engine = \"{}\"\n",
         l.login_timeout_secs,
         l.nop_interval_secs,
         l.nop_timeout_secs,
@@ -575,6 +575,7 @@ fn limits_text(l: &Limits) -> String {
         l.busy_poll_us,
         l.zero_copy_reads,
         if l.zero_copy_writes { "on" } else { "off" },
+        if l.connection_fairness { "on" } else { "off" },
         l.io_engine,
     )
 }
@@ -964,6 +965,7 @@ shutdown_grace = "2500ms"
             busy_poll_us: 50,
             zero_copy_reads: ironsan_server::ZeroCopyReads::On,
             zero_copy_writes: false,
+            connection_fairness: false,
             io_engine: ironsan_backend::IoEngine::Threads,
         };
         let text = limits_text(&l);

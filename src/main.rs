@@ -136,6 +136,11 @@ struct ServeArgs {
     /// 1-64, for every target that does not set `connections_per_session`. Default: 4.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=config::MAX_CONNECTIONS_PER_SESSION as i64))]
     connections_per_session: Option<u16>,
+    /// The connections of a session with several (MC/S) move data in equal shares: one that
+    /// gets ahead of the slowest busy one by 256 KiB waits (at most 50 ms) before it reads or
+    /// sends more. on, off. Overrides `connection_fairness` in [limits]. Default: on.
+    #[arg(long, value_name = "on|off", value_parser = config::parse_on_off)]
+    connection_fairness: Option<bool>,
 }
 
 /// The file LUNs' I/O engine, fixed at start-up (LUNs added later by `ctl` use it too).
@@ -287,6 +292,7 @@ fn server_config(plan: &Plan, targets: Vec<TargetDef>) -> ServerConfig {
     cfg.busy_poll = std::time::Duration::from_micros(l.busy_poll_us);
     cfg.zero_copy_reads = l.zero_copy_reads;
     cfg.zero_copy_writes = l.zero_copy_writes;
+    cfg.connection_fairness = l.connection_fairness;
     cfg
 }
 
@@ -335,6 +341,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     if let Some(z) = args.zero_copy_writes {
         plan.limits.zero_copy_writes = z;
+    }
+    if let Some(f) = args.connection_fairness {
+        plan.limits.connection_fairness = f;
     }
     if let Some(e) = args.io_engine {
         plan.limits.io_engine = e;

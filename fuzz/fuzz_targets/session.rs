@@ -6,7 +6,9 @@
 //! unsolicited Data-Out, NOP-Out, task management, Text, Logout, CmdSN skew, raw BHSs,
 //! session reinstatement (a new connection logs in with the same ISID while the old one still
 //! has commands in flight), and PDUs cut in two whose rest comes later, on a connection
-//! reinstatement may have replaced by then (a late retransmission).
+//! reinstatement may have replaced by then (a late retransmission), and several connections
+//! per session (MC/S): connections join with new CIDs or reinstate one with a known CID,
+//! commands go on any of them (CmdSN is the session's), and a Logout names any CID.
 //! The LUNs are the data paths the performance work built: a RAM LUN (copy-on-write chunks,
 //! reads of holes as the zero page), a tmpfs file LUN with 4096-byte blocks (Data-Out received
 //! straight into the file's pages; reads with `sendfile` or from the mapping, one server
@@ -20,8 +22,9 @@
 //! - with `verify` (arbitrary CDBs and raw commands then go to the NULL LUN or an absent one,
 //!   so only READ/WRITE(16) can change the RAM and file LUNs): every block that exactly one
 //!   write of the session covered holds that write's data if the write ended GOOD (writes sent
-//!   on a connection that reinstatement replaced do not count against later ones: they were
-//!   done, or aborted and fenced, before the new login's response). Data-Out
+//!   on a connection that was replaced or closed before a later write was sent do not count
+//!   against it: they were done, or aborted and fenced, before the login's or the logout's
+//!   response). Data-Out
 //!   bytes are a function of (ITT, buffer offset), so skewed or split transfers cannot make
 //!   the expected data ambiguous. An acknowledged write that is lost, torn, misplaced or
 //!   overwritten by an aborted one fails this;
@@ -129,7 +132,7 @@ fn rig() -> &'static Rig {
         });
         let addrs = [addrs[0], addrs[1]];
         for a in addrs {
-            rt.block_on(health(a, &[], &Default::default()));
+            rt.block_on(health(a, &Outcome::default()));
         }
         Rig {
             rt,
@@ -239,6 +242,13 @@ enum Op {
     /// Send what `Split` held back, on the connection it belongs to, even one that
     /// reinstatement replaced (a late retransmission).
     Release,
+    /// Log in another connection of the session with CID `cid % 4` (a CID in use reinstates
+    /// that connection) and go on there.
+    Join { cid: u8 },
+    /// Go on with another open connection of the session.
+    Switch(u8),
+    /// A Logout naming CID `cid % 4` with reason `reason % 4`, on the connection in use.
+    LogoutCid { cid: u8, reason: u8 },
 }
 
 /// What the reader has seen from the target.
@@ -255,7 +265,9 @@ struct Seen {
 /// its EDTL matched it (only those are checked; every one counts as covering its range).
 struct Sent {
     itt: Itt,
+    /// The connection it went on, and its place among the session's writes.
     conn: usize,
+    index: usize,
     lun: usize,
     lba: u64,
     blocks: u32,
@@ -328,14 +340,22 @@ fn rw16(op: u8, lba: u64, blocks: u32) -> [u8; 16] {
 
 /// One connection of the fuzzed session: our write half, what its reader saw, the reader.
 struct Conn {
+    /// Unique in the run (connections replaced or closed keep theirs).
+    no: usize,
+    cid: u16,
     wr: tokio::net::tcp::OwnedWriteHalf,
     seen: Arc<Mutex<Seen>>,
     reader: tokio::task::JoinHandle<Result<(), String>>,
+    /// Stalled behind bytes `Split` held back.
+    stalled: bool,
+    /// How many of the R2Ts it saw `Answer` has answered.
+    answered: usize,
 }
 
 /// What a login gave: the connection and the values the session goes on with.
 struct LoggedIn {
     conn: Conn,
+    tsih: Tsih,
     digests: Digests,
     cmd_sn: u32,
     target_mrdsl: u32,
@@ -344,11 +364,17 @@ struct LoggedIn {
 
 /// Log in (a leading login: with the ISID of a live session, that session is reinstated)
 /// and start the connection's reader.
-async fn connect(addr: SocketAddr, o: &LoginOptions) -> Option<LoggedIn> {
-    let c = tokio::time::timeout(WAIT, Client::login(addr, o))
+async fn connect(addr: SocketAddr, o: &LoginOptions, cmd_sn: u32, no: usize) -> Option<LoggedIn> {
+    let login = async {
+        let mut c = Client::connect(addr).await?;
+        c.cmd_sn = CmdSn(cmd_sn);
+        c.login_on(o).await.map(|()| c)
+    };
+    let c = tokio::time::timeout(WAIT, login)
         .await
         .expect("login: no answer within 5 s")
         .ok()?;
+    let tsih = c.tsih;
     let digests = Digests {
         header: c.header_digest,
         data: c.data_digest,
@@ -367,7 +393,16 @@ async fn connect(addr: SocketAddr, o: &LoginOptions) -> Option<LoggedIn> {
     let mrdsl = o.max_recv_data_segment_length;
     let reader = tokio::spawn(reader(BufReader::new(rd), digests, mrdsl, seen.clone()));
     Some(LoggedIn {
-        conn: Conn { wr, seen, reader },
+        conn: Conn {
+            no,
+            cid: o.cid.0,
+            wr,
+            seen,
+            reader,
+            stalled: false,
+            answered: 0,
+        },
+        tsih,
         digests,
         cmd_sn,
         target_mrdsl,
@@ -381,20 +416,22 @@ struct Sender {
     /// The connection in use, which one it is (0 first), and the ones reinstatement
     /// replaced (their write halves stay open: the target must end them itself).
     conn: Conn,
-    conn_no: usize,
+    /// The other open connections of the session.
+    others: Vec<Conn>,
     old: Vec<Conn>,
+    next_no: usize,
+    tsih: Tsih,
+    /// (connection, writes sent before it was replaced or closed).
+    ended: Vec<(usize, usize)>,
     /// The next PDU is split here (`Split`); bytes held back, per connection number; whether
     /// the connection in use is stalled behind them.
     split_next: Option<u16>,
     held: Vec<(usize, Vec<u8>)>,
-    stalled: bool,
     digests: Digests,
     cmd_sn: u32,
     next_itt: u32,
     /// (itt, lun, edtl) of the writes sent.
     writes: Vec<(Itt, Lun, u32)>,
-    /// How many of the R2Ts seen `Answer` has answered.
-    answered: usize,
     /// WRITE(16)s to LUNs 0 and 1, for `verify`.
     sent: Vec<Sent>,
     verify: bool,
@@ -419,14 +456,14 @@ impl Sender {
     }
     async fn send_bhs(&mut self, bhs: &Bhs, data: &[u8]) -> std::io::Result<()> {
         let buf = wire_pdu(bhs, data, self.digests.header, self.digests.data);
-        if self.stalled {
+        if self.conn.stalled {
             return Ok(());
         }
         if let Some(cut) = self.split_next.take() {
             let cut = 1 + usize::from(cut) % buf.len();
             if cut < buf.len() {
-                self.held.push((self.conn_no, buf[cut..].to_vec()));
-                self.stalled = true;
+                self.held.push((self.conn.no, buf[cut..].to_vec()));
+                self.conn.stalled = true;
                 return self.conn.wr.write_all(&buf[..cut]).await;
             }
         }
@@ -503,7 +540,8 @@ impl Sender {
                 if lun % 4 < 2 {
                     self.sent.push(Sent {
                         itt,
-                        conn: self.conn_no,
+                        conn: self.conn.no,
+                        index: self.sent.len(),
                         lun: usize::from(lun % 4),
                         lba,
                         blocks,
@@ -729,9 +767,9 @@ impl Sender {
                         .seen
                         .lock()
                         .map_err(|_| std::io::ErrorKind::Other)?;
-                    seen.r2ts.get(self.answered..).unwrap_or_default().to_vec()
+                    seen.r2ts.get(self.conn.answered..).unwrap_or_default().to_vec()
                 };
-                self.answered += r2ts.len();
+                self.conn.answered += r2ts.len();
                 for r in r2ts {
                     let end = r
                         .buffer_offset
@@ -758,16 +796,78 @@ impl Sender {
                 Ok(())
             }
             Op::Reinstate => {
-                let Some(l) = connect(self.addr, &self.login).await else {
+                let mut o = self.login.clone();
+                o.tsih = Tsih(0);
+                o.cid = Cid(0);
+                let Some(l) = connect(self.addr, &o, self.cmd_sn, self.next_no).await else {
                     return Ok(());
                 };
-                self.old.push(std::mem::replace(&mut self.conn, l.conn));
-                self.conn_no += 1;
-                self.stalled = false;
+                self.next_no += 1;
+                // Every connection of the old session ended before the new login's response.
+                let now = self.sent.len();
+                let old = std::mem::replace(&mut self.conn, l.conn);
+                for c in std::iter::once(old).chain(self.others.drain(..)) {
+                    self.ended.push((c.no, now));
+                    self.old.push(c);
+                }
+                self.tsih = l.tsih;
                 self.digests = l.digests;
                 self.cmd_sn = l.cmd_sn;
                 self.target_mrdsl = l.target_mrdsl;
-                self.answered = 0;
+                Ok(())
+            }
+            Op::Join { cid } => {
+                let mut o = self.login.clone();
+                o.tsih = self.tsih;
+                o.cid = Cid(u16::from(cid % 4));
+                let Some(l) = connect(self.addr, &o, self.cmd_sn, self.next_no).await else {
+                    return Ok(());
+                };
+                self.next_no += 1;
+                // A CID in use: that connection was reinstated (its tasks ended) before the
+                // new one's login response.
+                let now = self.sent.len();
+                let old = std::mem::replace(&mut self.conn, l.conn);
+                for c in std::iter::once(old).chain(self.others.drain(..)).collect::<Vec<_>>() {
+                    if c.cid == o.cid.0 {
+                        self.ended.push((c.no, now));
+                        self.old.push(c);
+                    } else {
+                        self.others.push(c);
+                    }
+                }
+                self.target_mrdsl = l.target_mrdsl;
+                Ok(())
+            }
+            Op::Switch(n) => {
+                if !self.others.is_empty() {
+                    let i = usize::from(n) % self.others.len();
+                    std::mem::swap(&mut self.conn, &mut self.others[i]);
+                }
+                Ok(())
+            }
+            Op::LogoutCid { cid, reason } => {
+                let itt = self.itt();
+                let cid = u16::from(cid % 4);
+                let reason = LogoutReason(reason % 4);
+                let l = LogoutRequest {
+                    immediate: true,
+                    reason,
+                    itt,
+                    cid: Cid(cid),
+                    cmd_sn: self.cmd_sn(true),
+                    exp_stat_sn: self.exp_stat_sn(),
+                };
+                self.send(Header::LogoutRequest(l), Bytes::new()).await?;
+                // Closing another connection of the session ends its tasks before the
+                // Logout Response, so before anything sent after it here.
+                if reason == LogoutReason::CLOSE_CONNECTION {
+                    if let Some(i) = self.others.iter().position(|c| c.cid == cid) {
+                        let c = self.others.swap_remove(i);
+                        self.ended.push((c.no, self.sent.len()));
+                        self.old.push(c);
+                    }
+                }
                 Ok(())
             }
             Op::Split(cut) => {
@@ -776,11 +876,17 @@ impl Sender {
             }
             Op::Release => {
                 for (conn, bytes) in std::mem::take(&mut self.held) {
-                    if conn == self.conn_no {
-                        self.stalled = false;
+                    if conn == self.conn.no {
+                        self.conn.stalled = false;
                         self.conn.wr.write_all(&bytes).await?;
-                    } else if let Some(c) = self.old.get_mut(conn) {
-                        // The old connection may be closed by now.
+                    } else if let Some(c) = self
+                        .others
+                        .iter_mut()
+                        .chain(self.old.iter_mut())
+                        .find(|c| c.no == conn)
+                    {
+                        // It may be closed by now.
+                        c.stalled = false;
                         let _ = c.wr.write_all(&bytes).await;
                     }
                 }
@@ -873,7 +979,23 @@ async fn read_good(c: &mut Client, lun: u64, lba: u64, blocks: u32, bs: u32) -> 
 /// A new session logs in, writes and reads back 8 KiB of the health LUN, then reads back
 /// every block that exactly one write of the fuzzed session covered, where that write
 /// ended GOOD (`sent` and `good` empty unless `verify`).
-async fn health(addr: SocketAddr, sent: &[Sent], good: &std::collections::HashSet<u32>) {
+/// What a fuzzed session leaves to check: its writes, the ITTs that ended GOOD, and when each
+/// connection that was replaced or closed ended (connection, writes sent before that).
+#[derive(Default)]
+struct Outcome {
+    sent: Vec<Sent>,
+    good: std::collections::HashSet<u32>,
+    ended: Vec<(usize, usize)>,
+}
+
+async fn health(addr: SocketAddr, out: &Outcome) {
+    let (sent, good) = (&out.sent, &out.good);
+    // Write `o` was done, or aborted and fenced, before write `w` was sent.
+    let ended_before = |o: &Sent, w: &Sent| {
+        out.ended
+            .iter()
+            .any(|&(conn, at)| conn == o.conn && at <= w.index)
+    };
     let mut o = LoginOptions::new(Some(TARGET));
     o.initiator_name = "iqn.2026-11.org.ironsan:fuzz-health".into();
     o.isid = Isid([0x80, 0, 0, 0, 0x48, 1]);
@@ -902,12 +1024,12 @@ async fn health(addr: SocketAddr, sent: &[Sent], good: &std::collections::HashSe
             let got = read_good(&mut c, w.lun as u64, w.lba, w.blocks, bs).await;
             for b in 0..w.blocks {
                 let lba = w.lba + u64::from(b);
-                // Writes sent on an earlier connection were ended (done, or aborted and
-                // fenced) by the reinstatement before this one was sent.
+                // Writes sent on a connection that was replaced or closed before this one was
+                // sent were ended (done, or aborted and fenced) by then.
                 let alone = sent
                     .iter()
                     .filter(|o| o.lun == w.lun && o.lba <= lba && lba < o.lba + u64::from(o.blocks))
-                    .all(|o| o.itt == w.itt || o.conn < w.conn);
+                    .all(|o| o.itt == w.itt || ended_before(o, w));
                 let at = (b * bs) as usize;
                 let want = write_data(w.itt, b * bs, bs as usize);
                 if alone && got.get(at..at + bs as usize) != Some(&want[..]) {
@@ -928,7 +1050,7 @@ async fn health(addr: SocketAddr, sent: &[Sent], good: &std::collections::HashSe
 
 /// The fuzzed session; returns its WRITE(16)s to LUNs 0-1 and the ITTs that ended GOOD
 /// (both empty unless `verify`).
-async fn session(addr: SocketAddr, i: Input) -> (Vec<Sent>, std::collections::HashSet<u32>) {
+async fn session(addr: SocketAddr, i: Input) -> Outcome {
     let mut o = LoginOptions::new(Some(TARGET));
     o.initiator_name = "iqn.2026-11.org.ironsan:fuzz-session".into();
     o.isid = Isid([0x80, 0, 0, 0, 0x46, 1]);
@@ -939,22 +1061,24 @@ async fn session(addr: SocketAddr, i: Input) -> (Vec<Sent>, std::collections::Ha
     o.immediate_data = i.immediate_data;
     o.max_outstanding_r2t = 4;
     o.max_burst_length = 1 << 20;
-    let l = connect(addr, &o).await.expect("login");
+    o.max_connections = 4;
+    let l = connect(addr, &o, 1, 0).await.expect("login");
     let imm = l.immediate_data;
     let mut s = Sender {
         addr,
         login: o,
         conn: l.conn,
-        conn_no: 0,
+        others: Vec::new(),
         old: Vec::new(),
+        next_no: 1,
+        tsih: l.tsih,
+        ended: Vec::new(),
         split_next: None,
         held: Vec::new(),
-        stalled: false,
         digests: l.digests,
         cmd_sn: l.cmd_sn,
         next_itt: 0x100,
         writes: Vec::new(),
-        answered: 0,
         sent: Vec::new(),
         verify: i.verify,
         itts: Vec::new(),
@@ -969,7 +1093,12 @@ async fn session(addr: SocketAddr, i: Input) -> (Vec<Sent>, std::collections::Ha
         }
     }
     let mut good = std::collections::HashSet::new();
-    for mut c in s.old.drain(..).chain(std::iter::once(s.conn)) {
+    for mut c in s
+        .old
+        .drain(..)
+        .chain(s.others.drain(..))
+        .chain(std::iter::once(s.conn))
+    {
         let _ = c.wr.shutdown().await;
         match tokio::time::timeout(WAIT, c.reader).await {
             Ok(Ok(Ok(()))) => {}
@@ -982,15 +1111,19 @@ async fn session(addr: SocketAddr, i: Input) -> (Vec<Sent>, std::collections::Ha
     if !i.verify {
         return Default::default();
     }
-    (s.sent, good)
+    Outcome {
+        sent: s.sent,
+        good,
+        ended: s.ended,
+    }
 }
 
 fuzz_target!(|i: Input| {
     let rig = rig();
     let addr = rig.addrs[usize::from(i.mapped)];
     rig.rt.block_on(async {
-        let (sent, good) = session(addr, i).await;
-        health(addr, &sent, &good).await;
+        let out = session(addr, i).await;
+        health(addr, &out).await;
     });
     if rig.runs.fetch_add(1, Ordering::Relaxed) % 256 == 255 {
         let deadline = Instant::now() + WAIT;

@@ -63,6 +63,21 @@ impl ConnStats {
     }
 }
 
+/// One connection's counters, labelled by its session (the metrics' per-connection series).
+#[derive(Debug, Clone)]
+pub struct ConnCounters {
+    pub target: String,
+    pub initiator: String,
+    pub tsih: u16,
+    pub cid: u16,
+    pub rx_bytes: u64,
+    pub tx_bytes: u64,
+    pub reads: u64,
+    pub writes: u64,
+    pub other: u64,
+    pub in_flight: u64,
+}
+
 /// Server-wide counters (logins, digest errors).
 #[derive(Debug, Default)]
 pub struct ServerStats {
@@ -369,6 +384,36 @@ impl Control {
             zero_copy_bytes: st.zero_copy_bytes.load(Relaxed),
             zero_copy_write_bytes: st.zero_copy_write_bytes.load(Relaxed),
         }
+    }
+
+    /// Every connection of every session, with its counters (for the metrics).
+    pub fn connection_counters(&self) -> Vec<ConnCounters> {
+        let mut out = Vec::new();
+        for s in self.sessions_of(None) {
+            let target = s
+                .target
+                .as_ref()
+                .map(|t| t.name.clone())
+                .unwrap_or_default();
+            s.with_conns(|conns| {
+                for c in conns {
+                    let p = &c.payload;
+                    out.push(ConnCounters {
+                        target: target.clone(),
+                        initiator: s.initiator_name.clone(),
+                        tsih: s.tsih.0,
+                        cid: p.cid,
+                        rx_bytes: p.stats.rx_bytes.load(Relaxed),
+                        tx_bytes: p.tx.bytes.load(Relaxed),
+                        reads: p.stats.reads.load(Relaxed),
+                        writes: p.stats.writes.load(Relaxed),
+                        other: p.stats.other_cmds.load(Relaxed),
+                        in_flight: p.stats.in_flight.load(Relaxed),
+                    });
+                }
+            });
+        }
+        out
     }
 
     /// The access rules of a target (`None`: discovery).

@@ -18,6 +18,7 @@
 pub mod access;
 pub mod admin;
 mod conn;
+pub mod fair;
 pub mod io;
 pub mod metrics;
 mod session;
@@ -131,6 +132,9 @@ pub struct ServerConfig {
     /// Whether large writes to file LUNs on tmpfs/ramfs receive their Data-Out straight into
     /// the file's pages (no copy through a buffer) when a connection has no data digest.
     pub zero_copy_writes: bool,
+    /// The connection fairness control ([`fair`]): the connections of a session with several
+    /// move data in equal shares.
+    pub connection_fairness: bool,
 }
 
 /// How a connection sends large file-LUN reads without copying them through a buffer. Only
@@ -217,6 +221,7 @@ impl ServerConfig {
             busy_poll: Duration::ZERO,
             zero_copy_reads: ZeroCopyReads::Auto,
             zero_copy_writes: true,
+            connection_fairness: true,
         }
     }
 }

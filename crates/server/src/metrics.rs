@@ -466,6 +466,60 @@ pub fn prometheus(control: &Control) -> String {
         "TCP connections open now.",
     );
     let _ = writeln!(o, "ironsan_connections {}", g.connections);
+    let conns = control.connection_counters();
+    let label = |c: &crate::admin::ConnCounters| {
+        format!(
+            "target=\"{}\",initiator=\"{}\",tsih=\"{}\",cid=\"{}\"",
+            esc(&c.target),
+            esc(&c.initiator),
+            c.tsih,
+            c.cid
+        )
+    };
+    head(
+        &mut o,
+        "ironsan_connection_bytes_total",
+        "counter",
+        "Bytes received and sent on each connection of each session (several per session with MC/S).",
+    );
+    for c in &conns {
+        let l = label(c);
+        let _ = writeln!(
+            o,
+            "ironsan_connection_bytes_total{{{l},direction=\"rx\"}} {}\n\
+             ironsan_connection_bytes_total{{{l},direction=\"tx\"}} {}",
+            c.rx_bytes, c.tx_bytes
+        );
+    }
+    head(
+        &mut o,
+        "ironsan_connection_commands_total",
+        "counter",
+        "SCSI commands received on each connection, by class.",
+    );
+    for c in &conns {
+        let l = label(c);
+        for (class, n) in [("read", c.reads), ("write", c.writes), ("other", c.other)] {
+            let _ = writeln!(
+                o,
+                "ironsan_connection_commands_total{{{l},class=\"{class}\"}} {n}"
+            );
+        }
+    }
+    head(
+        &mut o,
+        "ironsan_connection_commands_in_flight",
+        "gauge",
+        "SCSI commands delivered on each connection and not yet completed.",
+    );
+    for c in &conns {
+        let _ = writeln!(
+            o,
+            "ironsan_connection_commands_in_flight{{{}}} {}",
+            label(c),
+            c.in_flight
+        );
+    }
     head(
         &mut o,
         "ironsan_logins_total",

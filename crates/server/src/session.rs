@@ -180,6 +180,8 @@ pub struct Session {
     pub target: Option<Arc<LiveTarget>>,
     pub params: SessionParams,
     pub nexus: ironsan_scsi::Nexus,
+    /// The byte shares of the session's connections ([`crate::fair`]).
+    pub shares: Arc<crate::fair::Shares>,
     core: Mutex<Core>,
     /// (ExpCmdSN << 32) | MaxCmdSN, published after every change of the core.
     window: AtomicU64,
@@ -192,6 +194,7 @@ pub struct Session {
 }
 
 impl Session {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         tsih: Tsih,
         isid: Isid,
@@ -200,6 +203,7 @@ impl Session {
         params: SessionParams,
         nexus: ironsan_scsi::Nexus,
         core: Core,
+        fairness: bool,
     ) -> Self {
         let s = Session {
             tsih,
@@ -208,6 +212,7 @@ impl Session {
             target,
             params,
             nexus,
+            shares: Arc::new(crate::fair::Shares::new(fairness)),
             window: AtomicU64::new(0),
             core: Mutex::new(core),
             commands: AtomicU64::new(0),
@@ -531,6 +536,7 @@ mod tests {
                 relative_port: 1,
             },
             Core::new(CmdSn(1), 8, max_connections, 0),
+            true,
         )
     }
 

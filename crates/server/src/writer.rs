@@ -212,6 +212,8 @@ pub struct Writer {
     core: Mutex<Core>,
     sock: OwnedWriteHalf,
     pub stats: Arc<TxStats>,
+    /// The connection's share of its session ([`crate::fair`]), set after login.
+    pub pacer: std::sync::OnceLock<Arc<crate::fair::Pacer>>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -234,6 +236,7 @@ impl Writer {
             }),
             sock,
             stats,
+            pacer: std::sync::OnceLock::new(),
         })
     }
 
@@ -241,6 +244,11 @@ impl Writer {
     /// `Ok(None)`: written, or started and left to the writer task, which `kick` must then
     /// wake; `Err(batch)`: the writer is busy, send it through the channel.
     pub fn try_direct(&self, queue: &Queue, batch: Vec<Out>) -> Result<DirectOutcome, Vec<Out>> {
+        // A connection ahead of its session's others sends through the writer task, which
+        // waits for its turn.
+        if self.pacer.get().is_some_and(|p| p.ahead()) {
+            return Err(batch);
+        }
         let Ok(mut core) = self.core.try_lock() else {
             return Err(batch);
         };
@@ -324,6 +332,10 @@ pub enum DirectOutcome {
     Kick,
 }
 
+/// A batch at least this large (a Data-In's worth) waits for its connection's turn when the
+/// connection fairness control is on; responses alone never do.
+const BATCH_TURN: usize = 16 * 1024;
+
 /// Run the writer task until the queue closes, a `Close` arrives, or the socket fails.
 pub async fn run(
     w: Arc<Writer>,
@@ -363,6 +375,11 @@ async fn serve(
                 break;
             }
             next = rx.try_recv().ok();
+        }
+        if let Some(p) = w.pacer.get().filter(|p| p.active()) {
+            if lock(&w.core).batch.len() > BATCH_TURN {
+                p.wait_turn().await;
+            }
         }
         w.drain().await?;
         if close {

@@ -493,3 +493,49 @@ async fn metrics_listener_answers_only_get_metrics() {
         0.0
     );
 }
+
+/// Each connection of a session with several (MC/S) has series of its own, labelled by the
+/// session's TSIH and the connection's CID; the commands each carried add up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_connection_of_a_session_has_its_own_series() {
+    let srv = start().await;
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.initiator_name = "iqn.2026-11.org.test:mcs-metrics".into();
+    o.max_connections = 2;
+    let mut a = Client::login(srv.iscsi, &o).await.unwrap();
+    settle(&mut a, 0).await;
+    let mut b = Client::join(srv.iscsi, &o, &a, 1).await.unwrap();
+    for i in 0..5u64 {
+        let r = b.read16(0, i * 8, 8, 512).await.unwrap();
+        assert_eq!(r.status, 0);
+    }
+    a.cmd_sn = b.cmd_sn;
+    for i in 0..3u64 {
+        let r = a
+            .write16(0, i * 8, Bytes::from(vec![7u8; 4096]), 512, false)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 0);
+    }
+    let tsih = a.tsih.0.to_string();
+    let who = |cid: &'static str, class: &'static str| {
+        [
+            ("target", TARGET.to_string()),
+            ("initiator", o.initiator_name.clone()),
+            ("tsih", tsih.clone()),
+            ("cid", cid.to_string()),
+            ("class", class.to_string()),
+        ]
+    };
+    let s = scrape(srv.metrics).await;
+    let get = |cid, class| {
+        let l = who(cid, class);
+        let l: Vec<(&str, &str)> = l.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        s.get("ironsan_connection_commands_total", &l)
+    };
+    assert_eq!(get("1", "read"), 5.0);
+    assert_eq!(get("0", "write"), 3.0);
+    assert_eq!(get("1", "write"), 0.0);
+    assert_eq!(s.types["ironsan_connection_bytes_total"], "counter");
+    assert_eq!(s.types["ironsan_connection_commands_in_flight"], "gauge");
+}

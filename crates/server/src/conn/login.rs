@@ -379,6 +379,7 @@ async fn new_session(
         sparams,
         nexus,
         core,
+        shared.cfg.connection_fairness,
     ));
     // Joined before the registry makes it findable: no other login can end it or take its
     // place first, so this cannot fail.

@@ -208,6 +208,8 @@ struct Connection {
     polling: Arc<AtomicBool>,
     /// Always false: the flag of a task's entry while it is not being polled.
     not_polling: Arc<AtomicBool>,
+    /// This connection's share of its session ([`crate::fair`]).
+    pacer: Arc<crate::fair::Pacer>,
 }
 
 /// Serve one accepted TCP connection until it closes.
@@ -280,7 +282,14 @@ pub async fn run(
         use std::os::fd::AsRawFd;
         rd.get_ref().as_ref().as_raw_fd()
     };
+    let pacer = Arc::new(
+        session
+            .shares
+            .join(Arc::clone(&conn_stats), Arc::clone(&direct_writer.stats)),
+    );
+    let _ = direct_writer.pacer.set(Arc::clone(&pacer));
     let mut conn = Connection {
+        pacer,
         shared: Arc::clone(&shared),
         session: Arc::clone(&session),
         id,
@@ -686,6 +695,12 @@ impl Connection {
             self.drain_events().await?;
         }
         self.keep_r2ts();
+        if plan.data_len > 0 && self.pacer.active() && self.pacer.ahead() {
+            // Ahead of the session's other connections: let the writer send what is ready,
+            // then wait before reading more data here (crate::fair).
+            self.flush().await;
+            self.pacer.wait_turn().await;
+        }
         Ok(())
     }
 
