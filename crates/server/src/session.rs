@@ -477,6 +477,17 @@ impl Registry {
             self.by_tsih.remove(&s.tsih.0);
         }
     }
+    /// End a session the target takes away (reinstated, or a TARGET COLD RESET): its tasks
+    /// are aborted, its connections told to close, it leaves the registry and its nexus is
+    /// forgotten by the LUs (reservations, unit attentions).
+    pub fn retire(&mut self, s: &Arc<Session>) {
+        s.end();
+        s.close_conns(None);
+        self.remove(s);
+        if let Some(t) = &s.target {
+            t.scsi().nexus_lost(s.nexus.id);
+        }
+    }
     /// The session with the same initiator name, ISID and target (RFC 7143 §6.3.5: a new
     /// leading login with TSIH 0 for an existing session reinstates it).
     pub fn find_same_nexus(

@@ -418,6 +418,42 @@ async fn a_failed_connection_ends_the_whole_session() {
     );
 }
 
+/// TARGET COLD RESET closes every connection of every session of the target, the resetting
+/// session's other connections included (RFC 7143 §11.5.1), and leaves no session behind
+/// (a shutdown would otherwise wait for logouts that never come).
+#[tokio::test]
+async fn a_cold_reset_closes_every_connection_and_session() {
+    let cfg = ironsan_server::ServerConfig::new(
+        vec!["127.0.0.1:0".parse().unwrap()],
+        vec![ram_target(TARGET)],
+    );
+    let server = ironsan_server::Server::bind(cfg).await.unwrap();
+    let addr = server.local_addrs()[0];
+    let control = server.control();
+    let stop = run_in_background(server);
+    let mut mine = session(addr, 2, 10).await;
+    let mut other = session(addr, 2, 11).await;
+    assert_eq!(control.sessions().as_array().map(|a| a.len()), Some(2));
+    assert_eq!(
+        mine[0]
+            .task_mgmt(TmfFunction::TARGET_COLD_RESET, 0, Itt::RESERVED, CmdSn(0))
+            .await
+            .unwrap(),
+        TmfResponseCode::COMPLETE
+    );
+    for (name, c) in mine.iter_mut().chain(other.iter_mut()).enumerate() {
+        let gone = tokio::time::timeout(Duration::from_secs(5), c.recv()).await;
+        assert!(matches!(gone, Ok(Err(_))), "connection {name}: {gone:?}");
+    }
+    assert_eq!(
+        control.sessions().as_array().map(|a| a.len()),
+        Some(0),
+        "{}",
+        control.sessions()
+    );
+    drop(stop);
+}
+
 /// A login that starts in the operational stage but offers AuthMethod=None there (as some
 /// initiators do) is accepted when no authentication is required.
 #[tokio::test]

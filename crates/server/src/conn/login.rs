@@ -326,12 +326,7 @@ async fn new_session(
             // Session reinstatement: the old session's tasks are aborted and its connections
             // closed.
             tracing::info!(initiator = %ready.initiator_name, tsih = old.tsih.0, "reinstating session");
-            old.end();
-            old.close_conns(None);
-            reg.remove(old);
-            if let Some(t) = &old.target {
-                t.scsi().nexus_lost(old.nexus.id);
-            }
+            reg.retire(old);
         }
         old
     };

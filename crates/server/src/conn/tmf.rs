@@ -134,9 +134,15 @@ impl Connection {
                     lu.reset(&self.session.nexus);
                 }
                 if cold {
-                    for s in sessions.iter().filter(|s| !Arc::ptr_eq(s, &self.session)) {
-                        s.end();
-                        s.close_conns(None);
+                    // RFC 7143 §11.5.1: a cold reset also closes every TCP connection of every
+                    // session, this one's included (its connection closes after the response).
+                    let mut reg = self
+                        .shared
+                        .sessions
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner());
+                    for s in &sessions {
+                        reg.retire(s);
                     }
                 }
             }
