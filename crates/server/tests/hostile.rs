@@ -1,5 +1,5 @@
 //! A hostile-client suite: a live in-process server attacked with raw PDUs for each input
-//! class of `shared/design/hostile-inputs.md` (numbered 1-13 below), asserting the exact
+//! class of `shared/design/hostile-inputs.md` (numbered 1-13 below, and 14: MC/S), asserting the exact
 //! answer (Reject reason, login status, sense, or close), that a well-behaved session keeps
 //! working during the attack, and that the server's file descriptors (/proc/self/fd) and RSS
 //! (/proc/self/status VmRSS) stay bounded. The server is in-process, so those are our own.
@@ -1483,4 +1483,125 @@ async fn c13_reader_that_never_reads() {
         grew < (depth as u64 + 96) * 1024,
         "a reader that never reads made the target hold {grew} KiB"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 14. Several connections per session (MC/S). The rules an initiator can break one at a time
+// (CmdSN reused on another connection, a tag in use on another connection, Data-Out on the
+// wrong connection, joining a session that is not its own, logout of a CID that does not
+// exist) are in tests/mcs.rs; here, a window flooded with early CmdSNs.
+// ---------------------------------------------------------------------------------------------
+
+/// A session of two connections, as the hostile initiator.
+async fn mcs_pair(addr: SocketAddr, isid: u8) -> (Client, Client) {
+    let mut o = opts(isid);
+    o.max_connections = 2;
+    let a = Client::login(addr, &o).await.unwrap();
+    let b = Client::join(addr, &o, &a, 1).await.unwrap();
+    (a, b)
+}
+
+/// One connection fills the whole CmdSN window but its first slot with writes carrying their
+/// data, and sends more beyond MaxCmdSN: nothing runs (the gap is never filled by it), the
+/// ones beyond the window are ignored, and the held data is bounded by the window. When the
+/// other connection fills the gap, every held write runs, in order, once. A gap that is never
+/// filled costs nothing once the connection fails: the session ends (ErrorRecoveryLevel 0),
+/// and what was held goes with it, round after round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c14_mcs_window_flooded_with_early_cmdsns() {
+    let _g = GATE.write().await;
+    let depth = 32u32;
+    let (addr, _stop) = start_with(|c| c.queue_depth = depth).await;
+    let by = Bystander::start(addr, 1).await;
+    let len = 8192u32;
+
+    // Filled: every held write runs once the gap is filled, in CmdSN order (each block range
+    // is written twice, and the later CmdSN's data is what stays).
+    let (mut a, mut b) = mcs_pair(addr, 0x40).await;
+    let gap = a.cmd_sn;
+    let window = b.max_cmd_sn.0.wrapping_sub(gap.0) + 1;
+    assert_eq!(window, depth, "the window is the queue depth");
+    b.cmd_sn = gap.next();
+    let mut held = Vec::new();
+    for i in 1..window {
+        let lba = 8000 + u64::from(i % 8) * 16;
+        let (itt, _) = b
+            .send_write16(0, lba, len, 512, pattern(len as usize, i as u8))
+            .await
+            .unwrap();
+        held.push(itt);
+    }
+    for _ in 0..8 {
+        // Beyond MaxCmdSN: ignored, never run, never answered.
+        b.send_write16(0, 9000, len, 512, pattern(len as usize, 0xee))
+            .await
+            .unwrap();
+    }
+    let quiet = tokio::time::timeout(Duration::from_millis(300), b.recv()).await;
+    assert!(quiet.is_err(), "a command ahead of the gap ran: {quiet:?}");
+    a.cmd_sn = gap;
+    let r = a.command(0, &[0u8; 6], None, 0).await.unwrap();
+    assert_eq!(r.status, 0);
+    for itt in held {
+        assert_eq!(expect_status(&mut b, itt).await.0, 0);
+    }
+    let quiet = tokio::time::timeout(Duration::from_millis(300), b.recv()).await;
+    assert!(quiet.is_err(), "a command beyond MaxCmdSN ran: {quiet:?}");
+    b.cmd_sn = CmdSn(gap.0.wrapping_add(window));
+    for k in 0..8u32 {
+        let last = (1..window).filter(|i| i % 8 == k).max().unwrap();
+        let r = b
+            .read16(0, 8000 + u64::from(k) * 16, 16, 512)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 0);
+        assert!(
+            r.data == pattern(len as usize, last as u8),
+            "blocks {k}: not the data of the last write to them"
+        );
+    }
+    assert_eq!(b.logout().await.unwrap(), LogoutResponseCode::CLOSED);
+    drop(a);
+
+    // Never filled: the window held full of data, then the holding connection is reset.
+    let rounds = if long() { 200 } else { 20 };
+    let (fd0, rss0) = (fd_count(), rss_kib());
+    for round in 0..rounds {
+        let (mut a, mut b) = mcs_pair(addr, 0x41).await;
+        b.cmd_sn = a.cmd_sn.next();
+        for i in 1..window {
+            b.send_write16(
+                0,
+                10_000 + u64::from(i) * 16,
+                len,
+                512,
+                pattern(len as usize, 1),
+            )
+            .await
+            .unwrap();
+        }
+        b.reset().unwrap();
+        let gone = tokio::time::timeout(WAIT, a.recv()).await;
+        assert!(
+            matches!(gone, Ok(Err(_))),
+            "round {round}: the session's other connection stayed open: {gone:?}"
+        );
+    }
+    let fd1 = wait_fds_back(fd0).await;
+    let rss1 = rss_kib();
+    eprintln!(
+        "{rounds} sessions with a window of held writes ({} KiB each), then reset: \
+         fds {fd0} -> {fd1}, RSS {rss0} -> {rss1} KiB",
+        u64::from(window - 1) * u64::from(len) / 1024
+    );
+    assert!(fd1 <= fd0 + 4, "descriptors leaked: {fd0} -> {fd1}");
+    assert!(
+        rss1.saturating_sub(rss0) < 64 * 1024,
+        "RSS grew by {} KiB",
+        rss1.saturating_sub(rss0)
+    );
+    // The target is unharmed: a fresh session of the same initiator works.
+    let (mut a, _b) = mcs_pair(addr, 0x41).await;
+    round_trip(&mut a, 12_000, 8192, 3).await;
+    assert!(by.finish().await >= 2);
 }
