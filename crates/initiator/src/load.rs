@@ -441,10 +441,7 @@ pub async fn run(urls: &[Url], spec: &Spec) -> Result<Report> {
             portal: addr.to_string(),
             ios: r.ios,
             bytes: r.bytes,
-            elapsed: match (r.first_sent, r.last_done) {
-                (Some(a), Some(b)) => b.saturating_duration_since(a),
-                _ => Duration::ZERO,
-            },
+            elapsed: busy_time(r.first_sent, r.last_done),
             lat_mean_us: r.latency.mean_us(),
             lat_stddev_us: r.latency.stddev_us(),
         });
@@ -1464,10 +1461,7 @@ impl Session {
                 portal: c.portal.to_string(),
                 ios: c.ios,
                 bytes: c.bytes,
-                elapsed: match (c.first_sent, c.last_done) {
-                    (Some(a), Some(b)) => b.saturating_duration_since(a),
-                    _ => Duration::ZERO,
-                },
+                elapsed: busy_time(c.first_sent, c.last_done),
                 lat_mean_us: c.latency.mean_us(),
                 lat_stddev_us: c.latency.stddev_us(),
             })
@@ -1635,6 +1629,14 @@ impl Outbox {
             .iter()
             .flat_map(|s| s.iter().copied())
             .collect()
+    }
+}
+
+/// From the first command sent to the last one done (zero if none was).
+fn busy_time(first_sent: Option<Instant>, last_done: Option<Instant>) -> Duration {
+    match (first_sent, last_done) {
+        (Some(a), Some(b)) => b.saturating_duration_since(a),
+        _ => Duration::ZERO,
     }
 }
 

@@ -36,6 +36,16 @@ async fn session(addr: SocketAddr, n: u16, isid_tail: u8) -> Vec<Client> {
     conns
 }
 
+/// A session of two connections whose writes send no data before an R2T.
+async fn r2t_pair(addr: SocketAddr, isid_tail: u8) -> (LoginOptions, Client, Client) {
+    let mut o = opts(2, isid_tail);
+    o.immediate_data = false;
+    o.initial_r2t = true;
+    let a = Client::login(addr, &o).await.unwrap();
+    let b = Client::join(addr, &o, &a, 1).await.unwrap();
+    (o, a, b)
+}
+
 /// CmdSN is the session's: after connection `from` used some, the others continue from it.
 fn sync(conns: &mut [Client], from: usize) {
     let sn = conns[from].cmd_sn;
@@ -223,11 +233,7 @@ async fn a_cmdsn_reused_on_another_connection_is_ignored() {
 #[tokio::test]
 async fn tags_and_data_belong_to_their_connection() {
     let (addr, _stop) = start().await;
-    let mut o = opts(2, 4);
-    o.immediate_data = false;
-    o.initial_r2t = true;
-    let mut a = Client::login(addr, &o).await.unwrap();
-    let mut b = Client::join(addr, &o, &a, 1).await.unwrap();
+    let (_, mut a, mut b) = r2t_pair(addr, 4).await;
     let (itt, _) = a
         .send_write16(0, 10, 4096, 512, Bytes::new())
         .await
@@ -365,11 +371,7 @@ async fn joining_obeys_max_connections_and_only_ones_own_session() {
 #[tokio::test]
 async fn a_known_cid_reinstates_its_connection() {
     let (addr, _stop) = start().await;
-    let mut o = opts(2, 7);
-    o.immediate_data = false;
-    o.initial_r2t = true;
-    let mut a = Client::login(addr, &o).await.unwrap();
-    let mut old = Client::join(addr, &o, &a, 1).await.unwrap();
+    let (o, mut a, mut old) = r2t_pair(addr, 7).await;
     // A write on the old connection waits for its data.
     let (_, _) = old
         .send_write16(0, 70, 4096, 512, Bytes::new())

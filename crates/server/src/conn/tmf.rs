@@ -67,6 +67,15 @@ impl Connection {
         Ok(())
     }
 
+    /// Every session of the target `name`, this one's included.
+    fn sessions_of(&self, name: &str) -> Vec<Arc<crate::session::Session>> {
+        self.shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .of_target(name)
+    }
+
     fn task_management(&mut self, t: &TaskMgmtRequest) -> TmfResponseCode {
         let Some(target) = self.session.target.clone() else {
             return TmfResponseCode::REJECTED;
@@ -85,12 +94,7 @@ impl Connection {
             TmfScope::Session => {}
             TmfScope::Lun(lun) => {
                 // CLEAR TASK SET and LUN RESET affect every initiator's tasks on the LUN.
-                let sessions = self
-                    .shared
-                    .sessions
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .of_target(&target.name);
+                let sessions = self.sessions_of(&target.name);
                 for s in sessions.iter().filter(|s| !Arc::ptr_eq(s, &self.session)) {
                     // SAM-5, TAS=0: an initiator whose commands were aborted (and so get no
                     // status) is told with a unit attention on its next command.
@@ -114,12 +118,7 @@ impl Connection {
                 }
             }
             TmfScope::Target { cold } => {
-                let sessions = self
-                    .shared
-                    .sessions
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .of_target(&target.name);
+                let sessions = self.sessions_of(&target.name);
                 for s in sessions.iter().filter(|s| !Arc::ptr_eq(s, &self.session)) {
                     let cleared = s.abort_where(false, |_, _| true);
                     if cleared > 0 {

@@ -318,15 +318,7 @@ impl Connection {
         let itt = cmd.itt;
         match start {
             Start::Run(data, exp_data_sn) if delivered => {
-                slot.deliver(&self.stats, &cmd);
-                self.spawn_exec(
-                    cmd,
-                    cdb,
-                    WriteData::Buffer(data),
-                    exp_data_sn,
-                    slot,
-                    t_header,
-                );
+                self.run_buffered(cmd, cdb, data, exp_data_sn, slot, t_header);
             }
             Start::Run(data, exp_data_sn) => {
                 let h = Held::Run {
@@ -422,6 +414,27 @@ impl Connection {
         }
     }
 
+    /// Run a delivered write whose data is all in one buffer.
+    fn run_buffered(
+        &mut self,
+        cmd: ScsiCommand,
+        cdb: Bytes,
+        data: Bytes,
+        exp_data_sn: DataSn,
+        mut slot: Slot,
+        t_header: Stamp,
+    ) {
+        slot.deliver(&self.stats, &cmd);
+        self.spawn_exec(
+            cmd,
+            cdb,
+            WriteData::Buffer(data),
+            exp_data_sn,
+            slot,
+            t_header,
+        );
+    }
+
     /// The session delivered the held task `itt` (a CmdSN gap before it filled).
     pub(super) fn deliver(&mut self, itt: Itt) {
         if let Some(h) = self.held.remove(&itt) {
@@ -431,19 +444,9 @@ impl Connection {
                     cdb,
                     data,
                     exp_data_sn,
-                    mut slot,
+                    slot,
                     t_header,
-                } => {
-                    slot.deliver(&self.stats, &cmd);
-                    self.spawn_exec(
-                        cmd,
-                        cdb,
-                        WriteData::Buffer(data),
-                        exp_data_sn,
-                        slot,
-                        t_header,
-                    );
-                }
+                } => self.run_buffered(cmd, cdb, data, exp_data_sn, slot, t_header),
                 Held::Fail {
                     cmd,
                     resp,
