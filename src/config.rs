@@ -66,9 +66,45 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:3260";
 /// Which backend a LUN uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backing {
-    Null { size: u64 },
-    Ram { size: u64 },
-    File { path: PathBuf, size: Option<u64> },
+    Null {
+        size: u64,
+    },
+    Ram {
+        size: u64,
+    },
+    File {
+        path: PathBuf,
+        size: Option<u64>,
+    },
+    /// An image of a Ceph cluster (`rbd:POOL[/NAMESPACE]/IMAGE`).
+    Rbd(RbdSpec),
+}
+
+/// An RBD LUN's image and how to reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RbdSpec {
+    pub pool: String,
+    pub namespace: Option<String>,
+    pub image: String,
+    /// `conf=PATH`; `None`: librados' own search.
+    pub conf: Option<PathBuf>,
+    /// `id=NAME`: the cephx client (`client.NAME`).
+    pub id: String,
+    /// `timeout=SECS`: how long one operation may wait for the cluster.
+    pub timeout_secs: u64,
+}
+
+/// Default cephx client of RBD LUNs.
+pub const RBD_DEFAULT_ID: &str = "admin";
+
+impl RbdSpec {
+    /// `POOL/IMAGE` or `POOL/NAMESPACE/IMAGE`.
+    pub fn image_spec(&self) -> String {
+        match &self.namespace {
+            Some(ns) => format!("{}/{ns}/{}", self.pool, self.image),
+            None => format!("{}/{}", self.pool, self.image),
+        }
+    }
 }
 
 /// One LUN, validated.
@@ -113,7 +149,8 @@ impl LunPlan {
 
 /// Parse a full `--lun` value: `SPEC[,OPTION]...` where OPTION is `ro`, `direct`, `wce`,
 /// `bs=N` (logical block size), `pbs=N` (reported physical block size), `serial=S`,
-/// `naa=0xHEX16` (see [`parse_naa`]), `fault=RULE` (once per rule; see docs/INTEGRITY.md) or `fault-seed=N`.
+/// `naa=0xHEX16` (see [`parse_naa`]), `fault=RULE` (once per rule; see docs/INTEGRITY.md),
+/// `fault-seed=N`, and for `rbd:` LUNs `conf=PATH`, `id=NAME` and `timeout=SECS`.
 pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
     let mut parts = value.split(',');
     let spec = parts.next().unwrap_or_default();
@@ -150,9 +187,30 @@ pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
                     .parse()
                     .map_err(|_| format!("'{value}': fault-seed={v} is not a number"))?
             }
+            Some((k @ ("conf" | "id" | "timeout"), v)) => {
+                let Backing::Rbd(r) = &mut plan.backing else {
+                    return Err(format!("'{value}': {k}= applies to rbd: LUNs only"));
+                };
+                match k {
+                    "conf" if !v.is_empty() => r.conf = Some(PathBuf::from(v)),
+                    "id" if !v.is_empty() && v.bytes().all(|b| b.is_ascii_graphic()) => {
+                        r.id = v.strip_prefix("client.").unwrap_or(v).to_string()
+                    }
+                    "timeout" => {
+                        r.timeout_secs = v
+                            .parse()
+                            .ok()
+                            .filter(|n| (1..=3600).contains(n))
+                            .ok_or_else(|| {
+                                format!("'{value}': timeout={v} must be 1 to 3600 seconds")
+                            })?
+                    }
+                    _ => return Err(format!("'{value}': {k}= needs a value")),
+                }
+            }
             _ => {
                 return Err(format!(
-                    "'{value}': unknown LUN option '{opt}' (ro, direct, wce, bs=N, pbs=N, serial=S, naa=0xHEX, fault=RULE, fault-seed=N)"
+                    "'{value}': unknown LUN option '{opt}' (ro, direct, wce, bs=N, pbs=N, serial=S, naa=0xHEX, fault=RULE, fault-seed=N; rbd: conf=PATH, id=NAME, timeout=SECS)"
                 ))
             }
         }
@@ -473,10 +531,37 @@ pub fn parse_lun_spec(spec: &str, data_dir: &Path) -> Result<Backing, String> {
             };
             Ok(Backing::File { path, size })
         }
+        "rbd" => parse_rbd(rest).map_err(|e| format!("'{spec}': {e}")),
         other => Err(format!(
-            "unknown backend '{other}' in '{spec}' (expected null, ram or file)"
+            "unknown backend '{other}' in '{spec}' (expected null, ram, file or rbd)"
         )),
     }
+}
+
+/// `POOL/IMAGE` or `POOL/NAMESPACE/IMAGE` of an `rbd:` spec (names as Ceph allows them: no
+/// `/`, `@` or `,`, not empty).
+fn parse_rbd(rest: &str) -> Result<Backing, String> {
+    let usage = || "rbd needs POOL/IMAGE or POOL/NAMESPACE/IMAGE (e.g. rbd:rbd/disk1)".to_string();
+    let parts: Vec<&str> = rest.split('/').collect();
+    let bad = |s: &&str| {
+        s.is_empty() || s.contains(['@', ',']) || s.bytes().any(|b| b.is_ascii_control())
+    };
+    if parts.iter().any(bad) {
+        return Err(usage());
+    }
+    let (pool, namespace, image) = match parts.as_slice() {
+        [p, i] => (p, None, i),
+        [p, n, i] => (p, Some(n.to_string()), i),
+        _ => return Err(usage()),
+    };
+    Ok(Backing::Rbd(RbdSpec {
+        pool: pool.to_string(),
+        namespace,
+        image: image.to_string(),
+        conf: None,
+        id: RBD_DEFAULT_ID.to_string(),
+        timeout_secs: ironsan_backend::rbd::DEFAULT_TIMEOUT.as_secs(),
+    }))
 }
 
 #[derive(Deserialize)]
@@ -1102,10 +1187,16 @@ fn lun_from_file(l: FileLun, data_dir: &Path, at: At) -> Result<LunPlan, String>
                     };
                     Backing::File { path, size }
                 }
+                "rbd" => {
+                    return Err(at(
+                        b.span(),
+                        "an rbd LUN is given as spec = \"rbd:POOL/IMAGE[,conf=PATH,id=NAME]\"".into(),
+                    ))
+                }
                 other => {
                     return Err(at(
                         b.span(),
-                        format!("unknown backend '{other}' (expected null, ram or file)"),
+                        format!("unknown backend '{other}' (expected null, ram or file; rbd as spec = \"rbd:...\")"),
                     ))
                 }
             }

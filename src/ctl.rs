@@ -61,6 +61,19 @@ pub fn lun_spec(l: &LunPlan) -> String {
             path,
             size: Some(n),
         } => format!("file:{}:{n}", path.display()),
+        Backing::Rbd(r) => {
+            let mut s = format!("rbd:{}", r.image_spec());
+            if let Some(c) = &r.conf {
+                s.push_str(&format!(",conf={}", c.display()));
+            }
+            if r.id != config::RBD_DEFAULT_ID {
+                s.push_str(&format!(",id={}", r.id));
+            }
+            if r.timeout_secs != ironsan_backend::rbd::DEFAULT_TIMEOUT.as_secs() {
+                s.push_str(&format!(",timeout={}", r.timeout_secs));
+            }
+            s
+        }
     };
     for (on, o) in [
         (l.read_only, "ro"),
@@ -202,7 +215,7 @@ impl BinHooks {
                         for (n, l) in t.luns.iter().enumerate() {
                             let (_, lu) = crate::build_lu(&t.name, n, l, &data_dir)
                                 .map_err(|e| format!("{e:#}"))?;
-                            scsi.add_lun(n as u64, Arc::new(lu));
+                            scsi.add_lun(n as u64, lu);
                             specs.push(lun_spec(l));
                         }
                         control.add_target(
@@ -298,18 +311,20 @@ impl BinHooks {
                         step(
                             format!("{verb} target {} LUN {n}: {want_spec}", t.name),
                             &mut || {
+                                // An RBD image can be open for writing once per LU state
+                                // directory: the old LUN goes first. Others are built first,
+                                // so a failure leaves the old one in place.
+                                let rbd = matches!(want.backing, Backing::Rbd(_));
+                                if cur.is_some() && rbd {
+                                    drop(control.remove_lun(&t.name, n as u64)?);
+                                }
                                 let (_, lu) = crate::build_lu(&t.name, n, &want, &data_dir)
                                     .map_err(|e| format!("{e:#}"))?;
-                                if cur.is_some() {
+                                if cur.is_some() && !rbd {
                                     control.remove_lun(&t.name, n as u64)?;
                                 }
                                 control
-                                    .add_lun(
-                                        &t.name,
-                                        Some(n as u64),
-                                        Arc::new(lu),
-                                        Some(want_spec.clone()),
-                                    )
+                                    .add_lun(&t.name, Some(n as u64), lu, Some(want_spec.clone()))
                                     .map(|_| ())
                             },
                         );
@@ -467,6 +482,8 @@ impl BinHooks {
                 match &mut l.backing {
                     Backing::Null { size } | Backing::Ram { size } => *size = now,
                     Backing::File { size, .. } => *size = Some(now),
+                    // The image keeps its own size.
+                    Backing::Rbd(_) => {}
                 }
                 // The identity is written out, so it survives a restart and a renamed target.
                 let (naa, serial) = identity(lu);
@@ -584,6 +601,7 @@ fn plan_size(l: &LunPlan) -> Option<u64> {
     match &l.backing {
         Backing::Null { size } | Backing::Ram { size } => Some(*size),
         Backing::File { size, .. } => *size,
+        Backing::Rbd(_) => None,
     }
 }
 
@@ -622,6 +640,7 @@ fn same_but_size(cur: &LunPlan, want: &LunPlan) -> bool {
         match b {
             Backing::Null { size } | Backing::Ram { size } => *size = 0,
             Backing::File { size, .. } => *size = None,
+            Backing::Rbd(_) => {}
         }
     }
     cur == want
@@ -638,7 +657,7 @@ impl Hooks for BinHooks {
         let l = config::parse_lun(spec, &data_dir)?;
         let (_, lu) =
             crate::build_lu(target, lun as usize, &l, &data_dir).map_err(|e| format!("{e:#}"))?;
-        Ok((Arc::new(lu), lun_spec(&l)))
+        Ok((lu, lun_spec(&l)))
     }
 
     fn command(&self, control: &Control, argv: &[String]) -> Option<Result<Value, String>> {
@@ -703,7 +722,7 @@ mod tests {
             let mut scsi = ironsan_scsi::Target::new();
             for (n, l) in t.luns.iter().enumerate() {
                 let (_, lu) = crate::build_lu(&t.name, n, l, &plan.data_dir).unwrap();
-                scsi.add_lun(n as u64, Arc::new(lu));
+                scsi.add_lun(n as u64, lu);
             }
             targets.push(TargetDef {
                 name: t.name.clone(),

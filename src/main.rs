@@ -151,7 +151,7 @@ fn build_lu(
     n: usize,
     l: &config::LunPlan,
     data_dir: &std::path::Path,
-) -> Result<(Arc<dyn BlockDevice>, LogicalUnit)> {
+) -> Result<(Arc<dyn BlockDevice>, Arc<LogicalUnit>)> {
     let backend: Arc<dyn BlockDevice> = match &l.backing {
         Backing::Null { size } => Arc::new(NullBackend::new(*size)),
         Backing::Ram { size } => Arc::new(RamBackend::new(*size)),
@@ -175,6 +175,23 @@ fn build_lu(
                 tracing::warn!("LUN {n}: io_uring unavailable ({why}): I/O threads instead");
             }
             Arc::new(file)
+        }
+        Backing::Rbd(r) => {
+            let opts = ironsan_backend::RbdOptions {
+                pool: r.pool.clone(),
+                namespace: r.namespace.clone(),
+                image: r.image.clone(),
+                conf: r.conf.clone(),
+                id: r.id.clone(),
+                read_only: l.read_only,
+                write_cache: l.write_cache,
+                timeout: std::time::Duration::from_secs(r.timeout_secs),
+                state_dir: Some(lu_state_dir(data_dir, target, n)),
+            };
+            Arc::new(
+                ironsan_backend::RbdBackend::open(&opts)
+                    .map_err(|e| anyhow::anyhow!("LUN {n}: {e}"))?,
+            )
         }
     };
     let backend: Arc<dyn BlockDevice> = if l.faults.is_empty() {
@@ -210,11 +227,37 @@ fn build_lu(
         serial: l.serial.clone().unwrap_or_else(|| format!("{naa:016x}")),
         naa,
         // Persistent reservations with APTPL are saved here (SPC-4 §5.13).
-        state_dir: Some(data_dir.join("state").join(target).join(n.to_string())),
+        state_dir: Some(lu_state_dir(data_dir, target, n)),
         ..Default::default()
     };
-    let lu = LogicalUnit::new(Arc::clone(&backend), cfg);
+    let lu = Arc::new(LogicalUnit::new(Arc::clone(&backend), cfg));
+    follow_capacity(&lu);
     Ok((backend, lu))
+}
+
+/// Where a LU keeps its state (persistent reservations, an RBD image's lock owner).
+fn lu_state_dir(data_dir: &std::path::Path, target: &str, n: usize) -> std::path::PathBuf {
+    data_dir.join("state").join(target).join(n.to_string())
+}
+
+/// A LU whose device can be resized by others (a shared RBD image) follows its size: CAPACITY
+/// DATA HAS CHANGED for every initiator when it changes. The task ends with the device.
+fn follow_capacity(lu: &Arc<LogicalUnit>) {
+    let Some(mut sizes) = lu.backend().size_watch() else {
+        return;
+    };
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let lu = Arc::downgrade(lu);
+    rt.spawn(async move {
+        while sizes.changed().await.is_ok() {
+            let bytes = *sizes.borrow_and_update();
+            let Some(lu) = lu.upgrade() else { return };
+            let blocks = lu.capacity_changed(bytes);
+            tracing::info!(blocks, "LUN resized outside ironsan: capacity follows");
+        }
+    });
 }
 
 /// What a start-up line says about access control (names, never secrets).
@@ -378,6 +421,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
                     path.display(),
                     backend.io_engine().unwrap_or("-")
                 ),
+                Backing::Rbd(r) => format!("rbd {} (librbd)", r.image_spec()),
                 _ => backend.kind().to_string(),
             };
             summary.push(format!(
@@ -385,7 +429,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 t.name,
                 human(backend.size())
             ));
-            scsi.add_lun(n as u64, Arc::new(lu));
+            scsi.add_lun(n as u64, lu);
         }
         targets.push(TargetDef {
             name: t.name.clone(),

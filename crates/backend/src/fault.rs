@@ -488,6 +488,9 @@ impl BlockDevice for FaultBackend {
     fn size(&self) -> u64 {
         self.inner.size()
     }
+    fn in_flight(&self) -> Option<u64> {
+        self.inner.in_flight()
+    }
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
@@ -524,6 +527,36 @@ impl BlockDevice for FaultBackend {
         Box::pin(self.run(Ops::UNMAP, Some((offset, len)), move |d| {
             d.unmap_keeping(offset, len, keep)
         }))
+    }
+    fn write_zeroes_keeping(
+        &self,
+        offset: u64,
+        len: u64,
+        mode: WriteMode,
+        keep: Keep,
+    ) -> IoFuture<'_, ()> {
+        Box::pin(self.run(Ops::WRITE, Some((offset, len)), move |d| {
+            d.write_zeroes_keeping(offset, len, mode, keep)
+        }))
+    }
+    fn can_compare_and_write(&self, offset: u64, len: usize) -> bool {
+        self.inner.can_compare_and_write(offset, len)
+    }
+    fn compare_and_write_keeping(
+        &self,
+        offset: u64,
+        verify: Bytes,
+        data: Bytes,
+        mode: WriteMode,
+        keep: Keep,
+    ) -> IoFuture<'_, Option<u64>> {
+        let range = Some((offset, data.len() as u64));
+        Box::pin(self.run(Ops::WRITE, range, move |d| {
+            d.compare_and_write_keeping(offset, verify, data, mode, keep)
+        }))
+    }
+    fn size_watch(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.inner.size_watch()
     }
     fn resize(&self, new_size: u64) -> Result<(), BackendError> {
         self.inner.resize(new_size)

@@ -468,6 +468,7 @@ impl BlockDevice for FileBackend {
             unmap: self.punch,
             alignment: if self.direct { DIRECT_ALIGN as u32 } else { 1 },
             discards_writes: false,
+            write_zeroes: false,
         }
     }
 

@@ -123,6 +123,7 @@ pub mod int_map;
 pub mod null;
 pub mod pool;
 pub mod ram;
+pub mod rbd;
 mod sys;
 mod uring;
 
@@ -131,6 +132,7 @@ pub use file::{FileBackend, FileOptions, IoEngine};
 pub use int_map::IntMap;
 pub use null::NullBackend;
 pub use ram::RamBackend;
+pub use rbd::{RbdBackend, RbdOptions};
 pub use sys::{no_transparent_huge_pages, Allocator};
 
 /// Data that stays in a file until it is sent: `len` bytes at `offset` of `file`. A backend
@@ -365,6 +367,15 @@ pub enum BackendError {
     /// Any other I/O error (maps to HARDWARE ERROR / INTERNAL TARGET FAILURE).
     #[error("I/O error: {0}")]
     Io(String),
+    /// The storage behind the device did not answer in time (a cluster without quorum, OSDs
+    /// down); the operation may still complete later. Maps to NOT READY, IN PROCESS OF
+    /// BECOMING READY, which initiators retry.
+    #[error("storage unavailable: {0}")]
+    Unavailable(String),
+    /// This process may no longer write the device (another client took it over, or the
+    /// cluster fenced this one off). Maps to NOT READY, MANUAL INTERVENTION REQUIRED.
+    #[error("fenced: {0}")]
+    Fenced(String),
 }
 
 impl BackendError {
@@ -399,6 +410,8 @@ pub struct Capabilities {
     pub alignment: u32,
     /// The backend discards writes (NULLIO).
     pub discards_writes: bool,
+    /// [`BlockDevice::write_zeroes_keeping`] zeroes a range without a buffer of zeros.
+    pub write_zeroes: bool,
 }
 
 /// The backend contract. Offsets and lengths are in bytes; the caller guarantees
@@ -413,6 +426,11 @@ pub trait BlockDevice: Send + Sync + 'static {
     }
     /// Size of the device in bytes.
     fn size(&self) -> u64;
+    /// Operations handed to the storage and not yet completed, for backends that queue them
+    /// somewhere of their own (RBD: in librbd); `None` (the default) otherwise.
+    fn in_flight(&self) -> Option<u64> {
+        None
+    }
     /// What this backend can do.
     fn capabilities(&self) -> Capabilities;
     /// Read `len` bytes at `offset`.
@@ -472,6 +490,48 @@ pub trait BlockDevice: Send + Sync + 'static {
             drop(keep);
             r
         })
+    }
+    /// Write zeros over `len` bytes at `offset`, allocated (not deallocated), without a
+    /// buffer of them, holding `keep` as [`write_keeping`](Self::write_keeping) does. Only
+    /// called when [`Capabilities::write_zeroes`] says so; default
+    /// [`BackendError::Unsupported`].
+    fn write_zeroes_keeping(
+        &self,
+        offset: u64,
+        len: u64,
+        mode: WriteMode,
+        keep: Keep,
+    ) -> IoFuture<'_, ()> {
+        let _ = (offset, len, mode, keep);
+        Box::pin(async { Err(BackendError::Unsupported) })
+    }
+    /// Whether [`compare_and_write_keeping`](Self::compare_and_write_keeping) can compare
+    /// and write `len` bytes at `offset` atomically in the backing store itself (for every
+    /// client of it, not only this process). Default: no; the SCSI layer then compares and
+    /// writes under its own range lock.
+    fn can_compare_and_write(&self, offset: u64, len: usize) -> bool {
+        let _ = (offset, len);
+        false
+    }
+    /// Compare the device at `offset` with `verify` and write `data` (as long) there only if
+    /// they are equal, as one atomic step; `Some(i)`: they differ first at byte `i` and
+    /// nothing was written. `keep` as for [`write_keeping`](Self::write_keeping).
+    fn compare_and_write_keeping(
+        &self,
+        offset: u64,
+        verify: Bytes,
+        data: Bytes,
+        mode: WriteMode,
+        keep: Keep,
+    ) -> IoFuture<'_, Option<u64>> {
+        let _ = (offset, verify, data, mode, keep);
+        Box::pin(async { Err(BackendError::Unsupported) })
+    }
+    /// The device's size in bytes as it changes outside ironsan (another client of a shared
+    /// image resized it); the channel closes when the device is dropped. `None` (the
+    /// default): the size changes only through [`resize`](Self::resize).
+    fn size_watch(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
     }
     /// Change the size of the device to `new_size` bytes (`ironsan ctl lun resize`). Growing
     /// exposes zeros; shrinking hides the tail (the file backend leaves the file's bytes

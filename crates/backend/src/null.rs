@@ -35,6 +35,7 @@ impl BlockDevice for NullBackend {
             unmap: true,
             alignment: 1,
             discards_writes: true,
+            write_zeroes: false,
         }
     }
     fn read(&self, _offset: u64, len: usize) -> IoFuture<'_, Bytes> {

@@ -306,6 +306,7 @@ impl BlockDevice for RamBackend {
             unmap: true,
             alignment: 1,
             discards_writes: false,
+            write_zeroes: false,
         }
     }
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {

@@ -209,6 +209,16 @@ impl LogicalUnit {
         }
         Ok(blocks)
     }
+    /// The backing device's size changed outside ironsan (another client resized a shared
+    /// image) to `new_bytes`: the capacity follows (whole blocks, at least one) and, if it
+    /// changed, CAPACITY DATA HAS CHANGED is established for every I_T nexus.
+    pub fn capacity_changed(&self, new_bytes: u64) -> u64 {
+        let blocks = (new_bytes / u64::from(self.block_size)).max(1);
+        if self.capacity.swap(blocks, Ordering::AcqRel) != blocks {
+            self.establish_unit_attention(UnitAttention::CapacityDataChanged, None);
+        }
+        blocks
+    }
     /// Logical block size in bytes.
     pub fn block_size(&self) -> u32 {
         self.block_size

@@ -674,6 +674,18 @@ pub(crate) async fn write_same(
             })
             .await
             .map_err(backend_err(lu))?;
+    } else if pattern.iter().all(|&b| b == 0) && lu.backend().capabilities().write_zeroes {
+        g.keep_shared()
+            .run(|k| {
+                lu.backend().write_zeroes_keeping(
+                    bytes_of(lu, r.lba),
+                    bytes_of(lu, blocks),
+                    write_mode(lu, false),
+                    k,
+                )
+            })
+            .await
+            .map_err(backend_err(lu))?;
     } else {
         write_repeated(lu, r.lba, blocks, pattern, write_mode(lu, false), &g).await?;
     }
@@ -771,6 +783,24 @@ pub(crate) async fn compare_and_write(
     }
     let fua = cdb.bit(1, 3);
     let g = lu.writes.lock(r.lba, r.lba + u64::from(r.blocks)).await;
+    let at = bytes_of(lu, r.lba);
+    if lu.backend().can_compare_and_write(at, len) {
+        // Atomic in the backing store itself, against its other clients too (an RBD image
+        // served by several gateways).
+        let (verify, data) = (data_out.slice(..len), data_out.slice(len..2 * len));
+        let miscompare = g
+            .keep()
+            .run(|k| {
+                lu.backend()
+                    .compare_and_write_keeping(at, verify, data, write_mode(lu, fua), k)
+            })
+            .await
+            .map_err(backend_err(lu))?;
+        return match miscompare {
+            Some(offset) => Err(SenseReason::Miscompare { offset }),
+            None => Ok(Bytes::new()),
+        };
+    }
     let current = read_blocks(lu, r.lba, r.blocks).await?;
     if let Some(offset) = first_difference(&current, &data_out[..len]) {
         return Err(SenseReason::Miscompare {

@@ -158,6 +158,14 @@ pub enum SenseReason {
     /// MEDIUM ERROR, 0Ch/00h WRITE ERROR; INFORMATION = first failing LBA.
     #[error("write error at LBA {lba}")]
     WriteError { lba: u64 },
+    /// NOT READY, 04h/01h LOGICAL UNIT IS IN PROCESS OF BECOMING READY: the storage behind
+    /// the LU did not answer in time (initiators retry).
+    #[error("logical unit becoming ready")]
+    BecomingReady,
+    /// NOT READY, 04h/03h LOGICAL UNIT NOT READY, MANUAL INTERVENTION REQUIRED: this target
+    /// may no longer write the storage (fenced off by it).
+    #[error("logical unit not ready, manual intervention required")]
+    ManualInterventionRequired,
     /// HARDWARE ERROR, 44h/00h INTERNAL TARGET FAILURE.
     #[error("internal target failure")]
     InternalTargetFailure,
@@ -268,6 +276,8 @@ impl SenseReason {
                 information: Some(lba),
                 ..f(K::MEDIUM_ERROR, 0x0C, 0x00)
             },
+            SenseReason::BecomingReady => f(K::NOT_READY, 0x04, 0x01),
+            SenseReason::ManualInterventionRequired => f(K::NOT_READY, 0x04, 0x03),
             SenseReason::InternalTargetFailure => f(K::HARDWARE_ERROR, 0x44, 0x00),
             SenseReason::ProtocolCrcError => f(K::ABORTED_COMMAND, 0x47, 0x05),
             SenseReason::DataPhaseError => f(K::ABORTED_COMMAND, 0x4b, 0x00),
@@ -335,6 +345,8 @@ impl SenseReason {
             }
             BackendError::WriteError { offset } => SenseReason::WriteError { lba: lba(offset) },
             BackendError::Io(_) => SenseReason::InternalTargetFailure,
+            BackendError::Unavailable(_) => SenseReason::BecomingReady,
+            BackendError::Fenced(_) => SenseReason::ManualInterventionRequired,
         }
     }
 }

@@ -232,6 +232,7 @@ impl BlockDevice for TestBackend {
             unmap: self.unmap,
             alignment: self.alignment,
             discards_writes: false,
+            write_zeroes: false,
         }
     }
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {

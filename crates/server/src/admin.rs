@@ -240,6 +240,7 @@ impl Control {
                     "lun": lun,
                     "backend": lu.backend().kind(),
                     "io_engine": lu.backend().io_engine(),
+                    "in_flight": lu.backend().in_flight(),
                     "size": lu.capacity_blocks() * u64::from(lu.block_size()),
                     "blocks": lu.capacity_blocks(),
                     "block_size": lu.block_size(),
@@ -370,6 +371,28 @@ impl Control {
                     .map(move |(l, m)| (n.clone(), l, m))
             })
             .collect())
+    }
+
+    /// Every LUN with its backend kind, the device part of its spec (`rbd:pool/image`,
+    /// `file:PATH`, ...) and the backend's operations in flight, if it counts them.
+    pub fn lun_inventory(&self) -> Vec<(String, u64, &'static str, String, Option<u64>)> {
+        let rt = self.shared.runtime();
+        let origins = lock(&self.origins);
+        let mut out = Vec::new();
+        for (name, t) in rt.targets.iter() {
+            for (lun, lu) in t.scsi().luns() {
+                let device = origins
+                    .get(name.as_str())
+                    .and_then(|m| m.get(&lun))
+                    .and_then(|s| s.split(',').next())
+                    .unwrap_or_default()
+                    .to_string();
+                let b = lu.backend();
+                out.push((name.clone(), lun, b.kind(), device, b.in_flight()));
+            }
+        }
+        out.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        out
     }
 
     /// Server-wide gauges and counters (for the Prometheus exposition).

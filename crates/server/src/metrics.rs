@@ -451,6 +451,37 @@ pub fn prometheus(control: &Control) -> String {
         }
     }
 
+    let inventory = control.lun_inventory();
+    head(
+        &mut o,
+        "ironsan_lun_info",
+        "gauge",
+        "Every LUN (value 1), with its backend and device (the spec's first part: rbd:POOL/IMAGE, file:PATH, ram:SIZE, ...).",
+    );
+    for (t, lun, kind, device, _) in &inventory {
+        let _ = writeln!(
+            o,
+            "ironsan_lun_info{{target=\"{}\",lun=\"{lun}\",backend=\"{kind}\",device=\"{}\"}} 1",
+            esc(t),
+            esc(device)
+        );
+    }
+    head(
+        &mut o,
+        "ironsan_backend_operations_in_flight",
+        "gauge",
+        "Operations a LUN's backend has handed to its storage and not yet seen complete (RBD: in librbd).",
+    );
+    for (t, lun, kind, _, n) in &inventory {
+        if let Some(n) = n {
+            let _ = writeln!(
+                o,
+                "ironsan_backend_operations_in_flight{{target=\"{}\",lun=\"{lun}\",backend=\"{kind}\"}} {n}",
+                esc(t)
+            );
+        }
+    }
+
     let g = control.gauges();
     head(
         &mut o,

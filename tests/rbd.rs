@@ -1,0 +1,805 @@
+//! RBD LUNs against a real Ceph cluster: one monitor and one OSD on 127.0.0.1, started by the
+//! tests themselves with `scripts/ceph-micro.sh` (cephx on) and destroyed when the test
+//! process exits. Data crosses between iSCSI and Ceph's own tools (`rbd export`, `rbd
+//! import`, `rbd resize`), acknowledged writes survive `kill -9` of the gateway, a restarted
+//! gateway takes the image back at once, an OSD that stops makes commands fail after the
+//! LUN's timeout and I/O resume when it returns, and a blocklisted gateway stops
+//! acknowledging. Needs ceph-mon, ceph-osd and ceph-common (a missing tool skips the tests,
+//! or fails them with `IRONSAN_REQUIRE_TOOLS=1`).
+
+mod common;
+#[path = "common/crash.rs"]
+mod crash_harness;
+
+use bytes::Bytes;
+use common::*;
+use ironsan_initiator::{read16_cdb, write16_cdb, Client, LoginOptions};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// A throwaway cluster (scripts/ceph-micro.sh).
+struct Cluster {
+    dir: PathBuf,
+}
+
+impl Cluster {
+    /// Start one in a new directory; it is destroyed when this process exits.
+    fn start(osd: &str) -> Cluster {
+        let dir = tempfile::Builder::new()
+            .prefix("ironsan-ceph-")
+            .tempdir()
+            .expect("temp dir")
+            .keep();
+        // The script wants to create the directory's contents itself.
+        let pid = std::process::id().to_string();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/ceph-micro.sh");
+        let out = run_unchecked(
+            "bash",
+            &[
+                &script.display().to_string(),
+                "start",
+                &dir.display().to_string(),
+                "--osd",
+                osd,
+                "--die-with",
+                &pid,
+            ],
+            Duration::from_secs(180),
+        );
+        assert!(out.status.success(), "ceph-micro.sh start: {}", show(&out));
+        Cluster { dir }
+    }
+
+    /// The cluster shared by the tests that need no OSD restart (memstore).
+    fn shared() -> Option<&'static Cluster> {
+        static C: OnceLock<Cluster> = OnceLock::new();
+        if !require_tools(&["ceph-mon", "ceph-osd", "ceph", "rbd"]) {
+            return None;
+        }
+        Some(C.get_or_init(|| Cluster::start("memstore")))
+    }
+
+    fn conf(&self) -> PathBuf {
+        self.dir.join("ceph.conf")
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) -> std::process::Output {
+        let conf = self.conf().display().to_string();
+        let mut a = vec!["--conf", conf.as_str()];
+        a.extend_from_slice(args);
+        run_unchecked(tool, &a, Duration::from_secs(120))
+    }
+
+    fn rbd(&self, args: &[&str]) -> String {
+        let out = self.run("rbd", args);
+        assert!(out.status.success(), "rbd {args:?}: {}", show(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn ceph(&self, args: &[&str]) -> String {
+        let out = self.run("ceph", args);
+        assert!(out.status.success(), "ceph {args:?}: {}", show(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// A new image of `size` bytes in pool `rbd`.
+    fn create(&self, image: &str, size: u64) {
+        self.rbd(&[
+            "create",
+            "--size",
+            &format!("{}M", size / MIB),
+            &format!("rbd/{image}"),
+        ]);
+    }
+
+    /// The `--lun` spec of `image` with `extra` options.
+    fn spec(&self, image: &str, extra: &str) -> String {
+        format!("rbd:rbd/{image},conf={}{extra}", self.conf().display())
+    }
+
+    fn script(&self, cmd: &str) {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/ceph-micro.sh");
+        let out = run_unchecked(
+            "bash",
+            &[
+                &script.display().to_string(),
+                cmd,
+                &self.dir.display().to_string(),
+            ],
+            Duration::from_secs(180),
+        );
+        assert!(out.status.success(), "ceph-micro.sh {cmd}: {}", show(&out));
+    }
+}
+
+/// `len` bytes that differ per `seed`.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+async fn login(s: &Server) -> Client {
+    Client::login(s.addr(), &LoginOptions::new(Some(&s.target)))
+        .await
+        .expect("login")
+}
+
+/// (sense key, ASC, ASCQ) of a CHECK CONDITION.
+fn sense_of(r: &ironsan_initiator::CommandResult) -> Option<(u8, u8, u8)> {
+    if r.status != 2 {
+        return None;
+    }
+    r.sense_key()
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// What an initiator writes is what `rbd export` finds in the image, and what `rbd import`
+/// put in an image is what the initiator reads; `ctl luns` names the image.
+#[test]
+fn data_crosses_between_iscsi_and_the_rbd_tools() {
+    let Some(c) = Cluster::shared() else { return };
+    if !require_qemu_iscsi() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    c.create("xfer", 32 * MIB);
+    let imported = pattern(16 << 20, 7);
+    let imp = dir.path().join("import.raw");
+    std::fs::write(&imp, &imported).unwrap();
+    c.rbd(&["import", &imp.display().to_string(), "rbd/imported"]);
+    let sock = dir.path().join("control.sock").display().to_string();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let s = Server::start(&[
+        "--lun",
+        &c.spec("xfer", ""),
+        "--lun",
+        &c.spec("imported", ""),
+        "--control",
+        &sock,
+        "--metrics",
+        &metrics,
+    ]);
+
+    // iSCSI -> image.
+    let written = pattern(8 << 20, 3);
+    let src = dir.path().join("src.raw");
+    std::fs::write(&src, &written).unwrap();
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-n",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            &src.display().to_string(),
+            &s.url(0),
+        ],
+    );
+    let exp = dir.path().join("export.raw");
+    c.rbd(&["export", "rbd/xfer", &exp.display().to_string()]);
+    let image = std::fs::read(&exp).unwrap();
+    assert_eq!(image.len() as u64, 32 * MIB);
+    assert!(
+        image[..written.len()] == written[..],
+        "rbd export differs from what was written"
+    );
+    assert!(
+        image[written.len()..].iter().all(|&b| b == 0),
+        "beyond the write: not zeros"
+    );
+
+    // Image -> iSCSI.
+    let out = dir.path().join("read.raw");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            &s.url(1),
+            &out.display().to_string(),
+        ],
+    );
+    let read = std::fs::read(&out).unwrap();
+    assert!(
+        read == imported,
+        "the imported image reads back differently"
+    );
+
+    let luns = run_stdout(bin(), &["ctl", "--control", &sock, "--json", "luns"]);
+    let v: serde_json::Value = serde_json::from_str(&luns).unwrap();
+    let l0 = &v.as_array().unwrap()[0];
+    assert_eq!(l0["backend"], "rbd", "{luns}");
+    assert_eq!(l0["io_engine"], "librbd", "{luns}");
+    assert!(
+        l0["spec"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("rbd:rbd/xfer"),
+        "{luns}"
+    );
+    assert_eq!(l0["in_flight"].as_u64(), Some(0), "{luns}");
+    let text = http_get(&metrics, "/metrics");
+    assert!(
+        text.contains(&format!(
+            "ironsan_lun_info{{target=\"{}\",lun=\"0\",backend=\"rbd\",device=\"rbd:rbd/xfer\"}} 1",
+            s.target
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("ironsan_backend_operations_in_flight{")
+            && text.contains("backend=\"rbd\"} 0"),
+        "{text}"
+    );
+}
+
+/// The body of an HTTP GET (HTTP/1.0, read to the end).
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).expect("metrics listener");
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(c, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    c.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// Many commands in flight on an RBD LUN, every block verified: sequential 64 KiB writes,
+/// random 4 KiB writes at QD32 over several sessions, random reads.
+#[test]
+fn the_load_generator_verifies_every_block_at_depth() {
+    let Some(c) = Cluster::shared() else { return };
+    c.create("load", 64 * MIB);
+    let s = Server::start(&["--lun", &c.spec("load", "")]);
+    let u = s.url(0);
+    for args in [
+        &[
+            "--rw", "write", "--bs", "65536", "--qd", "8", "--count", "1024", "--verify",
+        ][..],
+        &[
+            "--rw",
+            "randwrite",
+            "--bs",
+            "4096",
+            "--qd",
+            "32",
+            "--count",
+            "4000",
+            "--verify",
+            "--sessions",
+            "2",
+        ],
+        &[
+            "--rw", "randread", "--bs", "4096", "--qd", "32", "--count", "4000", "--verify",
+        ],
+        &[
+            "--rw", "read", "--bs", "524288", "--qd", "8", "--count", "128", "--verify",
+        ],
+    ] {
+        let mut a = vec!["load", u.as_str(), "--json"];
+        a.extend_from_slice(args);
+        let out = run_unchecked(bin(), &a, Duration::from_secs(300));
+        assert!(out.status.success(), "load {args:?}: {}", show(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["failed"].as_u64(), Some(0), "{args:?}: {v}");
+        assert!(v["ios"].as_u64().unwrap_or(0) > 0, "{args:?}: {v}");
+    }
+}
+
+/// Zero-length transfers complete without reaching librbd; COMPARE AND WRITE compares and
+/// writes in the cluster and reports the first differing byte; WRITE SAME of zeros and UNMAP
+/// leave zeros.
+#[test]
+fn compare_and_write_zero_lengths_and_zeroing() {
+    let Some(c) = Cluster::shared() else { return };
+    c.create("caw", 16 * MIB);
+    let s = Server::start(&["--lun", &c.spec("caw", "")]);
+    rt().block_on(async {
+        let mut cl = login(&s).await;
+        // READ(10) and WRITE(10) of zero blocks.
+        let mut rd = [0u8; 10];
+        rd[0] = 0x28;
+        rd[2..6].copy_from_slice(&100u32.to_be_bytes());
+        let r = cl.command(0, &rd, None, 0).await.unwrap();
+        assert_eq!(r.status, 0, "READ(10) of 0 blocks: {:?}", sense_of(&r));
+        let mut wr = rd;
+        wr[0] = 0x2A;
+        let r = cl.command(0, &wr, Some(Bytes::new()), 0).await.unwrap();
+        assert_eq!(r.status, 0, "WRITE(10) of 0 blocks: {:?}", sense_of(&r));
+
+        let old = Bytes::from(pattern(512, 1));
+        let new = Bytes::from(pattern(512, 2));
+        let w = cl
+            .command(0, &write16_cdb(40, 1), Some(old.clone()), 0)
+            .await
+            .unwrap();
+        assert_eq!(w.status, 0);
+        let caw = |lba: u64| {
+            let mut cdb = [0u8; 16];
+            cdb[0] = 0x89;
+            cdb[2..10].copy_from_slice(&lba.to_be_bytes());
+            cdb[13] = 1;
+            cdb
+        };
+        // Verify data differing at byte 77: MISCOMPARE, INFORMATION 77, nothing written.
+        let mut wrong = old.to_vec();
+        wrong[77] ^= 0xFF;
+        let mut buf = wrong.clone();
+        buf.extend_from_slice(&new);
+        let r = cl
+            .command(0, &caw(40), Some(Bytes::from(buf)), 0)
+            .await
+            .unwrap();
+        assert_eq!(sense_of(&r), Some((0xE, 0x1D, 0x00)), "miscompare");
+        let sense = r.sense.clone();
+        let info = sense
+            .get(3..7)
+            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+        assert_eq!(
+            info,
+            Some(77),
+            "INFORMATION = offset of the first difference"
+        );
+        let r = cl.command(0, &read16_cdb(40, 1), None, 512).await.unwrap();
+        assert_eq!(r.data, old, "a miscompare wrote");
+        // Matching verify data: written.
+        let mut buf = old.to_vec();
+        buf.extend_from_slice(&new);
+        let r = cl
+            .command(0, &caw(40), Some(Bytes::from(buf)), 0)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 0, "compare and write: {:?}", sense_of(&r));
+        let r = cl.command(0, &read16_cdb(40, 1), None, 512).await.unwrap();
+        assert_eq!(r.data, new);
+
+        // 8 MiB of data at 2 MiB (over the image's 4 MiB objects 0, 1 and 2); WRITE SAME(16)
+        // of zeros over its first 2 MiB (allocated zeros), UNMAP of object 1 (deallocated).
+        let data = Bytes::from(pattern(8 << 20, 9));
+        for (i, chunk) in data.chunks(1 << 20).enumerate() {
+            let lba = 4096 + i as u64 * 2048;
+            let w = cl
+                .command(
+                    0,
+                    &write16_cdb(lba, 2048),
+                    Some(Bytes::copy_from_slice(chunk)),
+                    0,
+                )
+                .await
+                .unwrap();
+            assert_eq!(w.status, 0);
+        }
+        let mut ws = [0u8; 16];
+        ws[0] = 0x93;
+        ws[2..10].copy_from_slice(&4096u64.to_be_bytes());
+        ws[10..14].copy_from_slice(&4096u32.to_be_bytes());
+        let r = cl
+            .command(0, &ws, Some(Bytes::from(vec![0u8; 512])), 0)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 0, "WRITE SAME zeros: {:?}", sense_of(&r));
+        let mut um = [0u8; 10];
+        um[0] = 0x42;
+        um[8] = 24;
+        let mut list = vec![0u8; 24];
+        list[1] = 22;
+        list[3] = 16;
+        list[8..16].copy_from_slice(&(4096u64 + 4096).to_be_bytes());
+        list[16..20].copy_from_slice(&8192u32.to_be_bytes());
+        let r = cl
+            .command(0, &um, Some(Bytes::from(list)), 0)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 0, "UNMAP: {:?}", sense_of(&r));
+        for lba in (4096..16384).step_by(2048) {
+            let r = cl
+                .command(0, &read16_cdb(lba, 2048), None, 1 << 20)
+                .await
+                .unwrap();
+            assert!(
+                r.data.iter().all(|&b| b == 0),
+                "zeroed LBA {lba} reads back non-zero"
+            );
+        }
+        let r = cl
+            .command(0, &read16_cdb(16384, 2048), None, 1 << 20)
+            .await
+            .unwrap();
+        assert_eq!(
+            &r.data[..],
+            &data[6 << 20..7 << 20],
+            "data beyond the zeroed ranges"
+        );
+        // GET LBA STATUS from the image's allocation: object 1 deallocated, object 2 mapped.
+        let status = |lba: u64| {
+            let mut cdb = [0u8; 16];
+            cdb[0] = 0x9E;
+            cdb[1] = 0x12;
+            cdb[2..10].copy_from_slice(&lba.to_be_bytes());
+            cdb[13] = 24;
+            cdb
+        };
+        let r = cl.command(0, &status(8192), None, 24).await.unwrap();
+        assert_eq!(r.status, 0, "GET LBA STATUS: {:?}", sense_of(&r));
+        assert_eq!(
+            r.data.get(20).map(|b| b & 0x0F),
+            Some(1),
+            "object 1 deallocated: {:?}",
+            r.data
+        );
+        let r = cl.command(0, &status(16384), None, 24).await.unwrap();
+        assert_eq!(
+            r.data.get(20).map(|b| b & 0x0F),
+            Some(0),
+            "object 2 mapped: {:?}",
+            r.data
+        );
+    });
+}
+
+/// READ CAPACITY (16): (status, number of blocks).
+async fn capacity(cl: &mut Client) -> (u8, Option<u64>) {
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x9E;
+    cdb[1] = 0x10;
+    cdb[13] = 32;
+    let r = cl.command(0, &cdb, None, 32).await.unwrap();
+    let last = r
+        .data
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_be_bytes);
+    (r.status, last.map(|l| l + 1))
+}
+
+/// `rbd resize` by another client: the initiator gets CAPACITY DATA HAS CHANGED and READ
+/// CAPACITY reports the new size; `ctl lun resize` resizes the image itself.
+#[test]
+fn a_resize_outside_ironsan_reaches_the_initiator() {
+    let Some(c) = Cluster::shared() else { return };
+    c.create("grow", 16 * MIB);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("control.sock").display().to_string();
+    let s = Server::start(&["--lun", &c.spec("grow", ""), "--control", &sock]);
+    rt().block_on(async {
+        let mut cl = login(&s).await;
+        assert_eq!(capacity(&mut cl).await, (0, Some(16 * MIB / 512)));
+        c.rbd(&["resize", "--size", "48M", "rbd/grow"]);
+        let t0 = Instant::now();
+        let ua = loop {
+            let r = cl.command(0, &[0u8; 6], None, 0).await.unwrap();
+            if r.status != 0 {
+                break sense_of(&r);
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "no unit attention after an outside resize"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(ua, Some((0x6, 0x2A, 0x09)), "CAPACITY DATA HAS CHANGED");
+        assert_eq!(capacity(&mut cl).await, (0, Some(48 * MIB / 512)));
+    });
+    run(
+        bin(),
+        &[
+            "ctl",
+            "--control",
+            &sock,
+            "lun",
+            "resize",
+            &s.target,
+            "0",
+            "64M",
+        ],
+    );
+    let info = c.rbd(&["info", "--format", "json", "rbd/grow"]);
+    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(v["size"].as_u64(), Some(64 * MIB), "{info}");
+}
+
+/// Every acknowledged write survives SIGKILL of the gateway (harness: tests/common/crash.rs),
+/// and each restart takes the image's lock back from its dead predecessor at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_writes_survive_kill_9_and_restarts_take_the_lock_back() {
+    let Some(c) = Cluster::shared() else { return };
+    c.create("crash", 64 * MIB);
+    struct Proc(Server);
+    impl crash_harness::Crashable for Proc {
+        fn addr(&self) -> std::net::SocketAddr {
+            self.0.addr()
+        }
+        fn target(&self) -> String {
+            self.0.target.clone()
+        }
+        fn crash(&mut self) {
+            self.0.kill9();
+        }
+        fn restart(&mut self) {
+            self.0.start_again();
+        }
+    }
+    let mut t = Proc(Server::start(&["--lun", &c.spec("crash", "")]));
+    let plan = crash_harness::Plan::new("rbd", false);
+    let rep = crash_harness::run(&plan, &mut t).await;
+    assert!(
+        rep.ok(),
+        "{}\nseed {}\n{}",
+        rep.summary("rbd"),
+        plan.seed,
+        t.0.logs()
+    );
+    eprintln!("{}", rep.summary("rbd"));
+    let logs = t.0.logs();
+    assert!(
+        logs.contains("the previous ironsan instance"),
+        "a restart did not take the lock from its dead predecessor:\n{logs}"
+    );
+    let blocklist = c.ceph(&["osd", "blocklist", "ls"]);
+    assert!(
+        blocklist.contains("127.0.0.1:0/"),
+        "no predecessor was blocklisted: {blocklist}"
+    );
+}
+
+/// The gateway's client address blocklisted by the cluster (as another gateway taking over
+/// would do): writes fail with NOT READY, MANUAL INTERVENTION REQUIRED, the log says why, and
+/// no write is acknowledged from then on.
+#[test]
+fn a_blocklisted_gateway_stops_acknowledging_writes() {
+    let Some(c) = Cluster::shared() else { return };
+    c.create("fenced", 16 * MIB);
+    let s = Server::start(&["--lun", &c.spec("fenced", ",timeout=5")]);
+    let owner_file = s
+        .data_dir()
+        .join("state")
+        .join(&s.target)
+        .join("0")
+        .join("rbd-lock-owner");
+    rt().block_on(async {
+        let mut cl = login(&s).await;
+        let w = cl
+            .command(
+                0,
+                &write16_cdb(0, 8),
+                Some(Bytes::from(pattern(4096, 1))),
+                0,
+            )
+            .await
+            .unwrap();
+        assert_eq!(w.status, 0);
+        let me = std::fs::read_to_string(&owner_file).expect("the lock owner is recorded");
+        c.ceph(&["osd", "blocklist", "add", me.trim()]);
+        let t0 = Instant::now();
+        let fenced = loop {
+            let w = cl
+                .command(
+                    0,
+                    &write16_cdb(8, 8),
+                    Some(Bytes::from(pattern(4096, 2))),
+                    0,
+                )
+                .await
+                .unwrap();
+            if w.status != 0 {
+                break sense_of(&w);
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "writes still acknowledged after the blocklist"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(
+            fenced,
+            Some((0x2, 0x04, 0x03)),
+            "NOT READY, MANUAL INTERVENTION REQUIRED"
+        );
+        let w = cl
+            .command(
+                0,
+                &write16_cdb(16, 8),
+                Some(Bytes::from(pattern(4096, 3))),
+                0,
+            )
+            .await
+            .unwrap();
+        assert_eq!(sense_of(&w), Some((0x2, 0x04, 0x03)), "a later write");
+        c.ceph(&["osd", "blocklist", "rm", me.trim()]);
+    });
+    assert!(
+        s.logs().contains("blocklisted this gateway"),
+        "{}",
+        s.logs()
+    );
+}
+
+/// Clear errors for what cannot be served: a pool or image that does not exist, a cluster
+/// that does not answer, a client the cluster does not know.
+#[test]
+fn unusable_images_are_refused_at_start_with_what_was_asked() {
+    let Some(c) = Cluster::shared() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let refused = |spec: &str| {
+        let data = dir.path().join("data").display().to_string();
+        let out = run_unchecked(
+            bin(),
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                &data,
+                "--lun",
+                spec,
+            ],
+            Duration::from_secs(120),
+        );
+        assert!(!out.status.success(), "{spec} was served: {}", show(&out));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let conf = c.conf().display().to_string();
+    let e = refused(&format!("rbd:nopool/x,conf={conf}"));
+    assert!(e.contains("pool 'nopool' does not exist"), "{e}");
+    let e = refused(&format!("rbd:rbd/noimage,conf={conf}"));
+    assert!(
+        e.contains("image 'noimage' does not exist in pool 'rbd'"),
+        "{e}"
+    );
+    let e = refused(&format!("rbd:rbd/x,conf={conf},id=nobody"));
+    assert!(e.contains("client.nobody"), "{e}");
+    // A client the cluster knows, without rights on the pool.
+    c.create("guarded", 4 * MIB);
+    let key = c.ceph(&[
+        "auth",
+        "get-or-create",
+        "client.limited",
+        "mon",
+        "allow r",
+        "osd",
+        "allow rwx pool=elsewhere",
+    ]);
+    let keyring = dir.path().join("limited.keyring");
+    std::fs::write(&keyring, key).unwrap();
+    let limited = dir.path().join("limited.conf");
+    let text = std::fs::read_to_string(c.conf()).unwrap();
+    std::fs::write(
+        &limited,
+        format!(
+            "{text}\n[client.limited]\nkeyring = {}\n",
+            keyring.display()
+        ),
+    )
+    .unwrap();
+    let e = refused(&format!(
+        "rbd:rbd/guarded,conf={},id=limited",
+        limited.display()
+    ));
+    assert!(
+        e.contains("permission denied") && e.contains("client.limited"),
+        "{e}"
+    );
+    let e = refused("rbd:rbd/x,conf=/nonexistent/ceph.conf");
+    assert!(
+        e.contains("conf=/nonexistent/ceph.conf: no such file"),
+        "{e}"
+    );
+    // A monitor address where nothing listens.
+    let dead = dir.path().join("dead.conf");
+    let text = std::fs::read_to_string(c.conf()).unwrap();
+    let port = free_port();
+    let text: String = text
+        .lines()
+        .map(|l| {
+            if l.starts_with("mon host") {
+                format!("mon host = v2:127.0.0.1:{port}")
+            } else {
+                l.to_string()
+            }
+        })
+        .map(|l| l + "\n")
+        .collect();
+    std::fs::write(&dead, text).unwrap();
+    let e = refused(&format!("rbd:rbd/x,conf={}", dead.display()));
+    assert!(e.contains("cluster unreachable"), "{e}");
+}
+
+/// An OSD stopped under I/O: commands wait at most the LUN's timeout, then fail with NOT
+/// READY, BECOMING READY; the session stays (NOP-In keeps it); once the OSD is back, I/O
+/// resumes, and every acknowledged write reads back. Needs an OSD that keeps its data across
+/// a restart (BlueStore in a file), so it has a cluster of its own.
+#[test]
+fn an_osd_outage_fails_commands_in_bounded_time_and_io_resumes() {
+    if Cluster::shared().is_none() {
+        return;
+    }
+    let c = Cluster::start("bluestore");
+    c.create("outage", 16 * MIB);
+    let mut s = Server::start(&["--lun", &c.spec("outage", ",timeout=3")]);
+    rt().block_on(async {
+        let mut cl = login(&s).await;
+        let before = Bytes::from(pattern(65536, 1));
+        let w = cl
+            .command(0, &write16_cdb(0, 128), Some(before.clone()), 0)
+            .await
+            .unwrap();
+        assert_eq!(w.status, 0);
+        c.script("stop-osd");
+        let t0 = Instant::now();
+        let w = cl
+            .command(
+                0,
+                &write16_cdb(1024, 128),
+                Some(Bytes::from(pattern(65536, 2))),
+                0,
+            )
+            .await
+            .unwrap();
+        let waited = t0.elapsed();
+        assert_eq!(
+            sense_of(&w),
+            Some((0x2, 0x04, 0x01)),
+            "NOT READY, BECOMING READY after the timeout"
+        );
+        eprintln!("write with the OSD down failed after {waited:?} (timeout=3)");
+        // The session is alive: a command that needs no storage is answered.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let r = cl.command(0, &[0u8; 6], None, 0).await.unwrap();
+        assert_eq!(
+            r.status,
+            0,
+            "TEST UNIT READY during the outage: {:?}",
+            sense_of(&r)
+        );
+        c.script("start-osd");
+        let after = Bytes::from(pattern(65536, 3));
+        let t0 = Instant::now();
+        loop {
+            let w = cl
+                .command(0, &write16_cdb(2048, 128), Some(after.clone()), 0)
+                .await
+                .unwrap();
+            if w.status == 0 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "I/O did not resume: {:?}",
+                sense_of(&w)
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        for (lba, want) in [(0u64, &before), (2048, &after)] {
+            let r = cl
+                .command(0, &read16_cdb(lba, 128), None, 65536)
+                .await
+                .unwrap();
+            assert_eq!(r.status, 0);
+            assert!(r.data == *want, "acknowledged write at LBA {lba} lost");
+        }
+    });
+    s.assert_alive();
+}
