@@ -2,7 +2,7 @@
 # Start or stop a private instance of tgt (the Linux SCSI target framework,
 # Debian package "tgt") as a comparison peer for ironsan.
 #
-#   bench/peer-tgt.sh start --port PORT [--addr ADDR] --dir DIR [--cpu CPUS] [--lun null|rdwr:SIZE|file:PATH|direct:PATH] [--iqn IQN]
+#   bench/peer-tgt.sh start --port PORT [--addr ADDR] --dir DIR [--cpu CPUS] [--lun null|rdwr:SIZE|file:PATH|direct:PATH|rbd:POOL/IMAGE:CONF] [--iqn IQN]
 #       Prints the iscsi:// URL of the data LUN (always LUN 1) on stdout.
 #   bench/peer-tgt.sh stop --dir DIR
 #
@@ -23,6 +23,8 @@
 #               uses one file on tmpfs for ironsan, tgt and istgt in turn).
 #   direct:PATH the same with --bsoflags direct (O_DIRECT: bench/run.sh's disk
 #               setup).
+#   rbd:POOL/IMAGE:CONF  bstype rbd (Debian package tgt-rbd) on an image of the
+#               cluster described by the ceph.conf CONF, as client.admin.
 # Negotiation limits are raised to ironsan's defaults (MaxRecv/MaxXmit
 # DataSegmentLength 256 KiB, MaxBurstLength 16 MiB) so a comparison measures
 # the implementations, not tgt's conservative 8 KiB defaults.
@@ -125,7 +127,13 @@ start() {
             [[ -f $path ]] || { stop; die "no such file: $path"; }
             "${adm[@]}" --mode logicalunit --op new --tid 1 --lun 1 --bstype rdwr \
                 "${oflags[@]}" -b "$path" ;;
-        *) stop; die "unknown --lun $lun (null | rdwr:SIZE | file:PATH | direct:PATH)" ;;
+        rbd:*)
+            local rest=${lun#rbd:}
+            local image=${rest%%:*} conf=${rest#*:}
+            [[ -f $conf ]] || { stop; die "no such ceph.conf: $conf"; }
+            "${adm[@]}" --mode logicalunit --op new --tid 1 --lun 1 --bstype rbd \
+                --bsopts "conf=$conf" -b "$image" ;;
+        *) stop; die "unknown --lun $lun (null | rdwr:SIZE | file:PATH | direct:PATH | rbd:POOL/IMAGE:CONF)" ;;
     esac
     # Offer the same negotiation limits ironsan offers (its defaults), so
     # large reads are not split into tgt's default 8 KiB Data-In PDUs.

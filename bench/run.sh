@@ -10,7 +10,7 @@
 #                  targets' order reversed each time) and report, per target
 #                  and workload, the round with the median IOPS (default 1)
 #   --only LIST    comma-separated sections and/or targets:
-#                    sections: ram file qd1 scale idle memory load disk
+#                    sections: ram file qd1 scale idle memory load disk rbd
 #                    targets:  ironsan tgt istgt
 #                  e.g. --only ram,qd1  or  --only file,istgt,ironsan
 #   --no-save      print only, do not append to bench/results/
@@ -79,6 +79,18 @@
 #             read and write and 512K QD8 read with `ironsan load`. The
 #             device's speed bounds IOPS; CPU us/IO is the target's cost
 #             per I/O.
+#     rbd     RBD images on a throwaway Ceph cluster (scripts/ceph-micro.sh: one
+#             monitor, one OSD with the in-memory store, on 127.0.0.1; librbd's
+#             cache off for every client, so a write completes once it is in
+#             RADOS): ironsan's RBD LUN and tgt's RBD store (tgt-rbd), each on an
+#             image of its own ($RBD_MB MiB, default 1024, written in full first
+#             so reads reach the OSD), driven by `ironsan load`, against native
+#             librbd (fio --ioengine=rbd, the ceiling a gateway can approach):
+#             4K QD32 random read and write, 512K QD8 read and write, 4K QD1
+#             random read. Gateways on CPU 0, clients on CPU 1, the monitor and
+#             the OSD unpinned (they share both cores: the OSD's CPU per I/O is
+#             printed beside the gateway's). Then restart-to-first-write of
+#             ironsan after kill -9, with its lock-owner record and without it.
 #   * Tools: iscsi-perf (libiscsi) keeps -m commands in flight for -t s and
 #     prints its running average; the figure used is the last "iops average".
 #     qemu-img bench runs a fixed count of requests at -d depth through
@@ -123,7 +135,7 @@ done
 [[ $DURATION =~ ^[1-9][0-9]*$ ]] || die "--duration must be a positive integer"
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive integer"
 
-ALL_SECTIONS="ram qd1 scale idle memory file load disk"
+ALL_SECTIONS="ram qd1 scale idle memory file load disk rbd"
 ALL_TARGETS="ironsan tgt istgt"
 SECTIONS="" TARGETS=""
 for tok in ${ONLY//,/ }; do
@@ -156,7 +168,8 @@ else note "WARNING: only one CPU; target and client share it"; TARGET_CPU=0 CLIE
 CLK_TCK=$(getconf CLK_TCK)
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ironsan-bench.XXXXXX")
-SHM="" DISK=""
+SHM="" DISK="" CEPH="" OSD_PID=""
+RBD_MB=${RBD_MB:-1024}
 # Every target of a setup runs at once (each idle but for the workload at hand), so the
 # targets take their turns at one workload seconds apart; see "Interleaving" below.
 # Per started target NAME: PID[NAME], URL[NAME], PORT[NAME], IQN[NAME], KIND[NAME]
@@ -204,6 +217,7 @@ cleanup() {
     rm -rf "$WORK"
     [[ -z $SHM ]] || rm -rf "$SHM"
     [[ -z $DISK ]] || rm -rf "$DISK"
+    [[ -z $CEPH ]] || bash "$ROOT/scripts/ceph-micro.sh" destroy "$CEPH" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 trap 'exit 130' INT
@@ -248,12 +262,14 @@ start_target() {
             iqn=iqn.2026-11.org.ironsan:bench
             if [[ $setup == file ]]; then lun=file:$SHM/lun.img; extra=(--write-cache); fi
             if [[ $setup == disk ]]; then lun=file:$DISK/lun.img,direct; extra=(--write-cache); fi
+            if [[ $setup == rbd ]]; then lun=rbd:rbd/bench-ironsan,conf=$CEPH/ceph.conf; fi
             if [[ $name == ironsan-poll ]]; then extra+=(--busy-poll-us "$POLL_US"); fi
             if [[ $name == ironsan-threads ]]; then extra+=(--io-engine threads); fi
             NO_COLOR=1 taskset -c "$TARGET_CPU" "$BIN" serve --listen "127.0.0.1:$port" --target "$iqn" \
                 --lun "$lun" "${extra[@]}" --data-dir "$dir/data" </dev/null >"$dir/ironsan.log" 2>&1 &
             pid=$!
-            for _ in $(seq 300); do
+            # An RBD image's lock may take ~30 s when its dead owner's record is gone.
+            for _ in $(seq 900); do
                 kill -0 "$pid" 2>/dev/null || { cat "$dir/ironsan.log" >&2; die "$name exited during startup"; }
                 listening "$port" && break
                 sleep 0.1
@@ -264,6 +280,7 @@ start_target() {
             local lun=null
             [[ $setup == file ]] && lun=file:$SHM/lun.img
             [[ $setup == disk ]] && lun=direct:$DISK/lun.img
+            [[ $setup == rbd ]] && lun=rbd:rbd/bench-tgt:$CEPH/ceph.conf
             url=$(bash "$ROOT/bench/peer-tgt.sh" start --port "$port" --dir "$dir" \
                 --cpu "$TARGET_CPU" --lun "$lun")
             pid=$(<"$dir/tgtd.pid")
@@ -273,6 +290,9 @@ start_target() {
                 --cpu "$TARGET_CPU" --file "$SHM/lun.img")
             pid=$(<"$dir/istgt.pid")
             iqn=iqn.2026-11.org.ironsan:peer-istgt ;;
+        native)
+            # Not a target: fio's librbd engine straight on the image (bench/run.sh rbd).
+            pid="" url="" iqn="" ;;
         *) die "start_target: unknown target $name" ;;
     esac
     PID[$name]=$pid URL[$name]=$url PORT[$name]=$port IQN[$name]=$iqn KIND[$name]=$kind
@@ -521,6 +541,96 @@ load_workloads() {
     each_target lscale "$setup"
 }
 
+# --- rbd -------------------------------------------------------------------------------
+
+# A cluster of its own, three images written in full (one per client: ironsan keeps its
+# image's exclusive lock, so the gateways cannot share one).
+rbd_setup() {
+    CEPH=$WORK/ceph
+    bash "$ROOT/scripts/ceph-micro.sh" start "$CEPH" --osd-size "$((RBD_MB * 3 + 1024))M" \
+        --die-with $$ >/dev/null || die "could not start the Ceph cluster (scripts/ceph-micro.sh)"
+    # Every client without librbd's cache: a write completes once it is in RADOS.
+    printf '\n[client]\nrbd cache = false\n' >>"$CEPH/ceph.conf"
+    local t
+    for t in ironsan tgt native; do
+        rbd --conf "$CEPH/ceph.conf" create --size "${RBD_MB}M" "rbd/bench-$t"
+        rbd --conf "$CEPH/ceph.conf" bench --io-type write --io-pattern seq --io-size 4M \
+            --io-threads 4 --io-total "${RBD_MB}M" "rbd/bench-$t" >/dev/null
+    done
+    OSD_PID=$(<"$CEPH/run/osd.0.pid")
+}
+
+# fio_once LOG RW BS QD: native librbd (fio's rbd engine) on rbd/bench-native; prints IOPS.
+fio_once() {
+    local log=$1 rw=$2 bs=$3 qd=$4 out iops rc=0
+    out=$(CEPH_CONF=$CEPH/ceph.conf taskset -c "$CLIENT_CPU" timeout -k 10 $((DURATION + 60)) \
+        fio --name=native --ioengine=rbd --clientname=admin --pool=rbd --rbdname=bench-native \
+            --rw="$rw" --bs="$bs" --iodepth="$qd" --time_based --runtime="$DURATION" \
+            --invalidate=0 --output-format=json 2>"$log") || rc=$?
+    iops=$(python3 -c 'import json, sys; j = json.load(sys.stdin)["jobs"][0]; print(round(j["read"]["iops"] + j["write"]["iops"]))' <<<"$out" 2>/dev/null) || iops=0
+    if [[ $rc -ne 0 || $iops -eq 0 ]]; then
+        tail -n 3 "$log" >&2
+        failed "fio rbd failed (exit $rc): $rw $bs QD$qd"
+        iops=0
+    fi
+    echo "$iops"
+}
+
+# rbd_run WORKLOAD BYTES RW BS QD: one run against the current target (fio for native,
+# `ironsan load` for the gateways); the row's TOOL field carries the OSD's CPU ticks.
+rbd_run() {
+    local w=$1 bytes=$2 rw=$3 bs=$4 qd=$5 o0 g0=0 g1=0 k0 t0 iops wall tool
+    o0=$(cpu_ticks "$OSD_PID")
+    [[ -z $TARGET_PID ]] || g0=$(cpu_ticks "$TARGET_PID")
+    k0=$(core_ticks "$CLIENT_CPU"); t0=$(date +%s%N)
+    if [[ $TARGET_NAME == native ]]; then
+        tool=fio; iops=$(fio_once "$WORK/native-$w.log" "$rw" "$bs" "$qd")
+    else
+        tool=ironsan-load
+        iops=$(lload_once "$WORK/$TARGET_NAME-rbd-$w.log" --rw "$rw" --bs "$bs" --qd "$qd")
+    fi
+    wall=$(($(date +%s%N) - t0))
+    [[ -z $TARGET_PID ]] || g1=$(cpu_ticks "$TARGET_PID")
+    row rbd "$w" "$TARGET_NAME" "$iops" "$bytes" $((g1 - g0)) "$wall" \
+        "$tool:osd=$(($(cpu_ticks "$OSD_PID") - o0))" $(($(core_ticks "$CLIENT_CPU") - k0))
+    note "$(printf '%-8s %-10s %-20s %8s IOPS (%s)' "$TARGET_NAME" rbd "$w" "$iops" "$tool")"
+}
+
+# A restarted ironsan's first write: kill -9, start again on the same data directory, time
+# until a write is acknowledged; once with the lock owner it recorded (the dead one is
+# blocklisted and its lock broken at once), once with that record deleted (librbd then waits
+# for the dead owner's watch to expire). Rows carry milliseconds in the IOPS field.
+rbd_restart() {
+    local how t0 ms ok
+    for how in recorded forgotten; do
+        kill -KILL "${PID[ironsan]}" 2>/dev/null || true
+        wait "${PID[ironsan]}" 2>/dev/null || true
+        unset "PID[ironsan]"
+        [[ $how == forgotten ]] && rm -f "$WORK"/ironsan/data/state/*/0/rbd-lock-owner
+        t0=$(date +%s%N)
+        start_target ironsan rbd
+        use_target ironsan
+        ok=0
+        for _ in $(seq 600); do
+            if RUST_BACKTRACE=0 "$BIN" load "$TARGET_URL" --rw write --bs 4096 --qd 1 --count 1 \
+                >/dev/null 2>&1; then ok=1; break; fi
+            sleep 0.1
+        done
+        ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+        [[ $ok -eq 1 ]] || { failed "ironsan did not acknowledge a write within 60 s of a restart ($how)"; ms=0; }
+        row rbd "restart-$how" ironsan "$ms" 0 0 0 - 0
+        note "ironsan restart ($how lock owner): first write acknowledged after $ms ms"
+    done
+}
+
+rbd_workloads() {
+    each_target rbd_run randread-4k-qd32 4096 randread 4096 32
+    each_target rbd_run randwrite-4k-qd32 4096 randwrite 4096 32
+    each_target rbd_run seqread-512k-qd8 524288 read 524288 8
+    each_target rbd_run seqwrite-512k-qd8 524288 write 524288 8
+    each_target rbd_run qd1-randread-4k 4096 randread 4096 1
+}
+
 T_START=$(date +%s)
 # One setup at a time: its targets start together, each is measured alone for memory and idle
 # (fresh processes), then every workload runs against each of them in turn (each_target).
@@ -567,6 +677,19 @@ if want disk; then
     each_target lrun disk seqread-512k-qd8 524288 --rw read --bs 524288 --qd 8
     stop_all
 fi
+if want rbd; then
+    for tool in ceph-mon ceph-osd rbd fio; do command -v "$tool" >/dev/null || die "$tool not found (rbd section)"; done
+    rbd_setup
+    SETUP_TARGETS=()
+    for t in ironsan tgt; do want_target "$t" && SETUP_TARGETS+=("$t"); done
+    SETUP_TARGETS+=(native)
+    for t in "${SETUP_TARGETS[@]}"; do start_target "$t" rbd; done
+    rbd_workloads
+    if want_target ironsan; then rbd_restart; fi
+    stop_all
+    bash "$ROOT/scripts/ceph-micro.sh" destroy "$CEPH" || true
+    CEPH=""
+fi
 T_END=$(date +%s)
 
 TABLE=$(python3 - "$ROWS" "$IDLE_SECS" "$POLL_US" <<'EOF'
@@ -576,7 +699,15 @@ runs = {}
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 perf, idle, mem = {}, {}, {}
 order = {}
+restarts = {}
 for setup, w, t, a, b, ticks, wall_ns, tool, client_ticks, hz in rows:
+    if w.startswith("restart-"):
+        restarts[w[len("restart-"):]] = int(a)
+        continue
+    osd_ticks = None
+    if ":osd=" in tool:
+        tool, osd = tool.split(":osd=")
+        osd_ticks = int(osd)
     if w.startswith("mem-"):
         mem[(w, t)] = (int(a), int(b), int(ticks))
         continue
@@ -589,7 +720,8 @@ for setup, w, t, a, b, ticks, wall_ns, tool, client_ticks, hz in rows:
         continue
     iops = int(a)
     us = cpu_pct / 100.0 * 1e6 / iops if iops else float("nan")
-    runs.setdefault((setup, w, t), []).append((iops, iops * int(b) / 1048576, cpu_pct, us, tool, client_pct))
+    osd_us = (osd_ticks / int(hz) * 1e6 / (iops * wall_s)) if (osd_ticks is not None and iops) else None
+    runs.setdefault((setup, w, t), []).append((iops, iops * int(b) / 1048576, cpu_pct, us, tool, client_pct, osd_us))
     order.setdefault(setup, [])
     if w not in order[setup]:
         order[setup].append(w)
@@ -609,7 +741,7 @@ def table(setup, title, targets, bases):
     for w in order[setup]:
         for t in targets:
             if (setup, w, t) in perf:
-                i, m, c, u, tool, k = perf[(setup, w, t)]
+                i, m, c, u, tool, k = perf[(setup, w, t)][:6]
                 print(f"{w:<22} {t:<24} {i:>9d} {m:>9.1f} {c:>7.1f} {u:>10.2f} {k:>9.1f}  {tool}")
         for base in bases:
             a = perf.get((setup, w, base))
@@ -625,6 +757,37 @@ table("ram+load", "RAM/null LUN with ironsan's load generator (ironsan load, one
 table("file+load", "File LUN on tmpfs with ironsan's load generator", ["ironsan", "tgt", "istgt"], ["ironsan"])
 table("disk", "O_DIRECT file LUN on a disk file system, iscsi-perf (ironsan: io_uring; ironsan-threads: --io-engine threads; tgt rdwr --bsoflags direct)", ["ironsan", "ironsan-threads", "tgt"], ["ironsan"])
 table("disk+load", "O_DIRECT file LUN on a disk file system with ironsan's load generator (ironsan: io_uring; ironsan-threads: --io-engine threads; tgt rdwr --bsoflags direct; WCE=1)", ["ironsan", "ironsan-threads", "tgt"], ["ironsan"])
+
+if "rbd" in order:
+    print("\nRBD images on a one-OSD in-memory Ceph cluster on this host (librbd cache off): ironsan's RBD LUN and tgt's RBD store (ironsan load as the initiator; gateways on CPU 0) against native librbd (fio --ioengine=rbd); the monitor and OSD float over both cores")
+    hdr = f"{'workload':<20} {'target':<16} {'IOPS':>9} {'MiB/s':>9} {'mean us':>9} {'gw CPU us/IO':>13} {'OSD CPU us/IO':>14} {'client %':>9}"
+    print(hdr); print("-" * len(hdr))
+    qd = {"randread-4k-qd32": 32, "randwrite-4k-qd32": 32, "seqread-512k-qd8": 8, "seqwrite-512k-qd8": 8, "qd1-randread-4k": 1}
+    for w in order["rbd"]:
+        for t in ("ironsan", "tgt", "native"):
+            r = perf.get(("rbd", w, t))
+            if not r:
+                continue
+            i, m, c, u, tool, k, osd = r
+            mean = qd.get(w, 1) * 1e6 / i if i else float("nan")
+            gw = f"{u:13.1f}" if t != "native" else f"{'-':>13}"
+            osd_s = f"{osd:14.1f}" if osd is not None else f"{'-':>14}"
+            print(f"{w:<20} {t:<16} {i:>9d} {m:>9.1f} {mean:>9.0f} {gw} {osd_s} {k:>9.1f}")
+        a = perf.get(("rbd", w, "ironsan"))
+        for base in ("tgt", "native"):
+            b = perf.get(("rbd", w, base))
+            if a and b and b[0]:
+                extra = ""
+                if base == "tgt" and b[3] and a[3] == a[3]:
+                    extra = f"   gateway CPU/IO {a[3] / b[3]:.2f}x"
+                if w == "qd1-randread-4k" and a[0]:
+                    extra += f"   mean {1e6 / a[0] - 1e6 / b[0]:+.0f} us"
+                print(f"{w:<20} {'ironsan/' + base:<16} {a[0] / b[0]:>9.2f}{extra}")
+    if restarts:
+        print("\nironsan restart after kill -9, to the first acknowledged write (process start, cluster connection, image lock, one 4 KiB write):")
+        for how, ms in restarts.items():
+            what = "its lock-owner record kept (dead owner blocklisted, lock broken at once)" if how == "recorded" else "the record deleted (librbd waits for the dead owner's watch to expire)"
+            print(f"  {ms / 1000:6.1f} s  {what}")
 
 lat = {t: perf[("ram", "qd1-randread-4k", t)][0] for t in ("ironsan", "ironsan-poll", "tgt") if ("ram", "qd1-randread-4k", t) in perf}
 if lat:

@@ -5,6 +5,9 @@
 #   qemu-block-extra  independent initiator implementation)
 #   tgt, istgt        peer targets to compare against
 #   iproute2, procps, python3, shellcheck   used by the scripts themselves
+#   ceph-mon, ceph-osd, ceph-common, librbd1   a throwaway Ceph cluster for RBD LUNs
+#                                   (scripts/ceph-micro.sh) and the rbd tool
+#   tgt-rbd, fio      the RBD benchmark's peers: tgt's RBD store and native librbd
 #
 # Idempotent: every package is checked with dpkg-query first, and apt-get
 # update runs at most once, only when something is actually missing (it is
@@ -56,7 +59,8 @@ apt_install() {
 # kernel initiator in an emulated guest (scripts/kernel-initiator.sh). gcc links every Rust
 # binary and compiles mimalloc, the allocator (crates/backend/src/sys.rs).
 PLAIN=(gcc libiscsi-bin tgt istgt iproute2 procps python3 shellcheck
-    qemu-system-x86 linux-image-amd64 busybox-static open-iscsi e2fsprogs)
+    qemu-system-x86 linux-image-amd64 busybox-static open-iscsi e2fsprogs
+    ceph-mon ceph-osd ceph-common librbd1 tgt-rbd fio)
 missing=()
 for pkg in "${PLAIN[@]}"; do
     is_installed "$pkg" || missing+=("$pkg")

@@ -111,6 +111,14 @@ bash scripts/conformance.sh --all --lun file:lun0.img:256M --serve-arg --zero-co
 bash scripts/conformance.sh --suites conformance/suites-pbs4k.txt --waivers conformance/no-waivers.txt --lun ram:256M,pbs=4096
 bash scripts/conformance.sh --suites conformance/suites-readonly.txt --waivers conformance/no-waivers.txt --lun ram:256M,ro
 
+section "conformance on an RBD LUN (a throwaway Ceph cluster: scripts/ceph-micro.sh)"
+CEPH_DIR=$(mktemp -d /tmp/ironsan-ceph-ci.XXXXXX)
+rmdir "$CEPH_DIR"
+bash scripts/ceph-micro.sh start "$CEPH_DIR" --die-with $$ >/dev/null
+rbd --conf "$CEPH_DIR/ceph.conf" create --size 256M rbd/conformance
+bash scripts/conformance.sh --all --lun "rbd:rbd/conformance,conf=$CEPH_DIR/ceph.conf"
+bash scripts/ceph-micro.sh destroy "$CEPH_DIR"
+
 section "linux kernel initiator (open-iscsi in a QEMU guest)"
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
 # Again without digests: the guest's reads then come by sendfile (zero-copy reads forced on).
