@@ -268,6 +268,9 @@ pub struct TargetPlan {
     /// MaxConnections offered to its sessions (several connections per session, RFC 7143
     /// §13.2); `None`: the server's default (`--connections-per-session`, else 4).
     pub connections_per_session: Option<u16>,
+    /// ALUA target port groups (`[[target.alua_group]]`), ports named by portal group tag;
+    /// `None`: one group per portal group, active/optimized.
+    pub alua: Option<Vec<ironsan_scsi::PortGroup>>,
 }
 
 /// Most connections per session a target may offer: each is a reader and a writer task with
@@ -596,9 +599,20 @@ struct FileTarget {
     connections_per_session: Option<Spanned<i64>>,
     #[serde(default)]
     lun: Vec<FileLun>,
+    #[serde(default)]
+    alua_group: Vec<FileAluaGroup>,
     acl: Option<Vec<Spanned<String>>>,
     chap: Option<Spanned<FileChap>>,
     mutual_chap: Option<Spanned<FileChap>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileAluaGroup {
+    id: Spanned<i64>,
+    portal_groups: Spanned<Vec<Spanned<i64>>>,
+    state: Option<Spanned<String>>,
+    preferred: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -656,6 +670,95 @@ fn chap_from_file(c: &Spanned<FileChap>, base: &Path, at: At) -> Result<ChapAcco
     check_chap_user(&f.user).map_err(err)?;
     check_secret(&secret).map_err(err)?;
     Ok(ChapAccount::new(f.user.clone(), secret))
+}
+
+/// `[[target.alua_group]]`s: identifiers 1-65535 once each, ports that are portal groups
+/// serving the target, none in two groups, every serving portal group in one; states other
+/// than transitioning (a timed state the control socket enters).
+fn alua_from_file(
+    list: &[FileAluaGroup],
+    serving: &[u16],
+    target: &str,
+    at: At,
+) -> Result<Option<Vec<ironsan_scsi::PortGroup>>, String> {
+    if list.is_empty() {
+        return Ok(None);
+    }
+    let mut out: Vec<ironsan_scsi::PortGroup> = Vec::new();
+    for g in list {
+        let id = u16::try_from(*g.id.get_ref())
+            .ok()
+            .filter(|i| *i > 0)
+            .ok_or_else(|| {
+                at(
+                    g.id.span(),
+                    "alua_group id must be between 1 and 65535".into(),
+                )
+            })?;
+        if out.iter().any(|x| x.id == id) {
+            return Err(at(g.id.span(), format!("alua_group {id} is defined twice")));
+        }
+        if g.portal_groups.get_ref().is_empty() {
+            return Err(at(
+                g.portal_groups.span(),
+                format!("alua_group {id} names no portal group"),
+            ));
+        }
+        let mut ports = Vec::new();
+        for p in g.portal_groups.get_ref() {
+            let tag = u16::try_from(*p.get_ref())
+                .ok()
+                .filter(|t| serving.contains(t))
+                .ok_or_else(|| {
+                    at(
+                        p.span(),
+                        format!(
+                            "portal group {} does not serve target {target} (its groups: {serving:?})",
+                            p.get_ref()
+                        ),
+                    )
+                })?;
+            if let Some(other) = out.iter().find(|x| x.ports.contains(&tag)) {
+                return Err(at(
+                    p.span(),
+                    format!(
+                        "portal group {tag} is already in alua_group {}; a portal group belongs to one",
+                        other.id
+                    ),
+                ));
+            }
+            if !ports.contains(&tag) {
+                ports.push(tag);
+            }
+        }
+        let mut pg = ironsan_scsi::PortGroup::new(id, ports);
+        if let Some(st) = &g.state {
+            pg.state = ironsan_scsi::AccessState::parse(st.get_ref())
+                .filter(|s| *s != ironsan_scsi::AccessState::Transitioning)
+                .ok_or_else(|| {
+                    at(
+                        st.span(),
+                        format!(
+                            "'{}' is not a state: active/optimized, active/non-optimized, standby, unavailable or offline",
+                            st.get_ref()
+                        ),
+                    )
+                })?;
+        }
+        pg.preferred = g.preferred.unwrap_or(false);
+        out.push(pg);
+    }
+    if let Some(tag) = serving
+        .iter()
+        .find(|t| !out.iter().any(|g| g.ports.contains(t)))
+    {
+        let span = list.last().map_or(0..0, |g| g.id.span());
+        return Err(at(
+            span,
+            format!("portal group {tag} serves target {target} but is in no [[target.alua_group]]"),
+        ));
+    }
+    Ok(Some(out))
 }
 
 fn access_from_file(
@@ -1080,6 +1183,10 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
                     })?,
             ),
         };
+        let serving: Vec<u16> = groups
+            .clone()
+            .unwrap_or_else(|| portal_groups.iter().map(|p| p.tag).collect());
+        let alua = alua_from_file(&t.alua_group, &serving, t.name.get_ref(), &at)?;
         targets.push(TargetPlan {
             name: t.name.into_inner(),
             alias: t.alias,
@@ -1087,6 +1194,7 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
             access,
             portal_groups: groups,
             connections_per_session,
+            alua,
         });
     }
     if targets.is_empty() {
@@ -1356,6 +1464,7 @@ pub fn from_flags(
             access,
             portal_groups: None,
             connections_per_session: None,
+            alua: None,
         }],
         discovery,
         limits: Limits::default(),
@@ -1483,6 +1592,67 @@ spec = "ram:1M"
             let e = parse_file(&text, Path::new("t.toml")).unwrap_err();
             assert!(e.contains(want), "{e}\n{text}");
         }
+    }
+
+    #[test]
+    fn alua_groups_from_the_file_and_what_is_wrong_with_them() {
+        let head = r#"
+[[portal_group]]
+tag = 1
+listen = ["127.0.0.1:3260"]
+[[portal_group]]
+tag = 2
+listen = ["127.0.0.1:3261"]
+[[portal_group]]
+tag = 3
+listen = ["127.0.0.1:3262"]
+[[target]]
+name = "iqn.2026-11.org.x:a"
+portal_groups = [1, 2]
+[[target.lun]]
+spec = "ram:1M"
+"#;
+        let ok = format!(
+            "{head}[[target.alua_group]]\nid = 10\nportal_groups = [1]\npreferred = true\n\
+             [[target.alua_group]]\nid = 20\nportal_groups = [2]\nstate = \"standby\"\n"
+        );
+        let plan = parse_file(&ok, Path::new("t.toml")).unwrap();
+        let g = plan.targets[0].alua.as_ref().unwrap();
+        assert_eq!(
+            (g[0].id, g[0].ports.clone(), g[0].preferred),
+            (10, vec![1], true)
+        );
+        assert_eq!(
+            (g[1].id, g[1].state),
+            (20, ironsan_scsi::AccessState::Standby)
+        );
+        let bad =
+            |extra: &str| parse_file(&format!("{head}{extra}"), Path::new("t.toml")).unwrap_err();
+        let two = "[[target.alua_group]]\nid = 1\nportal_groups = [1, 2]\n\
+                   [[target.alua_group]]\nid = 2\nportal_groups = [2]\n";
+        let e = bad(two);
+        assert!(
+            e.starts_with("t.toml:21:") && e.contains("portal group 2 is already in alua_group 1"),
+            "{e}"
+        );
+        let e = bad("[[target.alua_group]]\nid = 1\nportal_groups = [3]\n");
+        assert!(e.contains("portal group 3 does not serve target"), "{e}");
+        let e = bad("[[target.alua_group]]\nid = 1\nportal_groups = [1]\n");
+        assert!(
+            e.contains("portal group 2 serves target iqn.2026-11.org.x:a but is in no"),
+            "{e}"
+        );
+        let e = bad(
+            "[[target.alua_group]]\nid = 1\nportal_groups = [1, 2]\nstate = \"transitioning\"\n",
+        );
+        assert!(
+            e.starts_with("t.toml:19:") && e.contains("is not a state"),
+            "{e}"
+        );
+        let e = bad("[[target.alua_group]]\nid = 0\nportal_groups = [1, 2]\n");
+        assert!(e.contains("between 1 and 65535"), "{e}");
+        let e = bad("[[target.alua_group]]\nid = 1\nportal_groups = [1]\n[[target.alua_group]]\nid = 1\nportal_groups = [2]\n");
+        assert!(e.contains("alua_group 1 is defined twice"), "{e}");
     }
 
     #[test]

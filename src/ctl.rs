@@ -25,6 +25,11 @@ use std::sync::{Arc, Mutex};
   portal add ADDR:PORT [--tag N]    listen on a new portal of group N (default 1) now
   portal remove ADDR:PORT           stop listening there (sessions that came in through it stay)
   acl add|remove TARGET RULE        RULE as for --acl; TARGET 'discovery' for discovery sessions
+  alua [TARGET]                     ALUA target port groups: state, preferred, ports, portals
+  alua set TARGET GROUP STATE [--transition SECS]
+                                    active/optimized | active/non-optimized | standby |
+                                    unavailable | offline; --transition: transitioning first
+  alua prefer TARGET GROUP on|off   the PREF bit multipath adds to a group's priority
   apply FILE [--dry-run]            reconcile the running state to a configuration file
   save [FILE]                       write the running state as TOML (default: the --config file):
                                     portals as bound, [limits], targets, ACLs, LUNs with identity")]
@@ -234,6 +239,9 @@ impl BinHooks {
                         if t.portal_groups.is_some() {
                             control.set_portal_groups(&t.name, t.portal_groups.clone())?;
                         }
+                        if t.alua.is_some() {
+                            control.set_port_groups(&t.name, t.alua.clone())?;
+                        }
                         Ok(())
                     },
                 );
@@ -263,6 +271,29 @@ impl BinHooks {
                     format!("~ target {}: portal groups {what}", t.name),
                     &mut || control.set_portal_groups(&t.name, t.portal_groups.clone()),
                 );
+            }
+            if let Ok((fixed, groups)) = control.port_groups(&t.name) {
+                // The file's groups against the running ones; no groups in the file means the
+                // default: one group per portal group, each active/optimized, none preferred.
+                let differs = match &t.alua {
+                    Some(want) => alua_layout(&groups) != alua_layout(want),
+                    None => {
+                        fixed
+                            || groups.iter().any(|g| {
+                                g.state != ironsan_scsi::AccessState::ActiveOptimized || g.preferred
+                            })
+                    }
+                };
+                if differs {
+                    let what = match &t.alua {
+                        Some(g) => format!("{} configured", g.len()),
+                        None => "one per portal group".into(),
+                    };
+                    step(
+                        format!("~ target {}: ALUA target port groups ({what})", t.name),
+                        &mut || control.set_port_groups(&t.name, t.alua.clone()),
+                    );
+                }
             }
             let have = control.lun_list(&t.name).unwrap_or_default();
             for (n, _, _) in have.iter().filter(|(n, _, _)| *n as usize >= t.luns.len()) {
@@ -465,6 +496,36 @@ impl BinHooks {
             }
             if let Some(n) = control.connections_per_session(&t)? {
                 out.push_str(&format!("connections_per_session = {n}\n"));
+            }
+            // Groups are written when configured or when a state differs from the default,
+            // so that a state set through `ctl alua set` survives a restart.
+            let (fixed, groups) = control.port_groups(&t)?;
+            let changed = groups
+                .iter()
+                .any(|g| g.state != ironsan_scsi::AccessState::ActiveOptimized || g.preferred);
+            if fixed || changed {
+                for g in &groups {
+                    let state = match g.state {
+                        // A file cannot say transitioning (a timed state): a group caught
+                        // in one is saved active/optimized.
+                        ironsan_scsi::AccessState::Transitioning => {
+                            ironsan_scsi::AccessState::ActiveOptimized
+                        }
+                        s => s,
+                    };
+                    let ports: Vec<String> = g.ports.iter().map(u16::to_string).collect();
+                    out.push_str(&format!(
+                        "[[target.alua_group]]\nid = {}\nportal_groups = [{}]\nstate = {}\n{}",
+                        g.id,
+                        ports.join(", "),
+                        q(state.name()),
+                        if g.preferred {
+                            "preferred = true\n"
+                        } else {
+                            ""
+                        }
+                    ));
+                }
             }
             access_lines(&t, &control.access(Some(&t))?, &mut out)?;
             let luns = control.lun_list(&t)?;
@@ -710,6 +771,16 @@ fn write_durably(path: &Path, text: &str) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// What of an ALUA layout a configuration file says: (group, ports, state, preferred).
+fn alua_layout(
+    groups: &[ironsan_scsi::PortGroup],
+) -> Vec<(u16, Vec<u16>, ironsan_scsi::AccessState, bool)> {
+    groups
+        .iter()
+        .map(|g| (g.id, g.ports.clone(), g.state, g.preferred))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -794,6 +865,15 @@ shutdown_grace = "2500ms"
                 (0x5000_0000_0000_0042, "S1".to_string())
             ]
         );
+        // A state set live is saved (the groups with it).
+        control
+            .set_alua_state(
+                "iqn.2026-11.org.x:old",
+                2,
+                ironsan_scsi::AccessState::ActiveNonOptimized,
+                None,
+            )
+            .unwrap();
         // A portal added live is saved, as bound.
         let p3 = control
             .add_portal("127.0.0.1:0".parse().unwrap(), 3)
@@ -810,6 +890,8 @@ shutdown_grace = "2500ms"
             "[limits]\n".to_string(),
             "write_buffer_per_session = \"96M\"".to_string(),
             "shutdown_grace = \"2500ms\"".to_string(),
+            "[[target.alua_group]]\nid = 2\nportal_groups = [2]\nstate = \"active/non-optimized\"\n"
+                .to_string(),
         ] {
             assert!(saved.contains(&want), "{want}\n---\n{saved}");
         }
@@ -846,9 +928,11 @@ shutdown_grace = "2500ms"
             .replace("portal_groups = [2]\n", "");
         std::fs::write(&file, &edited).unwrap();
         let changes = hooks.apply(&control, &file, false).unwrap();
-        // The LUN, the target's groups, and the live portal that the file does not have.
-        assert_eq!(changes.len(), 3, "{changes:?}");
-        assert_eq!(changes[2], format!("- portal {p3} (group 3)"));
+        // The target's portal groups, its ALUA groups (back to one per portal group), the
+        // LUN, and the live portal that the file does not have.
+        assert_eq!(changes.len(), 4, "{changes:?}");
+        assert!(changes[1].contains("ALUA target port groups (one per portal group)"));
+        assert_eq!(changes[3], format!("- portal {p3} (group 3)"));
         assert_eq!(ids(&control, "iqn.2026-11.org.x:new"), old);
         assert_eq!(
             control.portal_groups("iqn.2026-11.org.x:new").unwrap(),

@@ -431,6 +431,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
             ));
             scsi.add_lun(n as u64, lu);
         }
+        if let Some(groups) = &t.alua {
+            scsi.set_alua(Arc::new(ironsan_scsi::Alua::new(groups.clone())));
+        }
         targets.push(TargetDef {
             name: t.name.clone(),
             alias: t.alias.clone(),

@@ -51,6 +51,7 @@ pub mod opcode {
     pub const SERVICE_ACTION_IN_16: u8 = 0x9E;
     pub const REPORT_LUNS: u8 = 0xA0;
     pub const MAINTENANCE_IN: u8 = 0xA3;
+    pub const MAINTENANCE_OUT: u8 = 0xA4;
     pub const READ_12: u8 = 0xA8;
     pub const WRITE_12: u8 = 0xAA;
     pub const WRITE_AND_VERIFY_12: u8 = 0xAE;
@@ -62,6 +63,10 @@ pub mod opcode {
     pub const SAI_GET_LBA_STATUS: u8 = 0x12;
     /// MAINTENANCE IN service action REPORT SUPPORTED OPERATION CODES (SPC-4 REPORT SUPPORTED OPERATION CODES).
     pub const MI_REPORT_SUPPORTED_OPCODES: u8 = 0x0C;
+    /// MAINTENANCE IN service action REPORT TARGET PORT GROUPS (SPC-4).
+    pub const MI_REPORT_TARGET_PGS: u8 = 0x0A;
+    /// MAINTENANCE OUT service action SET TARGET PORT GROUPS (SPC-4).
+    pub const MO_SET_TARGET_PGS: u8 = 0x0A;
     /// PERSISTENT RESERVE IN service actions (SPC-4).
     pub const PRIN_READ_KEYS: u8 = 0x00;
     pub const PRIN_READ_RESERVATION: u8 = 0x01;
@@ -284,6 +289,10 @@ pub fn data_out_len(cdb: &[u8], block_size: u32) -> Result<u32, SenseReason> {
         PERSISTENT_RESERVE_OUT => {
             needs_len(10)?;
             Ok(c.u32(5).min(MAX_PARAMETER_LIST))
+        }
+        MAINTENANCE_OUT => {
+            needs_len(12)?;
+            Ok(c.u32(6).min(MAX_PARAMETER_LIST))
         }
         EXTENDED_COPY => {
             needs_len(16)?;

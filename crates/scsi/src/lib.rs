@@ -62,10 +62,12 @@
 //! * `sbc` — READ/WRITE/VERIFY/capacity/cache/provisioning commands, ORWRITE, WRITE ATOMIC,
 //!   PRE-FETCH, READ DEFECT DATA, SANITIZE.
 //! * `pr` — SPC-4 persistent reservations (PRIN/PROUT, conflicts, APTPL file).
+//! * [`alua`] — target port groups and access states, REPORT / SET TARGET PORT GROUPS.
 //! * `xcopy` — SPC-4 EXTENDED COPY (LID1) between LUs of one [`Target`], RECEIVE COPY
 //!   RESULTS, the Third-party Copy VPD page. EXTENDED COPY is executed here, at the target
 //!   level, because its copy targets are other LUs of the same target (named by their NAA).
 
+pub mod alua;
 pub mod cdb;
 mod lu;
 mod mode;
@@ -82,9 +84,10 @@ use bytes::Bytes;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+pub use alua::{AccessState, Alua, AluaError, PortGroup, StatusCode};
 pub use cdb::{data_out_len, opcode, MAX_TRANSFER_BYTES};
 pub use lu::{local_naa, LogicalUnit, LuConfig};
-pub use pr::PR_STATE_FILE;
+pub use pr::{names_port, ALL_TARGET_PORTS, PR_STATE_FILE};
 pub use sbc::PlacedWrite;
 pub use sense::{FieldPointer, SenseFields, SenseKey, SenseReason, UnitAttention};
 
@@ -103,6 +106,23 @@ pub struct Nexus {
     pub target_port: Arc<str>,
     /// RELATIVE TARGET PORT IDENTIFIER (1-based; SPC-4 relative target port designator).
     pub relative_port: u16,
+}
+
+impl Nexus {
+    /// The SCSI target port name of target `target` through the portal group with tag `tpgt`
+    /// (RFC 7143 SCSI target port names: `<target name>,t,0x<TPGT in hex>`); the portal
+    /// group tag is the relative target port identifier.
+    pub fn target_port_name(target: &str, tpgt: u16) -> String {
+        format!("{target},t,0x{tpgt:04x}")
+    }
+
+    /// The SCSI target device name part of [`target_port`](Self::target_port).
+    pub fn target_device(&self) -> &str {
+        self.target_port
+            .split(",t,")
+            .next()
+            .unwrap_or(&self.target_port)
+    }
 }
 
 /// One SCSI command as delivered by the transport.
@@ -252,6 +272,8 @@ pub fn lun_from_wire(raw: u64) -> Option<u64> {
 #[derive(Default, Debug, Clone)]
 pub struct Target {
     luns: BTreeMap<u64, Arc<LogicalUnit>>,
+    /// Target port groups and their states, shared by every copy of this target.
+    alua: Arc<Alua>,
 }
 
 impl Target {
@@ -266,6 +288,102 @@ impl Target {
     pub fn add_lun(&mut self, lun: u64, lu: Arc<LogicalUnit>) {
         assert!(lun <= MAX_LUN, "LUN {lun} exceeds {MAX_LUN}");
         self.luns.insert(lun, lu);
+    }
+
+    /// Use `alua` as this target's ALUA layout (shared with whoever else holds it).
+    pub fn set_alua(&mut self, alua: Arc<Alua>) {
+        self.alua = alua;
+    }
+
+    /// The ALUA layout: target port groups and their states.
+    pub fn alua(&self) -> &Arc<Alua> {
+        &self.alua
+    }
+
+    /// Replace the target port groups (a configuration change); `None`: one group per port,
+    /// following the ports ([`follow_ports`](Self::follow_ports)). If any port's state
+    /// changed, every I_T nexus of every LU gets ASYMMETRIC ACCESS STATE CHANGED.
+    pub fn set_port_groups(&self, groups: Option<Vec<PortGroup>>) {
+        let changed = match groups {
+            Some(g) => self.alua.replace(g, true),
+            None => self.alua.replace(Vec::new(), false),
+        };
+        if changed {
+            self.access_changed(None);
+        }
+    }
+
+    /// The target's ports are now the relative target ports `ports`: unless the groups were
+    /// given ([`Alua::is_fixed`]), make one group per port, identified by the port's number;
+    /// a group that already existed keeps its state and PREF bit.
+    pub fn follow_ports(&self, ports: &[u16]) {
+        if self.alua.is_fixed() {
+            return;
+        }
+        let old = self.alua.groups();
+        let groups = ports
+            .iter()
+            .map(|&p| {
+                let mut g = old
+                    .iter()
+                    .find(|g| g.id == p)
+                    .cloned()
+                    .unwrap_or_else(|| PortGroup::new(p, Vec::new()));
+                g.ports = vec![p];
+                g
+            })
+            .collect();
+        if self.alua.replace(groups, false) {
+            self.access_changed(None);
+        }
+    }
+
+    /// An implicit transition of group `id` to `state` (SPC-4 §5.15.2.3). With `only_if`, only
+    /// if the group's generation is still that (the end of a timed transition). Returns the
+    /// group's new generation. A change of state raises ASYMMETRIC ACCESS STATE CHANGED on
+    /// every I_T nexus of every LU.
+    pub fn set_access_state(
+        &self,
+        id: u16,
+        state: AccessState,
+        only_if: Option<u64>,
+    ) -> Result<u64, AluaError> {
+        let (gen, changed) = self.alua.set(id, state, StatusCode::Implicit, only_if)?;
+        if changed {
+            self.access_changed(None);
+        }
+        Ok(gen)
+    }
+
+    fn access_changed(&self, except: Option<u64>) {
+        for lu in self.luns.values() {
+            lu.establish_unit_attention(UnitAttention::AsymmetricAccessStateChanged, except);
+        }
+    }
+
+    /// SET TARGET PORT GROUPS (MAINTENANCE OUT, service action 0Ah; SPC-4 §6.44): the whole
+    /// list is checked first, then applied; the other I_T nexuses get ASYMMETRIC ACCESS STATE
+    /// CHANGED.
+    fn set_target_port_groups(
+        &self,
+        nexus: &Nexus,
+        cdb: Cdb<'_>,
+        data: &[u8],
+    ) -> Result<Bytes, SenseReason> {
+        if cdb.u8(1) & 0x1F != MO_SET_TARGET_PGS {
+            return Err(SenseReason::cdb_bit(1, 4));
+        }
+        let mut changed = false;
+        for (id, state) in alua::parse_set_target_port_groups(&self.alua, cdb, data)? {
+            // Checked above: the group exists.
+            if let Ok((_, c)) = self.alua.set(id, state, StatusCode::Explicit, None) {
+                changed |= c;
+            }
+        }
+        if changed {
+            self.access_changed(Some(nexus.id));
+        }
+        Ok(Bytes::new())
     }
 
     /// Unmap `lun`; returns the LU that was there. Commands holding the LU finish.
@@ -330,7 +448,8 @@ impl Target {
         }
         validate_cdb(c).ok()?;
         sbc::place_write(lu, c, data_len, || {
-            lu.nothing_to_report(nexus.id)
+            self.alua.is_active(nexus.relative_port)
+                && lu.nothing_to_report(nexus.id)
                 && lock(&lu.reservation).is_none()
                 && !lock(&lu.pr).reserved()
         })
@@ -365,6 +484,8 @@ impl Target {
             return Err(SenseReason::UnitAttention(ua));
         }
         validate_cdb(cdb)?;
+        // ALUA: the state of the group of the port the command came through.
+        alua::check(self.alua.state(nexus.relative_port), cdb)?;
 
         // SPC-2 reservations (RESERVE/RELEASE): another nexus's reservation conflicts with all but
         // the commands in `spc::allowed_under_reservation`.
@@ -386,7 +507,7 @@ impl Target {
         let data = match op {
             TEST_UNIT_READY => Ok(Bytes::new()),
             REQUEST_SENSE => spc::request_sense(lu, nexus, cdb),
-            INQUIRY => spc::inquiry(lu, nexus, cdb),
+            INQUIRY => spc::inquiry(lu, &self.alua, nexus, cdb),
             REPORT_LUNS => {
                 let d = spc::report_luns(self, cdb)?;
                 lu.clear_unit_attention(nexus.id, UnitAttention::ReportedLunsDataChanged);
@@ -401,10 +522,15 @@ impl Target {
                 false => return Ok(Response::status_only(Status::RESERVATION_CONFLICT)),
             },
             RELEASE_6 | RELEASE_10 => spc::release(lu, nexus, cdb),
-            MAINTENANCE_IN => spc::report_supported_opcodes(cdb),
+            MAINTENANCE_IN => match cdb.u8(1) & 0x1F {
+                MI_REPORT_TARGET_PGS => alua::report_target_port_groups(&self.alua, cdb),
+                _ => spc::report_supported_opcodes(cdb),
+            },
+            MAINTENANCE_OUT => self.set_target_port_groups(nexus, cdb, &cmd.data_out),
             PERSISTENT_RESERVE_IN => pr::persistent_reserve_in(lu, cdb),
             PERSISTENT_RESERVE_OUT => {
-                match pr::persistent_reserve_out(lu, nexus, cdb, &cmd.data_out)? {
+                let port_exists = |p: u16| self.alua.group_of(p).is_some();
+                match pr::persistent_reserve_out(lu, nexus, cdb, &cmd.data_out, &port_exists)? {
                     pr::ProutOutcome::Good => Ok(Bytes::new()),
                     pr::ProutOutcome::Conflict => {
                         return Ok(Response::status_only(Status::RESERVATION_CONFLICT))

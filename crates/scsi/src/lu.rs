@@ -289,7 +289,7 @@ impl LogicalUnit {
     /// Establish `ua` for every known I_T nexus with the port names `who`.
     pub(crate) fn establish_unit_attention_for(&self, who: &PortPair, ua: UnitAttention) {
         let mut map = lock(&self.ua);
-        for e in map.values_mut().filter(|e| &e.who == who) {
+        for e in map.values_mut().filter(|e| who.covers(&e.who)) {
             e.raise(ua);
         }
     }

@@ -80,7 +80,23 @@ pub(crate) struct PortPair {
     pub target: Arc<str>,
 }
 
+/// The target port name of a registration made with ALL_TG_PT=1: the initiator port through
+/// every target port of the target (one registration; changed or removed through any port).
+pub const ALL_TARGET_PORTS: &str = "*";
+
+/// Whether a victim's target port name from [`crate::LogicalUnit::take_pr_aborts`] names
+/// `port` (it may be [`ALL_TARGET_PORTS`]).
+pub fn names_port(victim: &str, port: &str) -> bool {
+    victim == port || victim == ALL_TARGET_PORTS
+}
+
 impl PortPair {
+    /// Whether this registration identity covers the I_T nexus `who` (exactly, or as an
+    /// ALL_TG_PT registration of its initiator port).
+    pub fn covers(&self, who: &PortPair) -> bool {
+        self == who || (&*self.target == ALL_TARGET_PORTS && self.initiator == who.initiator)
+    }
+
     pub fn of(n: &Nexus) -> Self {
         PortPair {
             initiator: Arc::clone(&n.initiator_port),
@@ -122,6 +138,15 @@ fn valid_type(t: u8) -> bool {
 }
 
 impl PrState {
+    /// How reservations know `who`: its initiator port's ALL_TG_PT registration if there is
+    /// one, else the I_T nexus itself.
+    pub(crate) fn identity(&self, who: &PortPair) -> PortPair {
+        self.regs
+            .iter()
+            .find(|r| &*r.who.target == ALL_TARGET_PORTS && r.who.initiator == who.initiator)
+            .map_or_else(|| who.clone(), |r| r.who.clone())
+    }
+
     fn reg(&self, who: &PortPair) -> Option<&Registration> {
         self.regs.iter().find(|r| &r.who == who)
     }
@@ -144,6 +169,7 @@ impl PrState {
         let Some(res) = &self.res else {
             return false;
         };
+        let who = &self.identity(who);
         if access == PrAccess::Conflict {
             return true;
         }
@@ -328,7 +354,8 @@ pub(crate) fn persistent_reserve_in(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<By
                 let holder = st.is_holder(&r.who);
                 d.extend_from_slice(&r.key.to_be_bytes());
                 d.extend_from_slice(&[0; 4]);
-                d.push(u8::from(holder)); // ALL_TG_PT=0, R_HOLDER
+                // ALL_TG_PT, R_HOLDER
+                d.push(u8::from(&*r.who.target == ALL_TARGET_PORTS) << 1 | u8::from(holder));
                 d.push(if holder {
                     st.res.as_ref().map_or(0, |x| x.ptype)
                 } else {
@@ -384,6 +411,7 @@ pub(crate) fn persistent_reserve_out(
     nexus: &Nexus,
     cdb: Cdb<'_>,
     data_out: &Bytes,
+    port_exists: &dyn Fn(u16) -> bool,
 ) -> Result<ProutOutcome, SenseReason> {
     let sa = cdb.u8(1) & 0x1F;
     let scope = cdb.u8(2) >> 4;
@@ -400,7 +428,8 @@ pub(crate) fn persistent_reserve_out(
     let be = |i: usize| u64::from_be_bytes(p[i..i + 8].try_into().unwrap_or([0; 8]));
     let rk = be(0);
     let sark = be(8);
-    let me = PortPair::of(nexus);
+    // ALL_TG_PT (REGISTER and REGISTER AND IGNORE EXISTING KEY only; ignored otherwise).
+    let all_ports = matches!(sa, REGISTER | REGISTER_AND_IGNORE) && p[20] & 0x04 != 0;
 
     let needs_type = matches!(sa, RESERVE | RELEASE | PREEMPT | PREEMPT_AND_ABORT);
     if needs_type {
@@ -433,6 +462,10 @@ pub(crate) fn persistent_reserve_out(
 
     let mut guard = crate::lu::lock(&lu.pr);
     let mut st = guard.clone();
+    let mut me = st.identity(&PortPair::of(nexus));
+    if all_ports && st.reg(&me).is_none() {
+        me.target = ALL_TARGET_PORTS.into();
+    }
     let mut uas: UaList = Vec::new();
     let mut aborts: Vec<PortPair> = Vec::new();
     let my_key = st.reg(&me).map(|r| r.key);
@@ -599,13 +632,18 @@ pub(crate) fn persistent_reserve_out(
             if len < 24 + tid_len {
                 return Err(SenseReason::ParameterListLengthError);
             }
-            if rel != nexus.relative_port {
+            // The destination I_T nexus may be through another target port of the target.
+            let target: Arc<str> = if rel == nexus.relative_port {
+                Arc::clone(&nexus.target_port)
+            } else if rel != 0 && port_exists(rel) {
+                Nexus::target_port_name(nexus.target_device(), rel).into()
+            } else {
                 return Err(SenseReason::param(18, None));
-            }
+            };
             let name = parse_transport_id(&p[24..24 + tid_len], 24)?;
             let dest = PortPair {
                 initiator: name.into(),
-                target: Arc::clone(&nexus.target_port),
+                target,
             };
             if dest.initiator.eq_ignore_ascii_case(&me.initiator) {
                 return Err(SenseReason::param(24, None));

@@ -41,6 +41,8 @@ pub enum UnitAttention {
     ReservationsReleased,
     /// 2Ah/05h REGISTRATIONS PREEMPTED.
     RegistrationsPreempted,
+    /// 2Ah/06h ASYMMETRIC ACCESS STATE CHANGED (a target port group changed state).
+    AsymmetricAccessStateChanged,
     /// 2Ah/09h CAPACITY DATA HAS CHANGED.
     CapacityDataChanged,
     /// 2Fh/00h COMMANDS CLEARED BY ANOTHER INITIATOR (SAM-5 CLEAR TASK SET with TAS=0: for
@@ -65,6 +67,7 @@ impl UnitAttention {
             UnitAttention::ReservationsPreempted => (0x2A, 0x03),
             UnitAttention::ReservationsReleased => (0x2A, 0x04),
             UnitAttention::RegistrationsPreempted => (0x2A, 0x05),
+            UnitAttention::AsymmetricAccessStateChanged => (0x2A, 0x06),
             UnitAttention::CapacityDataChanged => (0x2A, 0x09),
             UnitAttention::CommandsClearedByAnotherInitiator => (0x2F, 0x00),
             UnitAttention::InquiryDataChanged => (0x3F, 0x03),
@@ -166,6 +169,12 @@ pub enum SenseReason {
     /// may no longer write the storage (fenced off by it).
     #[error("logical unit not ready, manual intervention required")]
     ManualInterventionRequired,
+    /// NOT READY, 04h/0Ah, 0Bh, 0Ch or 12h: LOGICAL UNIT NOT ACCESSIBLE, ASYMMETRIC ACCESS
+    /// STATE TRANSITION / TARGET PORT IN STANDBY STATE / TARGET PORT IN UNAVAILABLE STATE,
+    /// or LOGICAL UNIT NOT READY, OFFLINE: the port's target port group does not process
+    /// this command in its state (SPC-4 §5.15.2.4).
+    #[error("logical unit not accessible through a port in the {0} state")]
+    NotAccessible(crate::alua::AccessState),
     /// HARDWARE ERROR, 44h/00h INTERNAL TARGET FAILURE.
     #[error("internal target failure")]
     InternalTargetFailure,
@@ -278,6 +287,7 @@ impl SenseReason {
             },
             SenseReason::BecomingReady => f(K::NOT_READY, 0x04, 0x01),
             SenseReason::ManualInterventionRequired => f(K::NOT_READY, 0x04, 0x03),
+            SenseReason::NotAccessible(s) => f(K::NOT_READY, 0x04, s.refusal_ascq()),
             SenseReason::InternalTargetFailure => f(K::HARDWARE_ERROR, 0x44, 0x00),
             SenseReason::ProtocolCrcError => f(K::ABORTED_COMMAND, 0x47, 0x05),
             SenseReason::DataPhaseError => f(K::ABORTED_COMMAND, 0x4b, 0x00),

@@ -58,8 +58,9 @@ fn standard_inquiry(pq_pdt: u8, vendor: &str, product: &str, revision: &str) -> 
     d[2] = 0x06; // VERSION: SPC-4
     d[3] = 0x12; // HISUP=1, RESPONSE DATA FORMAT=2
     d[4] = (STD_INQUIRY_LEN - 5) as u8; // ADDITIONAL LENGTH
-                                        // SCCS/ACC/TPGS=00b (no ALUA)/PROTECT zero; 3PC=1 (EXTENDED COPY) for a logical unit.
-    d[5] = if pq_pdt == PDT_DISK { 0x08 } else { 0x00 };
+                                        // SCCS/ACC/PROTECT zero; for a logical unit TPGS=11b (implicit and explicit ALUA) and
+                                        // 3PC=1 (EXTENDED COPY).
+    d[5] = if pq_pdt == PDT_DISK { 0x38 } else { 0x00 };
     d[6] = 0x00; // ENCSERV/MULTIP zero
     d[7] = 0x02; // CMDQUE=1
     ascii_field(
@@ -86,7 +87,12 @@ pub(crate) fn inquiry_no_lu(cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
 }
 
 /// INQUIRY (SPC-4): standard data or one VPD page.
-pub(crate) fn inquiry(lu: &LogicalUnit, nexus: &Nexus, cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+pub(crate) fn inquiry(
+    lu: &LogicalUnit,
+    alua: &crate::Alua,
+    nexus: &Nexus,
+    cdb: Cdb<'_>,
+) -> Result<Bytes, SenseReason> {
     let (evpd, page, alloc) = inquiry_fields(cdb)?;
     let cfg = lu.config();
     let data = if !evpd {
@@ -95,7 +101,7 @@ pub(crate) fn inquiry(lu: &LogicalUnit, nexus: &Nexus, cdb: Cdb<'_>) -> Result<B
         let body = match page {
             0x00 => VPD_PAGES.to_vec(),
             0x80 => serial(lu).into_bytes(),
-            0x83 => device_identification(lu, nexus),
+            0x83 => device_identification(lu, alua, nexus),
             0x8F => crate::xcopy::third_party_copy_vpd(lu),
             0xB0 => crate::sbc::block_limits_vpd(lu),
             0xB1 => crate::sbc::block_characteristics_vpd(),
@@ -160,7 +166,7 @@ fn name_string(name: &str) -> Vec<u8> {
 }
 
 /// Device Identification VPD page (83h, SPC-4 Device Identification VPD page).
-fn device_identification(lu: &LogicalUnit, nexus: &Nexus) -> Vec<u8> {
+fn device_identification(lu: &LogicalUnit, alua: &crate::Alua, nexus: &Nexus) -> Vec<u8> {
     const ISCSI: u8 = 0x5 << 4; // PROTOCOL IDENTIFIER iSCSI (SPC-4 table 362)
     const BINARY: u8 = 1;
     const ASCII: u8 = 2;
@@ -182,6 +188,10 @@ fn device_identification(lu: &LogicalUnit, nexus: &Nexus) -> Vec<u8> {
     let mut rel = [0u8; 4];
     rel[2..4].copy_from_slice(&nexus.relative_port.to_be_bytes());
     designator(&mut d, ISCSI | BINARY, PIV | ASSOC_PORT | 0x4, &rel);
+    // Target port group of that port (ALUA; Linux's scsi_dh_alua needs it beside type 4).
+    if let Some(tpg) = crate::alua::port_group_designator(alua, nexus) {
+        designator(&mut d, ISCSI | BINARY, PIV | ASSOC_PORT | 0x5, &tpg);
+    }
     // SCSI name string of the target port, "<iqn>,t,0x<tpgt>" (RFC 7143 iSCSI names).
     designator(
         &mut d,
@@ -190,11 +200,7 @@ fn device_identification(lu: &LogicalUnit, nexus: &Nexus) -> Vec<u8> {
         &name_string(&nexus.target_port),
     );
     // SCSI name string of the target device: the iSCSI target name.
-    let device = nexus
-        .target_port
-        .split(",t,")
-        .next()
-        .unwrap_or(&nexus.target_port);
+    let device = nexus.target_device();
     designator(
         &mut d,
         ISCSI | UTF8,
@@ -414,6 +420,8 @@ pub(crate) const SUPPORTED: &[OpEntry] = &[
     e(SERVICE_ACTION_IN_16, Some(SAI_READ_CAPACITY_16), Allowed, &[SERVICE_ACTION_IN_16, 0x1F, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0x01, C]),
     e(SERVICE_ACTION_IN_16, Some(SAI_GET_LBA_STATUS), Read, &[SERVICE_ACTION_IN_16, 0x1F, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
     e(REPORT_LUNS, None, Allowed, &[REPORT_LUNS, 0, 0xFF, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(MAINTENANCE_IN, Some(MI_REPORT_TARGET_PGS), Allowed, &[MAINTENANCE_IN, 0xFF, 0, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
+    e(MAINTENANCE_OUT, Some(MO_SET_TARGET_PGS), Write, &[MAINTENANCE_OUT, 0x1F, 0, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
     e(MAINTENANCE_IN, Some(MI_REPORT_SUPPORTED_OPCODES), Allowed, &[MAINTENANCE_IN, 0x1F, 0x87, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
     e(READ_12, None, Read, &[READ_12, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),
     e(WRITE_12, None, Write, &[WRITE_12, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, C]),

@@ -388,7 +388,7 @@ async fn inquiry_standard_data_is_byte_exact() {
     let t = ram_target();
     let r = run(&t, &inquiry(false, 0, 255)).await;
     let mut want = [0u8; 96];
-    want[..8].copy_from_slice(&[0x00, 0x00, 0x06, 0x12, 91, 0x08, 0x00, 0x02]); // 3PC
+    want[..8].copy_from_slice(&[0x00, 0x00, 0x06, 0x12, 91, 0x38, 0x00, 0x02]); // TPGS=11b, 3PC
     want[8..16].copy_from_slice(b"IRONSAN ");
     want[16..32].copy_from_slice(b"RAMDISK         ");
     want[32..36].copy_from_slice(b"0.1 ");
@@ -3340,4 +3340,444 @@ async fn place_write_checks_first_and_leaves_every_doubtful_write_to_execute() {
     let r = run_on(&t, 0, &a, &w, &vec![0u8; 64 << 10]).await;
     assert_eq!(r, Response::status_only(Status::RESERVATION_CONFLICT));
     let _ = std::fs::remove_file(&path);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ALUA: target port groups, access states, RTPG / STPG
+// ---------------------------------------------------------------------------------------------
+
+/// A nexus through relative target port `port`.
+fn nexus_at(id: u64, port: u16) -> Nexus {
+    Nexus {
+        target_port: format!("iqn.2024-01.org.ironsan:disk1,t,0x{port:04x}").into(),
+        relative_port: port,
+        ..nexus(id)
+    }
+}
+
+/// A RAM target with two groups: 1 = port 1, 2 = ports 2 and 3.
+fn alua_target() -> Target {
+    let mut t = ram_target();
+    t.set_alua(Arc::new(Alua::new(vec![
+        PortGroup::new(1, vec![1]),
+        PortGroup::new(2, vec![2, 3]),
+    ])));
+    t
+}
+
+const RTPG: [u8; 12] = [0xA3, 0x0A, 0, 0, 0, 0, 0, 0, 0x10, 0, 0, 0];
+const RTPG_EXT: [u8; 12] = [0xA3, 0x2A, 0, 0, 0, 0, 0, 0, 0x10, 0, 0, 0];
+
+fn stpg_cdb(len: u32) -> [u8; 12] {
+    let l = len.to_be_bytes();
+    [0xA4, 0x0A, 0, 0, 0, 0, l[0], l[1], l[2], l[3], 0, 0]
+}
+
+/// A SET TARGET PORT GROUPS parameter list of (state code, group) descriptors.
+fn stpg_list(d: &[(u8, u16)]) -> Vec<u8> {
+    let mut v = vec![0u8; 4];
+    for (s, g) in d {
+        v.extend_from_slice(&[*s, 0]);
+        v.extend_from_slice(&g.to_be_bytes());
+    }
+    v
+}
+
+/// (group id, state code, pref, status code, ports) of each RTPG descriptor after `hdr` bytes.
+fn rtpg_groups(d: &[u8], hdr: usize) -> Vec<(u16, u8, bool, u8, Vec<u16>)> {
+    let len = u32::from_be_bytes([d[0], d[1], d[2], d[3]]) as usize;
+    assert_eq!(len + 4, d.len(), "RETURN DATA LENGTH");
+    let mut out = Vec::new();
+    let mut o = hdr;
+    while o < d.len() {
+        assert_eq!(d[o + 1], 0xCF, "supported states T/O/U/S/AN/AO");
+        let n = usize::from(d[o + 7]);
+        let ports = (0..n)
+            .map(|i| u16::from_be_bytes([d[o + 10 + 4 * i], d[o + 11 + 4 * i]]))
+            .collect();
+        out.push((
+            u16::from_be_bytes([d[o + 2], d[o + 3]]),
+            d[o] & 0x0F,
+            d[o] & 0x80 != 0,
+            d[o + 5],
+            ports,
+        ));
+        o += 8 + 4 * n;
+    }
+    out
+}
+
+#[tokio::test]
+async fn alua_inquiry_reports_tpgs_and_the_port_and_group_designators() {
+    let t = alua_target();
+    let d = good(&run_on(&t, 0, &nexus_at(1, 3), &[0x12, 0, 0, 0, 96, 0], &[]).await).to_vec();
+    assert_eq!(d[5] & 0x30, 0x30, "TPGS = implicit and explicit");
+    let d = good(&run_on(&t, 0, &nexus_at(1, 3), &[0x12, 1, 0x83, 1, 0, 0], &[]).await).to_vec();
+    let mut o = 4;
+    let (mut rel, mut tpg) = (None, None);
+    while o + 4 <= d.len() {
+        let (kind, len) = (d[o + 1] & 0x3F, usize::from(d[o + 3]));
+        let v = &d[o + 4..o + 4 + len];
+        match kind {
+            0x14 => rel = Some(u16::from_be_bytes([v[2], v[3]])),
+            0x15 => tpg = Some(u16::from_be_bytes([v[2], v[3]])),
+            _ => {}
+        }
+        o += 4 + len;
+    }
+    assert_eq!(rel, Some(3), "relative target port designator");
+    assert_eq!(tpg, Some(2), "target port group designator");
+}
+
+#[tokio::test]
+async fn alua_report_target_port_groups_in_both_formats_and_truncated() {
+    let t = alua_target();
+    t.alua().set_preferred(1, true).unwrap();
+    t.alua().set_transition_time(7);
+    for port in [1, 2] {
+        let d = good(&run_on(&t, 0, &nexus_at(1, port), &RTPG, &[]).await).to_vec();
+        assert_eq!(
+            rtpg_groups(&d, 4),
+            vec![(1, 0, true, 0, vec![1]), (2, 0, false, 0, vec![2, 3])],
+            "the same view from port {port}"
+        );
+    }
+    let d = good(&run_on(&t, 0, &nexus_at(1, 1), &RTPG_EXT, &[]).await).to_vec();
+    assert_eq!(
+        (d[4], d[5]),
+        (0x10, 7),
+        "format type 001b, implicit transition time"
+    );
+    assert_eq!(rtpg_groups(&d, 8).len(), 2);
+    // A tiny allocation length truncates; RETURN DATA LENGTH still counts everything.
+    let mut cdb = RTPG;
+    cdb[9] = 6;
+    cdb[8] = 0;
+    let d = good(&run_on(&t, 0, &nexus_at(1, 1), &cdb, &[]).await).to_vec();
+    assert_eq!(d.len(), 6);
+    assert_eq!(u32::from_be_bytes([d[0], d[1], d[2], d[3]]), 8 + 4 + 8 + 8);
+    // Parameter data formats other than 000b / 001b are refused.
+    let mut cdb = RTPG;
+    cdb[1] = 0x4A;
+    invalid_cdb_field(&run_on(&t, 0, &nexus_at(1, 1), &cdb, &[]).await, 1, Some(7));
+}
+
+/// One command of each class, and whether each state processes it.
+#[tokio::test]
+async fn alua_each_state_refuses_what_spc4_says_with_its_ascq() {
+    let classes: [(&str, Vec<u8>, Vec<u8>); 10] = [
+        ("INQUIRY", vec![0x12, 0, 0, 0, 96, 0], vec![]),
+        (
+            "REPORT LUNS",
+            vec![0xA0, 0, 0, 0, 0, 0, 0, 0, 0, 64, 0, 0],
+            vec![],
+        ),
+        ("REQUEST SENSE", vec![0x03, 0, 0, 0, 18, 0], vec![]),
+        ("RTPG", RTPG.to_vec(), vec![]),
+        ("MODE SENSE", vec![0x1A, 0, 0x3F, 0, 255, 0], vec![]),
+        (
+            "READ CAPACITY",
+            vec![0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            vec![],
+        ),
+        ("PR IN", vec![0x5E, 0, 0, 0, 0, 0, 0, 0, 64, 0], vec![]),
+        ("TEST UNIT READY", vec![0, 0, 0, 0, 0, 0], vec![]),
+        ("READ", vec![0x28, 0, 0, 0, 0, 0, 0, 0, 1, 0], vec![]),
+        (
+            "WRITE",
+            vec![0x2A, 0, 0, 0, 0, 0, 0, 0, 1, 0],
+            vec![0xAB; 512],
+        ),
+    ];
+    // Which of the classes above each state processes (SPC-4 §5.15.2.4).
+    let allowed = |s: AccessState, i: usize| match s {
+        AccessState::ActiveOptimized | AccessState::ActiveNonOptimized => true,
+        AccessState::Standby => i <= 6,
+        _ => i <= 3,
+    };
+    for state in AccessState::ALL {
+        let t = alua_target();
+        t.set_access_state(2, state, None).unwrap();
+        let n = nexus_at(5, 2);
+        let _ = run_on(&t, 0, &n, &[0, 0, 0, 0, 0, 0], &[]).await; // the state-change UA
+        for (i, (name, cdb, data)) in classes.iter().enumerate() {
+            let r = run_on(&t, 0, &n, cdb, data).await;
+            if allowed(state, i) {
+                good(&r);
+            } else {
+                assert_eq!(
+                    sense(&r),
+                    (0x2, 0x04, state.refusal_ascq()),
+                    "{name} in {state}"
+                );
+            }
+        }
+        // The other group's port is unaffected.
+        good(
+            &run_on(
+                &t,
+                0,
+                &nexus_at(6, 1),
+                &[0x28, 0, 0, 0, 0, 0, 0, 0, 1, 0],
+                &[],
+            )
+            .await,
+        );
+    }
+    assert_eq!(
+        [
+            AccessState::Transitioning,
+            AccessState::Standby,
+            AccessState::Unavailable,
+            AccessState::Offline
+        ]
+        .map(AccessState::refusal_ascq),
+        [0x0A, 0x0B, 0x0C, 0x12]
+    );
+}
+
+#[tokio::test]
+async fn alua_set_target_port_groups_changes_states_and_tells_the_other_nexuses() {
+    let t = alua_target();
+    let (me, other) = (nexus_at(1, 1), nexus_at(2, 2));
+    good(&run_on(&t, 0, &me, &[0, 0, 0, 0, 0, 0], &[]).await);
+    good(&run_on(&t, 0, &other, &[0, 0, 0, 0, 0, 0], &[]).await);
+    let list = stpg_list(&[(0x1, 1), (0x2, 2)]);
+    good(&run_on(&t, 0, &me, &stpg_cdb(list.len() as u32), &list).await);
+    let d = good(&run_on(&t, 0, &me, &RTPG, &[]).await).to_vec();
+    assert_eq!(
+        rtpg_groups(&d, 4),
+        vec![(1, 1, false, 1, vec![1]), (2, 2, false, 1, vec![2, 3])],
+        "states set, status code 01h (altered by SET TARGET PORT GROUPS)"
+    );
+    // The requester gets no unit attention; the other nexus gets 2Ah/06h once.
+    good(&run_on(&t, 0, &me, &[0, 0, 0, 0, 0, 0], &[]).await);
+    assert_eq!(
+        sense(&run_on(&t, 0, &other, &[0, 0, 0, 0, 0, 0], &[]).await),
+        (0x6, 0x2A, 0x06)
+    );
+    // Now in standby, port 2 refuses media access but still takes STPG back to active.
+    assert_eq!(
+        sense(&run_on(&t, 0, &other, &[0, 0, 0, 0, 0, 0], &[]).await),
+        (0x2, 0x04, 0x0B)
+    );
+    let list = stpg_list(&[(0x0, 2)]);
+    good(&run_on(&t, 0, &other, &stpg_cdb(list.len() as u32), &list).await);
+    good(&run_on(&t, 0, &other, &[0, 0, 0, 0, 0, 0], &[]).await);
+    assert_eq!(
+        sense(&run_on(&t, 0, &me, &[0, 0, 0, 0, 0, 0], &[]).await),
+        (0x6, 0x2A, 0x06)
+    );
+    // An implicit change: status code 02h and a unit attention for everyone.
+    t.set_access_state(1, AccessState::Unavailable, None)
+        .unwrap();
+    assert_eq!(
+        sense(&run_on(&t, 0, &other, &RTPG, &[]).await),
+        (0x6, 0x2A, 0x06)
+    );
+    let d = good(&run_on(&t, 0, &other, &RTPG, &[]).await).to_vec();
+    assert_eq!(rtpg_groups(&d, 4)[0], (1, 3, false, 2, vec![1]));
+}
+
+#[tokio::test]
+async fn alua_bad_set_target_port_groups_lists_change_nothing() {
+    let t = alua_target();
+    let n = nexus_at(1, 1);
+    let before = t.alua().groups();
+    // Unknown group (second descriptor): field pointer at its TARGET PORT GROUP.
+    let list = stpg_list(&[(0x2, 1), (0x2, 9)]);
+    invalid_param_field(&run_on(&t, 0, &n, &stpg_cdb(12), &list).await, 10, None);
+    // States that cannot be asked for: LBA dependent, offline, transitioning, reserved.
+    for code in [0x4u8, 0xE, 0xF, 0x7] {
+        let list = stpg_list(&[(0x2, 1), (code, 2)]);
+        invalid_param_field(&run_on(&t, 0, &n, &stpg_cdb(12), &list).await, 8, Some(3));
+    }
+    // A list length that is not a header plus whole descriptors, or more than was sent.
+    let list = stpg_list(&[(0x2, 1)]);
+    for (len, data) in [(6u32, &list[..]), (12, &list[..]), (3, &list[..3])] {
+        assert_eq!(
+            sense(&run_on(&t, 0, &n, &stpg_cdb(len), data).await),
+            (0x5, 0x1A, 0x00),
+            "length {len}"
+        );
+    }
+    // A wrong service action.
+    let mut cdb = stpg_cdb(8);
+    cdb[1] = 0x0B;
+    invalid_cdb_field(&run_on(&t, 0, &n, &cdb, &list).await, 1, Some(4));
+    assert_eq!(t.alua().groups(), before, "nothing changed");
+    good(&run_on(&t, 0, &nexus_at(2, 2), &[0, 0, 0, 0, 0, 0], &[]).await);
+}
+
+#[tokio::test]
+async fn alua_timed_transition_ends_only_if_not_overtaken() {
+    let t = alua_target();
+    good(&run_on(&t, 0, &nexus_at(1, 3), &[0, 0, 0, 0, 0, 0], &[]).await);
+    let gen = t
+        .set_access_state(2, AccessState::Transitioning, None)
+        .unwrap();
+    assert_eq!(
+        sense(
+            &run_on(
+                &t,
+                0,
+                &nexus_at(1, 3),
+                &[0x28, 0, 0, 0, 0, 0, 0, 0, 1, 0],
+                &[]
+            )
+            .await
+        ),
+        (0x6, 0x2A, 0x06)
+    );
+    assert_eq!(
+        sense(
+            &run_on(
+                &t,
+                0,
+                &nexus_at(1, 3),
+                &[0x28, 0, 0, 0, 0, 0, 0, 0, 1, 0],
+                &[]
+            )
+            .await
+        ),
+        (0x2, 0x04, 0x0A)
+    );
+    t.set_access_state(2, AccessState::ActiveNonOptimized, Some(gen))
+        .unwrap();
+    // A transition overtaken by another change does not apply its end.
+    let gen = t
+        .set_access_state(2, AccessState::Transitioning, None)
+        .unwrap();
+    t.set_access_state(2, AccessState::Standby, None).unwrap();
+    assert_eq!(
+        t.set_access_state(2, AccessState::ActiveOptimized, Some(gen)),
+        Err(AluaError::Overtaken)
+    );
+    assert_eq!(t.alua().group_of(2).unwrap().state, AccessState::Standby);
+}
+
+#[tokio::test]
+async fn alua_writes_are_not_placed_through_an_inaccessible_port() {
+    let t = alua_target();
+    let cdb = [0x2A, 0, 0, 0, 0, 0, 0, 0, 1, 0];
+    let n = nexus_at(1, 2);
+    // RAM cannot place writes either way; the check must not open a path around the state.
+    t.set_access_state(2, AccessState::Standby, None).unwrap();
+    assert!(t.place_write(0, &n, &cdb, 512).is_none());
+}
+
+#[tokio::test]
+async fn alua_commands_are_listed_by_report_supported_operation_codes() {
+    let t = alua_target();
+    for (op, sa) in [(0xA3u8, 0x0Au16), (0xA4, 0x0A)] {
+        let s = sa.to_be_bytes();
+        let cdb = [0xA3, 0x0C, 0x02, op, s[0], s[1], 0, 0, 1, 0, 0, 0];
+        let d = good(&run(&t, &cdb).await).to_vec();
+        assert_eq!(d[1] & 0x07, 0b011, "{op:02x}/{sa:02x} supported");
+        assert_eq!(d[4], op);
+    }
+}
+
+/// The nexus of initiator `id` through port `port` (one initiator port, several target ports).
+fn path(id: u64, port: u16) -> Nexus {
+    nexus_at(id, port)
+}
+
+#[tokio::test]
+async fn pr_across_target_ports_all_tg_pt_spec_i_pt_and_register_and_move() {
+    let t = alua_target();
+    let w = cdb10(opcode::WRITE_10, 0, 1);
+    // Initiator 1 registers through port 1 with ALL_TG_PT=1: its path through port 2 is
+    // registered too, and READ FULL STATUS says ALL_TG_PT.
+    let mut p = prout_params(0, 0xA1, false);
+    p[20] |= 0x04;
+    good(&run_on(&t, 0, &path(1, 1), &prout(0x00, 0), &p).await);
+    // Write Exclusive, Registrants Only, reserved through port 1.
+    good(
+        &run_on(
+            &t,
+            0,
+            &path(1, 1),
+            &prout(0x01, 0x05),
+            &prout_params(0xA1, 0, false),
+        )
+        .await,
+    );
+    good(&run_on(&t, 0, &path(1, 2), &w, &[1u8; 512]).await);
+    let mut full = prin(0x03);
+    full[8] = 0xFF;
+    let d = good(&run_on(&t, 0, &path(1, 2), &full, &[]).await).to_vec();
+    assert_eq!(d[8 + 12] & 0x02, 0x02, "ALL_TG_PT reported");
+    // Initiator 2 registered through port 1 only: its path through port 2 is not.
+    register(&t, &path(2, 1), 0xB2).await;
+    good(&run_on(&t, 0, &path(2, 1), &w, &[2u8; 512]).await);
+    assert_eq!(
+        run_on(&t, 0, &path(2, 2), &w, &[2u8; 512]).await.status,
+        Status::RESERVATION_CONFLICT
+    );
+    good(&run_on(&t, 0, &path(2, 2), &cdb10(opcode::READ_10, 0, 1), &[]).await);
+    // SPEC_I_PT is not supported (SIP_C=0): refused with the bit pointed at.
+    let mut p = prout_params(0, 0xC3, false);
+    p[20] |= 0x08;
+    invalid_param_field(
+        &run_on(&t, 0, &path(3, 1), &prout(0x00, 0), &p).await,
+        20,
+        Some(3),
+    );
+
+    // REGISTER AND MOVE: initiator 2's holder moves a Write Exclusive reservation to
+    // initiator 4 through another relative port (3).
+    let t = alua_target();
+    register(&t, &path(2, 1), 0xB2).await;
+    good(
+        &run_on(
+            &t,
+            0,
+            &path(2, 1),
+            &prout(0x01, 0x01),
+            &prout_params(0xB2, 0, false),
+        )
+        .await,
+    );
+    let tid = {
+        let name = path(4, 3).initiator_port.to_string();
+        let mut n = name.into_bytes();
+        n.push(0);
+        while n.len() % 4 != 0 {
+            n.push(0);
+        }
+        let mut d = vec![0x45, 0];
+        d.extend_from_slice(&(n.len() as u16).to_be_bytes());
+        d.extend_from_slice(&n);
+        d
+    };
+    let move_params = |rel: u16| {
+        let mut m = vec![0u8; 24];
+        m[0..8].copy_from_slice(&0xB2u64.to_be_bytes());
+        m[8..16].copy_from_slice(&0xD4u64.to_be_bytes());
+        m[18..20].copy_from_slice(&rel.to_be_bytes());
+        m[20..24].copy_from_slice(&(tid.len() as u32).to_be_bytes());
+        m.extend_from_slice(&tid);
+        m
+    };
+    let mut cdb = prout(0x07, 0x01);
+    // A relative port that does not exist: INVALID FIELD IN PARAMETER LIST at byte 18.
+    let m = move_params(9);
+    cdb[8] = m.len() as u8;
+    invalid_param_field(&run_on(&t, 0, &path(2, 1), &cdb, &m).await, 18, None);
+    let m = move_params(3);
+    good(&run_on(&t, 0, &path(2, 1), &cdb, &m).await);
+    // Initiator 4 now holds it through port 3 (and only there); initiator 2 is unregistered
+    // as a holder and writes conflict.
+    good(&run_on(&t, 0, &path(4, 3), &w, &[4u8; 512]).await);
+    assert_eq!(
+        run_on(&t, 0, &path(4, 2), &w, &[4u8; 512]).await.status,
+        Status::RESERVATION_CONFLICT
+    );
+    assert_eq!(
+        run_on(&t, 0, &path(2, 1), &w, &[2u8; 512]).await.status,
+        Status::RESERVATION_CONFLICT
+    );
+    let rr = run_on(&t, 0, &path(2, 1), &prin(0x01), &[]).await;
+    assert_eq!(&good(&rr)[8..16], &0xD4u64.to_be_bytes());
 }

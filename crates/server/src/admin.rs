@@ -304,6 +304,123 @@ impl Control {
         self.shared.set_portal_tag(addr, tag)
     }
 
+    /// The ALUA target port groups of `target` and whether they were configured (else one
+    /// per portal group, following them).
+    pub fn port_groups(
+        &self,
+        target: &str,
+    ) -> Result<(bool, Vec<ironsan_scsi::PortGroup>), String> {
+        let scsi = self.target(target)?.scsi();
+        Ok((scsi.alua().is_fixed(), scsi.alua().groups()))
+    }
+
+    /// Configure `target`'s ALUA target port groups (`None`: one per portal group). Each
+    /// group's ports are portal group tags; a tag in two groups, or a group with no port or
+    /// a repeated identifier, is refused.
+    pub fn set_port_groups(
+        &self,
+        target: &str,
+        groups: Option<Vec<ironsan_scsi::PortGroup>>,
+    ) -> Result<(), String> {
+        let t = self.target(target)?;
+        if let Some(g) = &groups {
+            check_port_groups(g)?;
+        }
+        let follow = groups.is_none();
+        t.scsi().set_port_groups(groups);
+        if follow {
+            self.shared.refresh_alua();
+        }
+        tracing::info!(target, "ALUA target port groups set");
+        Ok(())
+    }
+
+    /// Set the access state of `target`'s port group `group` (an implicit transition, SPC-4
+    /// §5.15.2.3). With `transition`, the group is transitioning for that long first (commands
+    /// through its ports get NOT READY, 04h/0Ah), then takes `state` unless another change
+    /// came in between.
+    pub fn set_alua_state(
+        &self,
+        target: &str,
+        group: u16,
+        state: ironsan_scsi::AccessState,
+        transition: Option<std::time::Duration>,
+    ) -> Result<(), String> {
+        use ironsan_scsi::AccessState;
+        if state == AccessState::Transitioning {
+            return Err(
+                "transitioning is entered with --transition SECS on the way to another state"
+                    .into(),
+            );
+        }
+        let t = self.target(target)?;
+        let scsi = t.scsi();
+        match transition.filter(|d| !d.is_zero()) {
+            None => {
+                scsi.set_access_state(group, state, None)
+                    .map_err(|e| format!("{target}: {e}"))?;
+            }
+            Some(d) => {
+                let handle = tokio::runtime::Handle::try_current()
+                    .map_err(|_| "a timed transition needs the server's runtime".to_string())?;
+                let gen = scsi
+                    .set_access_state(group, AccessState::Transitioning, None)
+                    .map_err(|e| format!("{target}: {e}"))?;
+                let t = Arc::clone(&t);
+                handle.spawn(async move {
+                    tokio::time::sleep(d).await;
+                    // Overtaken by another change: that one stands.
+                    let _ = t.scsi().set_access_state(group, state, Some(gen));
+                });
+            }
+        }
+        tracing::info!(target, group, state = %state, "ALUA state set");
+        Ok(())
+    }
+
+    /// Set or clear the PREF bit of `target`'s port group `group`.
+    pub fn set_alua_preferred(
+        &self,
+        target: &str,
+        group: u16,
+        preferred: bool,
+    ) -> Result<(), String> {
+        self.target(target)?
+            .scsi()
+            .alua()
+            .set_preferred(group, preferred)
+            .map_err(|e| format!("{target}: {e}"))
+    }
+
+    /// `ctl alua [TARGET]`: every target's port groups, their ports (with the portals of
+    /// each port) and states.
+    pub fn alua(&self, only: Option<&str>) -> Result<Value, String> {
+        if let Some(t) = only {
+            self.target(t)?;
+        }
+        let portals = crate::lock(&self.shared.portals).clone();
+        let mut out = Vec::new();
+        for name in self.target_names() {
+            if only.is_some_and(|o| o != name) {
+                continue;
+            }
+            let (fixed, groups) = self.port_groups(&name)?;
+            for g in groups {
+                out.push(json!({
+                    "target": name,
+                    "group": g.id,
+                    "state": g.state.name(),
+                    "preferred": g.preferred,
+                    "configured": fixed,
+                    "ports": g.ports,
+                    "portals": portals.iter().filter(|p| g.ports.contains(&p.tag))
+                        .map(|p| p.addr.to_string()).collect::<Vec<_>>(),
+                }));
+            }
+        }
+        Ok(Value::Array(out))
+    }
+
     /// The portal group tags serving `target` (`None`: every portal).
     pub fn portal_groups(&self, target: &str) -> Result<Option<Vec<u16>>, String> {
         self.target(target)?;
@@ -736,6 +853,35 @@ impl Control {
                     "portal {} (group {}) removed; sessions that came in through it keep running",
                     p.addr, p.tag
                 ))
+            }
+            ["alua"] => self.alua(None),
+            ["alua", t] => self.alua(Some(t)),
+            ["alua", "set", t, g, state] | ["alua", "set", t, g, state, "--transition", _] => {
+                let g = u16::try_from(num(g, "group")?)
+                    .map_err(|_| format!("group '{g}' is not a target port group number"))?;
+                let st = ironsan_scsi::AccessState::parse(state).ok_or_else(|| {
+                    format!("'{state}' is not a state (active/optimized, active/non-optimized, standby, unavailable, offline)")
+                })?;
+                let d = match a.get(6) {
+                    Some(s) => Some(std::time::Duration::from_secs(num(s, "transition time")?)),
+                    None => None,
+                };
+                self.set_alua_state(t, g, st, d)?;
+                ok(match d {
+                    Some(d) => format!("{t}: group {g} transitioning, {st} in {}s", d.as_secs()),
+                    None => format!("{t}: group {g} is {st}"),
+                })
+            }
+            ["alua", "prefer", t, g, on] => {
+                let g = u16::try_from(num(g, "group")?)
+                    .map_err(|_| format!("group '{g}' is not a target port group number"))?;
+                let pref = match *on {
+                    "on" => true,
+                    "off" => false,
+                    _ => return Err(format!("'{on}': say on or off")),
+                };
+                self.set_alua_preferred(t, g, pref)?;
+                ok(format!("{t}: group {g} preferred {on}"))
             }
             ["acl", "add", t, rule] => {
                 self.acl_add(t, rule)?;
@@ -1188,6 +1334,34 @@ pub fn render(argv: &[String], data: &Value) -> String {
         ["targets"] => render_targets(data),
         ["luns", ..] => render_luns(data),
         ["stats", ..] => crate::metrics::render_stats(data),
+        ["alua", ..] => {
+            let empty = Vec::new();
+            let rows = data
+                .as_array()
+                .unwrap_or(&empty)
+                .iter()
+                .map(|x| {
+                    vec![
+                        s(&x["target"]),
+                        s(&x["group"]),
+                        s(&x["state"]),
+                        if x["preferred"] == true { "yes" } else { "" }.into(),
+                        x["ports"]
+                            .as_array()
+                            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(","))
+                            .unwrap_or_default(),
+                        x["portals"]
+                            .as_array()
+                            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(" "))
+                            .unwrap_or_default(),
+                    ]
+                })
+                .collect();
+            table(
+                &["TARGET", "GROUP", "STATE", "PREF", "PORTS", "PORTALS"],
+                rows,
+            )
+        }
         ["portals"] => {
             let empty = Vec::new();
             let rows = data
@@ -1225,4 +1399,26 @@ pub fn render(argv: &[String], data: &Value) -> String {
             },
         },
     }
+}
+
+/// A configured ALUA layout: identifiers unique, every group with a port, no port (portal
+/// group tag) in two groups.
+pub fn check_port_groups(groups: &[ironsan_scsi::PortGroup]) -> Result<(), String> {
+    for (i, g) in groups.iter().enumerate() {
+        if g.ports.is_empty() {
+            return Err(format!("target port group {} has no portal group", g.id));
+        }
+        for h in &groups[..i] {
+            if h.id == g.id {
+                return Err(format!("target port group {} is given twice", g.id));
+            }
+            if let Some(p) = g.ports.iter().find(|p| h.ports.contains(p)) {
+                return Err(format!(
+                    "portal group {p} is in target port groups {} and {}",
+                    h.id, g.id
+                ));
+            }
+        }
+    }
+    Ok(())
 }

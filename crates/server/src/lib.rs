@@ -370,7 +370,23 @@ impl Shared {
         let mut next = Runtime::clone(&slot);
         let r = f(&mut next)?;
         *slot = Arc::new(next);
+        drop(slot);
+        self.refresh_alua();
         Ok(r)
+    }
+
+    /// Keep each target's default ALUA layout (one target port group per portal group that
+    /// serves it) in step with the portals and the target's `portal_groups`. Targets whose
+    /// groups were configured keep them.
+    pub fn refresh_alua(&self) {
+        let rt = self.runtime();
+        let mut all: Vec<u16> = lock(&self.portals).iter().map(|p| p.tag).collect();
+        all.sort_unstable();
+        all.dedup();
+        for (name, t) in &rt.targets {
+            let tags = rt.portal_groups.get(name).unwrap_or(&all);
+            t.scsi().follow_ports(tags);
+        }
     }
 
     pub fn alloc_tsih(&self) -> u16 {
@@ -435,6 +451,7 @@ impl Server {
             shutdown,
             connections: AtomicUsize::new(0),
         });
+        shared.refresh_alua();
         Ok(Server {
             shared,
             shutdown_tx,
@@ -699,6 +716,7 @@ impl Shared {
     /// Publish the portal list (SendTargets, `ctl portals`) after a change of `l`.
     fn sync_portals(&self, l: &Listeners) {
         *lock(&self.portals) = l.list.iter().map(Listening::portal).collect();
+        self.refresh_alua();
     }
 
     /// `Server::run`: start every accept loop on this runtime; portals added from now on

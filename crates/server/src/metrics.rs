@@ -482,6 +482,30 @@ pub fn prometheus(control: &Control) -> String {
         }
     }
 
+    head(
+        &mut o,
+        "ironsan_alua_group_state",
+        "gauge",
+        "ALUA target port groups: 1 for the state each group is in, 0 for the others (state: active/optimized, active/non-optimized, standby, unavailable, offline, transitioning).",
+    );
+    for name in control.target_names() {
+        let Ok((_, groups)) = control.port_groups(&name) else {
+            continue;
+        };
+        for g in groups {
+            for st in ironsan_scsi::AccessState::ALL {
+                let _ = writeln!(
+                    o,
+                    "ironsan_alua_group_state{{target=\"{}\",group=\"{}\",state=\"{}\"}} {}",
+                    esc(&name),
+                    g.id,
+                    st.name(),
+                    u8::from(g.state == st)
+                );
+            }
+        }
+    }
+
     let g = control.gauges();
     head(
         &mut o,

@@ -156,9 +156,9 @@ fn abort_preempted(shared: &Shared, target: &LiveTarget, lun: u64) {
         .unwrap_or_else(|p| p.into_inner())
         .of_target(&target.name);
     for s in sessions {
-        let hit = victims
-            .iter()
-            .any(|(i, t)| *i == s.nexus.initiator_port && *t == s.nexus.target_port);
+        let hit = victims.iter().any(|(i, t)| {
+            *i == s.nexus.initiator_port && ironsan_scsi::names_port(t, &s.nexus.target_port)
+        });
         if hit {
             s.abort_where(false, |_, t| t.lun == lun);
         }

@@ -350,7 +350,7 @@ async fn new_session(
     let nexus = ironsan_scsi::Nexus {
         id: nexus_id,
         initiator_port: format!("{},i,0x{}", ready.initiator_name, ready.isid).into(),
-        target_port: format!("{tname},t,0x{tpgt:04x}").into(),
+        target_port: ironsan_scsi::Nexus::target_port_name(&tname, tpgt).into(),
         relative_port: tpgt,
     };
     let discovery = ready.session_type == SessionType::Discovery;
