@@ -80,7 +80,7 @@ if [[ $QUICK -eq 0 ]]; then
     # Gate on warnings and errors; info-level notes (e.g. SC2317 "unreachable"
     # for functions only called from traps) are advice, not defects.
     shellcheck -S warning scripts/*.sh bench/*.sh .ci/run tests/kernel/build-initramfs.sh
-    shellcheck -S warning -s sh tests/kernel/init
+    shellcheck -S warning -s sh tests/kernel/init tests/kernel/init-multipath
 
     section "fuzz smoke (scripts/fuzz.sh: every target briefly; docs/FUZZING.md for long runs)"
     bash scripts/fuzz.sh --seconds "${FUZZ_SECONDS:-20}"
@@ -123,6 +123,9 @@ section "linux kernel initiator (open-iscsi in a QEMU guest)"
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
 # Again without digests: the guest's reads then come by sendfile (zero-copy reads forced on).
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_KERNEL_DIGEST=None IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
+
+section "linux dm-multipath with ALUA (two paths in a QEMU guest, states and a portal changed under a verified write stream)"
+IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-multipath.sh
 
 section "bench smoke (bench/run.sh, 1 s per workload: the tool works, figures not judged)"
 # Every client against every target once, interleaved as in a real run; exits 1 if any

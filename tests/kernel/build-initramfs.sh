@@ -14,6 +14,13 @@
 # Kernel modules: the ones named in MODULES below plus their dependencies,
 # resolved with the kernel's modules.dep and written to /etc/modules.load in
 # load order (dependencies first) for the guest's insmod loop.
+#
+# Environment (for other guest tests, e.g. scripts/kernel-multipath.sh):
+#   IRONSAN_GUEST_INIT      the guest's /init (default: init beside this script)
+#   IRONSAN_EXTRA_MODULES   more module names, space separated
+#   IRONSAN_EXTRA_PROGRAMS  more dynamically linked programs (absolute paths)
+#   IRONSAN_EXTRA_LIBS      more shared objects, e.g. plugins (absolute paths; their
+#                           libraries come too)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -33,6 +40,8 @@ MODDIR=/lib/modules/$KVER
 #   virtio_pci, virtio_net (+ virtio, virtio_ring, failover, net_failover)  the NIC
 #   ext4 (+ jbd2, mbcache, crc16)
 MODULES=(crc32c_generic virtio_pci virtio_net scsi_transport_iscsi libiscsi libiscsi_tcp iscsi_tcp sd_mod ext4)
+read -r -a extra <<<"${IRONSAN_EXTRA_MODULES:-}"
+MODULES+=("${extra[@]}")
 
 # ---------------------------------------------------------------------------
 # Module dependency closure from modules.dep, dependencies first.
@@ -99,9 +108,11 @@ cp "$BUSYBOX" "$ROOT/bin/busybox"
 
 # Dynamically linked programs and every shared object ldd says they need.
 PROGRAMS=(/usr/sbin/iscsistart /usr/sbin/iscsiadm /usr/sbin/iscsid /usr/sbin/mke2fs /usr/sbin/e2fsck)
+read -r -a extra <<<"${IRONSAN_EXTRA_PROGRAMS:-}"
+PROGRAMS+=("${extra[@]}")
 copy_with_libs() {
     local prog=$1 lib
-    [[ -x $prog ]] || die "$prog not found"
+    [[ -e $prog ]] || die "$prog not found"
     mkdir -p "$ROOT$(dirname "$prog")"
     cp -L "$prog" "$ROOT$prog"
     while read -r lib; do
@@ -112,7 +123,8 @@ copy_with_libs() {
         fi
     done < <(ldd "$prog" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}')
 }
-for p in "${PROGRAMS[@]}"; do
+read -r -a extra <<<"${IRONSAN_EXTRA_LIBS:-}"
+for p in "${PROGRAMS[@]}" "${extra[@]}"; do
     copy_with_libs "$p"
 done
 # Merged /usr: the dynamic loader and libraries are asked for under /lib and /lib64.
@@ -151,7 +163,7 @@ node.session.scan = auto
 EOF
 echo 'root:x:0:0:root:/root:/bin/sh' >"$ROOT/etc/passwd"
 echo 'root:x:0:' >"$ROOT/etc/group"
-cp "$HERE/init" "$ROOT/init"
+cp "${IRONSAN_GUEST_INIT:-$HERE/init}" "$ROOT/init"
 chmod 0755 "$ROOT/init"
 cp "$PAYLOAD" "$ROOT/payload.bin"
 

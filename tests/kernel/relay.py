@@ -38,8 +38,17 @@ def main() -> int:
             with open(logpath, "a", encoding="utf-8") as f:
                 f.write(f"relay pid {os.getpid()} +{time.monotonic() - start:.3f}s: {msg}\n")
 
+    # QEMU gives this process the guest's socket as stdin, stdout and stderr: nothing may be
+    # printed (a traceback would reach the guest as iSCSI bytes). Errors go to the log.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
     guest = socket.socket(fileno=os.dup(0))
-    target = socket.create_connection((host, port), timeout=10)
+    try:
+        target = socket.create_connection((host, port), timeout=10)
+    except OSError as e:
+        log(f"cannot connect to {host}:{port}: {e}; closing the guest's connection")
+        guest.close()
+        return 1
     target.settimeout(None)
     target.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     log(f"connected to {host}:{port}")

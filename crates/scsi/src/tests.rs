@@ -3743,7 +3743,7 @@ async fn pr_across_target_ports_all_tg_pt_spec_i_pt_and_register_and_move() {
         let name = path(4, 3).initiator_port.to_string();
         let mut n = name.into_bytes();
         n.push(0);
-        while n.len() % 4 != 0 {
+        while !n.len().is_multiple_of(4) {
             n.push(0);
         }
         let mut d = vec![0x45, 0];

@@ -1334,7 +1334,7 @@ pub fn render(argv: &[String], data: &Value) -> String {
         ["targets"] => render_targets(data),
         ["luns", ..] => render_luns(data),
         ["stats", ..] => crate::metrics::render_stats(data),
-        ["alua", ..] => {
+        ["alua"] | ["alua", _] => {
             let empty = Vec::new();
             let rows = data
                 .as_array()
