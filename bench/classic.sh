@@ -4,7 +4,7 @@
 # lines (network namespaces joined by veth pairs, each direction capped with tc tbf).
 #
 #   bench/classic.sh [EXPERIMENT...] [--targets LIST] [--quick] [--full] [--no-save]
-#                    [--rate RATE] [--tsv FILE]
+#                    [--rate RATE] [--tsv FILE] [--report DIR]
 #
 #   EXPERIMENT (default: all, in this order)
 #     iometer    the IOmeter matrix (FORTH study): sequential/random x read, write and a
@@ -57,6 +57,9 @@
 #   --rate RATE      the emulated line rate (tc syntax, default 1gbit)
 #   --no-save        print only, do not append to bench/results/<date>-classic.txt
 #   --tsv FILE       also write every measured point as tab-separated values (for plots)
+#   --report DIR     draw the figures of what was measured: DIR/index.html, the PNGs beside
+#                    it, and the data (DIR/classic.tsv, DIR/meta-classic.txt) to redraw them
+#                    with bench/report.py DIR (docs/PERFORMANCE.md, "Reports")
 #   --tcp-cc NAME    TCP congestion control of the targets' and the initiator's sockets
 #                    (net.ipv4.tcp_congestion_control of both namespaces, restored at exit),
 #                    e.g. cubic on a host whose default is bbr
@@ -77,7 +80,8 @@ die() { printf 'classic: ERROR: %s\n' "$*" >&2; exit 1; }
 note() { printf 'classic: %s\n' "$*" >&2; }
 
 ALL_EXPERIMENTS="iometer ramdisk dd mpio sessions mcs cache scaleout breakdown"
-EXPERIMENTS="" TARGETS="ironsan tgt istgt" QUICK=0 FULL=0 SAVE=1 RATE=1gbit TSV="" TCP_CC=""
+EXPERIMENTS="" TARGETS="ironsan tgt istgt" QUICK=0 FULL=0 SAVE=1 RATE=1gbit TSV="" TCP_CC="" REPORT=""
+ARGS=("$@")
 while [[ $# -gt 0 ]]; do
     case $1 in
         --targets) TARGETS=${2:?}; TARGETS=${TARGETS//,/ }; shift 2 ;;
@@ -86,6 +90,7 @@ while [[ $# -gt 0 ]]; do
         --no-save) SAVE=0; shift ;;
         --rate) RATE=${2:?}; shift 2 ;;
         --tsv) TSV=${2:?}; shift 2 ;;
+        --report) REPORT=${2:?}; shift 2 ;;
         --tcp-cc) TCP_CC=${2:?}; shift 2 ;;
         -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         -*) die "unknown option: $1 (see --help)" ;;
@@ -259,7 +264,9 @@ load() {
         i=$((i + 1))
     done
     ((line > 0)) && pre=(ip netns exec "$NS")
-    if ! L_JSON=$("${pre[@]}" taskset -c "$CLIENT_CPU" "$BIN" load "${urls[@]}" --json "$@" 2>"$WORK/load.err"); then
+    progress_point
+    # Bounded: a client that never ends (a target that stops mid-run) fails its point.
+    if ! L_JSON=$("${pre[@]}" timeout -k 10 900 taskset -c "$CLIENT_CPU" "$BIN" load "${urls[@]}" --json "$@" 2>"$WORK/load.err"); then
         note "load ${urls[*]} $* failed: $(tail -n 3 "$WORK/load.err")"
         L_JSON='{"iops":0,"mib_per_s":0,"lat_mean_us":0,"lat_stddev_us":0,"ios":0,"client_cpu_s":0,"per_session":[]}'
         FAILED=$((FAILED + 1))
@@ -483,6 +490,27 @@ for conn, t in sorted(traces.items()):
     print(f"  cwnd {conn}: {' '.join(t[:24])}{' ...' if len(t) > 24 else ''}; retransmitted {retrans.get(conn, 0)}; {limits.get(conn, '')}")
 EOF
 }
+# share_tsv TARGET MODE RW KEY: each unit's MB/s and turnaround, and the congestion windows
+# traced in $WORK/cwnd (one block per 0.5 s sample), as TSV rows `share` and `cwnd`.
+share_tsv() {
+    [[ -n $TSV ]] || return 0
+    python3 - "$L_JSON" "$WORK/cwnd" "$@" >>"$TSV" <<'EOF'
+import json, re, sys
+r, path, t, mode, rw, key = json.loads(sys.argv[1]), sys.argv[2], *sys.argv[3:7]
+for i, s in enumerate(r.get(key, [])):
+    print("\t".join(map(str, ("share", t, mode, rw, i, s["mib_per_s"], s["lat_mean_us"], s["lat_stddev_us"]))))
+k = 0
+for line in open(path):
+    if line.startswith("--"):
+        k += 1
+        continue
+    f = line.split()
+    m = re.search(r"\bcwnd:(\d+)", line)
+    a = re.search(r"\bbytes_acked:(\d+)", line)
+    if len(f) >= 5 and m:
+        print("\t".join(map(str, ("cwnd", t, mode, rw, f[3] + ">" + f[4], k * 0.5, m.group(1), a.group(1) if a else ""))))
+EOF
+}
 # jain KEY: Jain's index over L_JSON's KEY list (MB/s), for the TSV.
 jain() {
     python3 -c 'import json, sys
@@ -525,6 +553,7 @@ exp_sessions() {
                 wait "$tracer" 2>/dev/null || true
                 say "$t $mode $rw: total $(awk -v m="$(j mib_per_s)" 'BEGIN { printf "%.1f", m * 1.048576 }') MB/s; turnaround mean $(j lat_mean_us | cut -d. -f1) us, sd $(j lat_stddev_us | cut -d. -f1) us"
                 share_report "$key"
+                share_tsv "$t" "$mode" "$rw" "$key"
                 tsv sessions "$t" "$mode" "$rw" "$(j mib_per_s)" "$(j lat_mean_us)" "$(j lat_stddev_us)" "$(jain "$key")"
             done
             stop_target "$t"
@@ -670,7 +699,7 @@ exp_breakdown() {
             stop_target "$t"
         done
         say "$line"
-        [[ -s $WORK/stats.json ]] && python3 - "$WORK/stats0.json" "$WORK/stats.json" <<'EOF' | tee -a "$OUT"
+        [[ -s $WORK/stats.json ]] && python3 - "$WORK/stats0.json" "$WORK/stats.json" "${TSV:-/dev/null}" "$rw" "$bs" "$qd" <<'EOF' | tee -a "$OUT"
 import json, sys
 def walk(v):
     if isinstance(v, dict):
@@ -704,6 +733,11 @@ for lun in walk(after):
         if name in st
     ]
     print(f"  ironsan {lun.get('class', '?')}: {n} commands, mean us per stage: " + ", ".join(parts))
+    with open(sys.argv[3], "a") as tsv:
+        for name in order[:-1]:
+            if name in st:
+                mean = (st[name]["sum_us"] - bst.get(name, {}).get("sum_us", 0)) / n
+                tsv.write("\t".join(map(str, ("stages", "ironsan", *sys.argv[4:7], name, f"{mean:.2f}"))) + "\n")
 EOF
         rm -f "$WORK/stats.json" "$WORK/stats0.json"
     done
@@ -711,7 +745,23 @@ EOF
 
 say "ironsan classic experiments, $(date -u '+%Y-%m-%d %H:%M UTC'), $(git -C "$ROOT" describe --always --dirty 2>/dev/null || echo unknown)"
 say "host: $(nproc) CPUs ($(awk -F': ' '/model name/ { print $2; exit }' /proc/cpuinfo)), $(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo), kernel $(uname -r), TCP $(cat /proc/sys/net/ipv4/tcp_congestion_control); targets on CPU $TARGET_CPU, ironsan load on CPU $CLIENT_CPU; experiments:$EXPERIMENTS; targets: $TARGETS$( ((QUICK)) && echo ' (--quick: figures not judged)')"
-for e in $EXPERIMENTS; do "exp_$e"; done
+if [[ -n $REPORT ]]; then
+    mkdir -p "$REPORT"
+    REPORT=$(cd "$REPORT" && pwd)
+    if [[ -z $TSV ]]; then TSV=$REPORT/classic.tsv; : >"$TSV"; fi
+    report_meta "$REPORT/meta-classic.txt" bench/classic.sh "${ARGS[@]}"
+fi
+n_exp=$(wc -w <<<"$EXPERIMENTS") i_exp=0
+for e in $EXPERIMENTS; do
+    i_exp=$((i_exp + 1))
+    progress_begin "$i_exp" "$n_exp" "$e"
+    "exp_$e"
+done
+progress_end
+if [[ -n $REPORT ]]; then
+    [[ $TSV == "$REPORT/classic.tsv" ]] || cp "$TSV" "$REPORT/classic.tsv"
+    "$ROOT/bench/report.py" "$REPORT" >&2 || die "bench/report.py $REPORT failed"
+fi
 
 if ((SAVE && !QUICK)); then
     mkdir -p "$ROOT/bench/results"

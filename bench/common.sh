@@ -39,3 +39,39 @@ set_tcp_cc() {
 restore_tcp_cc() {
     [[ $(cat "$CC_SYSCTL") == "$CC_BEFORE" ]] || echo "$CC_BEFORE" >"$CC_SYSCTL" || true
 }
+
+# Progress on a terminal, never in CI or when stderr is not a terminal: which experiment (or
+# setup) of how many, which point, the time elapsed and an estimate of what is left from the
+# experiments done so far. progress_begin INDEX TOTAL NAME; progress_point; progress_end.
+PROGRESS_T0=$SECONDS PROGRESS_DONE=0 PROGRESS_TOTAL=0 PROGRESS_NAME="" PROGRESS_POINT=0
+progress_on() { [[ -t 2 && -z ${CI:-} ]]; }
+progress_mmss() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+progress_show() {
+    progress_on || return 0
+    local el=$((SECONDS - PROGRESS_T0)) left="estimate after the first"
+    if ((PROGRESS_DONE > 0)); then
+        left="about $(progress_mmss $((el * (PROGRESS_TOTAL - PROGRESS_DONE) / PROGRESS_DONE))) left"
+    fi
+    printf '\r\033[K[%d/%d %s] point %d, %s elapsed, %s' "$((PROGRESS_DONE + 1))" "$PROGRESS_TOTAL" \
+        "$PROGRESS_NAME" "$PROGRESS_POINT" "$(progress_mmss "$el")" "$left" >&2
+}
+progress_begin() { PROGRESS_DONE=$(($1 - 1)) PROGRESS_TOTAL=$2 PROGRESS_NAME=$3 PROGRESS_POINT=0; progress_show; }
+progress_point() { PROGRESS_POINT=$((PROGRESS_POINT + 1)); progress_show; }
+progress_end() { if progress_on; then printf '\r\033[K' >&2; fi; }
+
+# report_meta FILE COMMAND...: what a report page says about a run (bench/report.py).
+report_meta() {
+    local f=$1
+    shift
+    {
+        echo "command: $*"
+        echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+        echo "commit: $(git -C "$ROOT" describe --always --dirty 2>/dev/null || echo unknown)"
+        echo "host: $(uname -n), $(nproc) CPUs ($(awk -F': ' '/model name/ { print $2; exit }' /proc/cpuinfo)), $(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo), kernel $(uname -r), TCP $(cat /proc/sys/net/ipv4/tcp_congestion_control)"
+        echo "ironsan: $("${BIN:-ironsan}" --version 2>/dev/null | head -n 1 || echo '?')"
+        echo "tgt: $(tgtd -V 2>/dev/null | head -n 1 || echo '?')"
+        echo "istgt: $(dpkg-query -W -f='${Version}' istgt 2>/dev/null || echo '?')"
+        echo "libiscsi-bin: $(dpkg-query -W -f='${Version}' libiscsi-bin 2>/dev/null || echo '?')"
+        echo "ceph: $(dpkg-query -W -f='${Version}' librbd1 2>/dev/null || echo '?')"
+    } >"$f"
+}

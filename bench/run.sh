@@ -14,6 +14,9 @@
 #                    targets:  ironsan tgt istgt
 #                  e.g. --only ram,qd1  or  --only file,istgt,ironsan
 #   --no-save      print only, do not append to bench/results/
+#   --report DIR   draw the figures of what was measured: DIR/index.html, the PNGs beside
+#                  it, and the data (DIR/run.tsv, DIR/meta-run.txt) to redraw them with
+#                  bench/report.py DIR
 #   --tcp-cc NAME  run everything with this TCP congestion control (the
 #                  net.ipv4.tcp_congestion_control sysctl, restored at exit),
 #                  e.g. cubic on a host whose default is bbr: every target's
@@ -120,6 +123,8 @@ SESSIONS=100
 ONLY=""
 SAVE=1
 TCP_CC=""
+REPORT_DIR=""
+ARGS=("$@")
 while [[ $# -gt 0 ]]; do
     case $1 in
         --quick) DURATION=3; shift ;;
@@ -128,6 +133,7 @@ while [[ $# -gt 0 ]]; do
         --only) ONLY=${2:?}; shift 2 ;;
         --no-save) SAVE=0; shift ;;
         --tcp-cc) TCP_CC=${2:?}; shift 2 ;;
+        --report) REPORT_DIR=${2:?}; shift 2 ;;
         -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
@@ -356,6 +362,7 @@ record() {
     local table=$1 workload=$2 bytes=$3 tool=$4; shift 4
     measured "$@"
     row "$table" "$workload" "$TARGET_NAME" "$M_IOPS" "$bytes" "$M_TICKS" "$M_WALL" "$tool" "$M_CLIENT"
+    progress_point
     note "$(printf '%-8s %-10s %-20s %8s IOPS (%s)' "$TARGET_NAME" "$table" "$workload" "$M_IOPS" "$tool")"
 }
 
@@ -632,9 +639,23 @@ rbd_workloads() {
 }
 
 T_START=$(date +%s)
+# Progress: the setups that will run, in order.
+SETUPS_RUN=()
+if want ram || want qd1 || want scale || want idle || want memory || want load; then SETUPS_RUN+=(ram); fi
+if want file || want load || { want memory && want_target istgt; }; then SETUPS_RUN+=(file); fi
+if want disk; then SETUPS_RUN+=(disk); fi
+if want rbd; then SETUPS_RUN+=(rbd); fi
+setup_progress() {
+    local i
+    for i in "${!SETUPS_RUN[@]}"; do
+        [[ ${SETUPS_RUN[$i]} == "$1" ]] && progress_begin $((i + 1)) "${#SETUPS_RUN[@]}" "$1 setup"
+    done
+    return 0
+}
 # One setup at a time: its targets start together, each is measured alone for memory and idle
 # (fresh processes), then every workload runs against each of them in turn (each_target).
 if want ram || want qd1 || want scale || want idle || want memory || want load; then
+    setup_progress ram
     SETUP_TARGETS=()
     for t in ironsan tgt; do want_target "$t" && SETUP_TARGETS+=("$t"); done
     if want_target ironsan && { want qd1 || want ram || want idle; }; then SETUP_TARGETS+=(ironsan-poll); fi
@@ -653,6 +674,7 @@ if want ram || want qd1 || want scale || want idle || want memory || want load; 
     stop_all
 fi
 if want file || want load || { want memory && want_target istgt; }; then
+    setup_progress file
     SHM=$(mktemp -d /dev/shm/ironsan-bench.XXXXXX)
     fallocate -l 256M "$SHM/lun.img"
     SETUP_TARGETS=()
@@ -664,6 +686,7 @@ if want file || want load || { want memory && want_target istgt; }; then
     stop_all
 fi
 if want disk; then
+    setup_progress disk
     DISK=$(mktemp -d "${DISK_DIR:-/var/tmp}/ironsan-bench.XXXXXX")
     # Real data: ext4 reads unwritten extents as zeros without going to the device.
     dd if=/dev/urandom of="$DISK/lun.img" bs=1M count=256 oflag=direct status=none
@@ -678,6 +701,7 @@ if want disk; then
     stop_all
 fi
 if want rbd; then
+    setup_progress rbd
     for tool in ceph-mon ceph-osd rbd fio; do command -v "$tool" >/dev/null || die "$tool not found (rbd section)"; done
     rbd_setup
     SETUP_TARGETS=()
@@ -691,6 +715,7 @@ if want rbd; then
     CEPH=""
 fi
 T_END=$(date +%s)
+progress_end
 
 TABLE=$(python3 - "$ROWS" "$IDLE_SECS" "$POLL_US" <<'EOF'
 import sys
@@ -842,6 +867,12 @@ if [[ $SAVE -eq 1 ]]; then
     out=$ROOT/bench/results/$(date +%F)-$(uname -n).txt
     { echo "$REPORT"; echo; } >>"$out"
     note "appended to ${out#"$ROOT"/}"
+fi
+if [[ -n $REPORT_DIR ]]; then
+    mkdir -p "$REPORT_DIR"
+    cp "$ROWS" "$REPORT_DIR/run.tsv"
+    report_meta "$REPORT_DIR/meta-run.txt" bench/run.sh "${ARGS[@]}"
+    "$ROOT/bench/report.py" "$REPORT_DIR" >&2 || die "bench/report.py $REPORT_DIR failed"
 fi
 if [[ -s $FAILURES ]]; then
     note "$(wc -l <"$FAILURES") client run(s) failed:"

@@ -57,11 +57,13 @@ apt_install() {
 # ---------------------------------------------------------------------------
 # qemu-system-x86, linux-image-amd64, busybox-static, open-iscsi and e2fsprogs run the real
 # kernel initiator in an emulated guest (scripts/kernel-initiator.sh); multipath-tools and
-# sg3-utils go into that guest for the multipath test (scripts/kernel-multipath.sh). gcc links every Rust
+# sg3-utils go into that guest for the multipath test (scripts/kernel-multipath.sh).
+# python3-matplotlib draws the benchmark report (bench/report.py), chromium checks it. gcc links every Rust
 # binary and compiles mimalloc, the allocator (crates/backend/src/sys.rs).
 PLAIN=(gcc libiscsi-bin tgt istgt iproute2 procps python3 shellcheck
     qemu-system-x86 linux-image-amd64 busybox-static open-iscsi e2fsprogs
-    ceph-mon ceph-osd ceph-common librbd1 tgt-rbd fio multipath-tools sg3-utils)
+    ceph-mon ceph-osd ceph-common librbd1 tgt-rbd fio multipath-tools sg3-utils
+    python3-matplotlib chromium)
 missing=()
 for pkg in "${PLAIN[@]}"; do
     is_installed "$pkg" || missing+=("$pkg")

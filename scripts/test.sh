@@ -127,6 +127,9 @@ IRONSAN_REQUIRE_TOOLS=1 IRONSAN_KERNEL_DIGEST=None IRONSAN_BIN="$TARGET_DIR/rele
 section "linux dm-multipath with ALUA (two paths in a QEMU guest, states and a portal changed under a verified write stream)"
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-multipath.sh
 
+section "benchmark report (bench/report.py on the checked-in run, opened in headless Chromium)"
+bash scripts/report-test.sh
+
 section "bench smoke (bench/run.sh, 1 s per workload: the tool works, figures not judged)"
 # Every client against every target once, interleaved as in a real run; exits 1 if any
 # client run fails. Idle and memory are left out (about 2 minutes of waiting between them).

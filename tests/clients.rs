@@ -279,15 +279,9 @@ fn readcapacity16_on_16t_null_lun() {
 fn qemu_round_trip(img: &std::path::Path, dst: &str, out: &std::path::Path) -> Vec<u8> {
     let img_s = img.display().to_string();
     let out_s = out.display().to_string();
-    run(
-        "qemu-img",
-        &["convert", "-n", "-f", "raw", "-O", "raw", &img_s, dst],
-    );
+    qemu_img_convert(&img_s, dst, true);
     let _ = std::fs::remove_file(out);
-    run(
-        "qemu-img",
-        &["convert", "-f", "raw", "-O", "raw", dst, &out_s],
-    );
+    qemu_img_convert(dst, &out_s, false);
     std::fs::read(out).unwrap()
 }
 
@@ -594,18 +588,7 @@ fn iscsi_perf_runs_reads_and_writes() {
     );
     let tmp = tempfile::tempdir().unwrap();
     let back = tmp.path().join("back.raw");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            &url,
-            &back.display().to_string(),
-        ],
-    );
+    qemu_img_convert(&url, &back.display().to_string(), false);
     let back = std::fs::read(&back).unwrap();
     assert_eq!(back.len(), 64 * MIB);
     if let Some(i) = back.iter().position(|&b| b != 0xa5) {
@@ -717,19 +700,7 @@ fn serve_default_creates_data_dir_and_prints_connect_lines() {
     let img = tmp.path().join("head.raw");
     std::fs::write(&img, &head).unwrap();
     let url = s.url(0);
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            &img.display().to_string(),
-            &url,
-        ],
-    );
+    qemu_img_convert(&img.display().to_string(), &url, true);
     run(
         "qemu-img",
         &[

@@ -182,19 +182,7 @@ fn data_crosses_between_iscsi_and_the_rbd_tools() {
     let written = pattern(8 << 20, 3);
     let src = dir.path().join("src.raw");
     std::fs::write(&src, &written).unwrap();
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            &src.display().to_string(),
-            &s.url(0),
-        ],
-    );
+    qemu_img_convert(&src.display().to_string(), &s.url(0), true);
     let exp = dir.path().join("export.raw");
     c.rbd(&["export", "rbd/xfer", &exp.display().to_string()]);
     let image = std::fs::read(&exp).unwrap();
@@ -210,18 +198,7 @@ fn data_crosses_between_iscsi_and_the_rbd_tools() {
 
     // Image -> iSCSI.
     let out = dir.path().join("read.raw");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            &s.url(1),
-            &out.display().to_string(),
-        ],
-    );
+    qemu_img_convert(&s.url(1), &out.display().to_string(), false);
     let read = std::fs::read(&out).unwrap();
     assert!(
         read == imported,

@@ -1010,3 +1010,14 @@ impl Drop for LoopDevice {
         let _ = Command::new("losetup").args(["-d", &self.0]).status();
     }
 }
+
+/// `qemu-img convert` of raw data from `from` to `to` (files, `iscsi://` URLs or `json:`
+/// names); `into_existing`: write into what `to` already is (`-n`: no create, e.g. a LUN).
+pub fn qemu_img_convert(from: &str, to: &str, into_existing: bool) -> Output {
+    let mut args = vec!["convert"];
+    if into_existing {
+        args.push("-n");
+    }
+    args.extend(["-f", "raw", "-O", "raw", from, to]);
+    run("qemu-img", &args)
+}

@@ -1408,7 +1408,15 @@ impl Session {
             for ci in 0..self.conns.len() {
                 got |= self.read_some(ci)?;
             }
-            if self.logged_out || (self.logout_sent && self.conns.iter().all(|c| c.closed)) {
+            // Done once the target has closed every connection after the Logout, or closed
+            // the one that carried it with every command answered: istgt closes that one
+            // instead of answering and keeps a session's other connections open (sending
+            // NOP-Ins), so waiting for all of them would never end.
+            if self.logged_out
+                || (self.logout_sent
+                    && (self.conns.iter().all(|c| c.closed)
+                        || (self.idle() && self.conns.first().is_some_and(|c| c.closed))))
+            {
                 break;
             }
             if got {

@@ -261,6 +261,14 @@ impl Alua {
         self.transition_secs.store(secs, Ordering::Relaxed);
     }
 
+    /// An implicit transition of `secs` seconds was started: the IMPLICIT TRANSITION TIME
+    /// reported is the longest so far (at most 255), which initiators use as the time to
+    /// wait for a transitioning group (Linux's scsi_dh_alua: its transition timeout).
+    pub fn note_transition(&self, secs: u64) {
+        let s = u8::try_from(secs).unwrap_or(u8::MAX);
+        self.transition_secs.fetch_max(s, Ordering::Relaxed);
+    }
+
     /// Set group `id` to `state`. With `only_if`, only if the group's generation is still that
     /// (the end of a transition). Returns the group's new generation and whether its state
     /// changed.

@@ -366,6 +366,7 @@ impl Control {
                 let gen = scsi
                     .set_access_state(group, AccessState::Transitioning, None)
                     .map_err(|e| format!("{target}: {e}"))?;
+                scsi.alua().note_transition(d.as_secs_f64().ceil() as u64);
                 let t = Arc::clone(&t);
                 handle.spawn(async move {
                     tokio::time::sleep(d).await;

@@ -170,6 +170,10 @@ async fn a_timed_transition_then_the_state_and_unknown_groups_are_refused() {
         .unwrap();
     assert_eq!(run(&mut b, &TUR, 0).await, (2, Some((6, 0x2A, 0x06))));
     assert_eq!(run(&mut b, &READ10, 512).await, (2, Some((2, 0x04, 0x0A))));
+    // The extended RTPG header gives the implicit transition time (rounded up to seconds).
+    let ext = [0xA3, 0x2A, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0];
+    let r = b.command(0, &ext, None, 256).await.unwrap();
+    assert_eq!((r.data[4], r.data[5]), (0x10, 1));
     tokio::time::sleep(Duration::from_millis(900)).await;
     assert_eq!(run(&mut b, &READ10, 512).await, (2, Some((6, 0x2A, 0x06))));
     assert_eq!(run(&mut b, &READ10, 512).await, (2, Some((2, 0x04, 0x0C))));
