@@ -254,61 +254,63 @@ def fig_sessions(rep, rows):
                  "Seed experiment 5 (IISc, multiple TCP connections per session): per connection "
                  "(mcs-*: one session of 4 connections; sessions: 4 sessions) MB/s and Jain's "
                  "fairness index J; rr and lqd spreading; -fair: ironsan's fairness control on.")
-    if cwnd:
-        combos = list(OrderedDict.fromkeys((r[1], r[2]) for r in cwnd if r[3] == "write"))
-        if combos:
-            n = len(combos)
-            cols = min(4, n)
-            nrows = (n + cols - 1) // cols
-            fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.6 * nrows), squeeze=False)
-            for i, c in enumerate(combos):
-                ax = axes[i // cols][i % cols]
-                series = defaultdict(list)
-                for r in cwnd:
-                    if (r[1], r[2]) == c and r[3] == "write":
-                        series[r[4]].append((num(r[5]), num(r[6])))
-                for k, (conn, pts) in enumerate(sorted(series.items())):
-                    pts.sort()
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"conn {k}")
-                ax.set_title(f"{c[0]} {c[1]}", fontsize=8)
-                ax.set_xlabel("time (s)", fontsize=7)
-                ax.set_ylabel("cwnd (segments)", fontsize=7)
-                ax.grid(alpha=0.3)
-            for j in range(n, nrows * cols):
-                axes[j // cols][j % cols].axis("off")
-            axes[0][0].legend(fontsize=6)
-            rep.save(fig, "cwnd.png", "Congestion windows over time (writes)",
-                     "Seed experiment 5: the initiator's congestion window of each connection "
-                     "sampled every 0.5 s while 4 connections (or sessions) write over one line.")
-            # Throughput over time: the growth of each sender's bytes_acked between samples.
-            acked = [r for r in cwnd if r[3] == "write" and len(r) >= 8 and r[7]]
-            if acked:
-                fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.6 * nrows), squeeze=False)
-                for i, c in enumerate(combos):
-                    ax = axes[i // cols][i % cols]
-                    series = defaultdict(list)
-                    for r in acked:
-                        if (r[1], r[2]) == c:
-                            series[r[4]].append((num(r[5]), num(r[7])))
-                    for k, (conn, pts) in enumerate(sorted(series.items())):
-                        pts.sort()
-                        xs, ys = [], []
-                        for (t0, b0), (t1, b1) in zip(pts, pts[1:]):
-                            if t1 > t0:
-                                xs.append(t1)
-                                ys.append((b1 - b0) / (t1 - t0) / 1e6)
-                        ax.plot(xs, ys, lw=1, label=f"conn {k}")
-                    ax.set_title(f"{c[0]} {c[1]}", fontsize=8)
-                    ax.set_xlabel("time (s)", fontsize=7)
-                    ax.set_ylabel("MB/s", fontsize=7)
-                    ax.grid(alpha=0.3)
-                for j in range(n, nrows * cols):
-                    axes[j // cols][j % cols].axis("off")
-                axes[0][0].legend(fontsize=6)
-                rep.save(fig, "throughput-time.png", "Per-connection throughput over time (writes)",
-                         "Seed experiment 5: each connection's (or session's) MB/s in every 0.5 s, "
-                         "from the growth of its sender's bytes_acked (ss -ti), 4 writing over one "
-                         "Gigabit line.")
+    writes = [r for r in cwnd if r[3] == "write"]
+    combos = list(OrderedDict.fromkeys((r[1], r[2]) for r in writes))
+    if not combos:
+        return
+
+    def cwnd_of(c):
+        series = defaultdict(list)
+        for r in writes:
+            if (r[1], r[2]) == c:
+                series[r[4]].append((num(r[5]), num(r[6])))
+        return series
+
+    time_grid(rep, combos, cwnd_of, "cwnd (segments)", "cwnd.png",
+              "Congestion windows over time (writes)",
+              "Seed experiment 5: the initiator's congestion window of each connection "
+              "sampled every 0.5 s while 4 connections (or sessions) write over one line.")
+
+    # Throughput over time: the growth of each sender's bytes_acked between samples.
+    def rate_of(c):
+        acked = defaultdict(list)
+        for r in writes:
+            if (r[1], r[2]) == c and len(r) >= 8 and r[7]:
+                acked[r[4]].append((num(r[5]), num(r[7])))
+        series = {}
+        for conn, pts in acked.items():
+            pts.sort()
+            series[conn] = [(t1, (b1 - b0) / (t1 - t0) / 1e6)
+                            for (t0, b0), (t1, b1) in zip(pts, pts[1:]) if t1 > t0]
+        return series
+
+    if any(len(r) >= 8 and r[7] for r in writes):
+        time_grid(rep, combos, rate_of, "MB/s", "throughput-time.png",
+                  "Per-connection throughput over time (writes)",
+                  "Seed experiment 5: each connection's (or session's) MB/s in every 0.5 s, "
+                  "from the growth of its sender's bytes_acked (ss -ti), 4 writing over one "
+                  "Gigabit line.")
+
+
+def time_grid(rep, combos, series_of, ylabel, name, title, caption):
+    """One small plot per (target, mode) of each connection's series over time."""
+    n = len(combos)
+    cols = min(4, n)
+    nrows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.6 * nrows), squeeze=False)
+    for i, c in enumerate(combos):
+        ax = axes[i // cols][i % cols]
+        for k, (_conn, pts) in enumerate(sorted(series_of(c).items())):
+            pts = sorted(pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"conn {k}")
+        ax.set_title(f"{c[0]} {c[1]}", fontsize=8)
+        ax.set_xlabel("time (s)", fontsize=7)
+        ax.set_ylabel(ylabel, fontsize=7)
+        ax.grid(alpha=0.3)
+    for j in range(n, nrows * cols):
+        axes[j // cols][j % cols].axis("off")
+    axes[0][0].legend(fontsize=6)
+    rep.save(fig, name, title, caption)
 
 
 def fig_breakdown(rep, rows):

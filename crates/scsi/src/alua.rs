@@ -22,7 +22,7 @@ use crate::sense::SenseReason;
 use crate::spc::truncate;
 use crate::Nexus;
 use bytes::Bytes;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::RwLock;
 
 /// ASYMMETRIC ACCESS STATE (SPC-4 target port group descriptor). LBA-dependent is not offered.
@@ -174,6 +174,9 @@ pub struct Alua {
     transition_secs: AtomicU8,
     /// The groups were given (configuration): they do not follow the target's portal groups.
     fixed: AtomicBool,
+    /// Source of [`PortGroup::generation`]s: never reset, so a generation taken before the
+    /// layout was replaced can never match a group made afterwards.
+    generations: AtomicU64,
 }
 
 /// A change that could not be made: what was wrong with it.
@@ -290,10 +293,48 @@ impl Alua {
         let changed = grp.state != state;
         grp.state = state;
         grp.status = status;
-        grp.generation += 1;
-        let gen = grp.generation;
+        let gen = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
+        grp.generation = gen;
         self.note_states(&g);
         Ok((gen, changed))
+    }
+
+    /// The target's ports are now `ports`, in one step under the layout's lock (a state set
+    /// meanwhile is never undone). Not configured: one group per port, identified by the
+    /// port's number, keeping the state and PREF bit of a group that remains. Configured: the
+    /// groups stay, and a port in none of them gets a group of its own (its number as the
+    /// identifier, when free), so that every port reports a target port group. Returns
+    /// whether any port's state changed.
+    pub(crate) fn follow(&self, ports: &[u16]) -> bool {
+        let mut g = write(&self.groups);
+        let old = g.clone();
+        if self.fixed.load(Ordering::Relaxed) {
+            for &p in ports {
+                if !g.iter().any(|x| x.ports.contains(&p)) && !g.iter().any(|x| x.id == p) {
+                    g.push(PortGroup::new(p, vec![p]));
+                }
+            }
+        } else {
+            *g = ports
+                .iter()
+                .map(|&p| {
+                    let mut x = old
+                        .iter()
+                        .find(|x| x.id == p)
+                        .cloned()
+                        .unwrap_or_else(|| PortGroup::new(p, Vec::new()));
+                    x.ports = vec![p];
+                    x
+                })
+                .collect();
+        }
+        let changed = old
+            .iter()
+            .chain(g.iter())
+            .flat_map(|x| x.ports.iter())
+            .any(|p| state_of(&old, *p) != state_of(&g, *p));
+        self.note_states(&g);
+        changed
     }
 
     /// Set the PREF bit of group `id`.

@@ -314,26 +314,11 @@ impl Target {
     }
 
     /// The target's ports are now the relative target ports `ports`: unless the groups were
-    /// given ([`Alua::is_fixed`]), make one group per port, identified by the port's number;
-    /// a group that already existed keeps its state and PREF bit.
+    /// given ([`Alua::is_fixed`]), one group per port, identified by the port's number (a
+    /// group that already existed keeps its state and PREF bit); with given groups, a port in
+    /// none of them gets a group of its own.
     pub fn follow_ports(&self, ports: &[u16]) {
-        if self.alua.is_fixed() {
-            return;
-        }
-        let old = self.alua.groups();
-        let groups = ports
-            .iter()
-            .map(|&p| {
-                let mut g = old
-                    .iter()
-                    .find(|g| g.id == p)
-                    .cloned()
-                    .unwrap_or_else(|| PortGroup::new(p, Vec::new()));
-                g.ports = vec![p];
-                g
-            })
-            .collect();
-        if self.alua.replace(groups, false) {
+        if self.alua.follow(ports) {
             self.access_changed(None);
         }
     }

@@ -335,8 +335,8 @@ pub(crate) fn persistent_reserve_in(lu: &LogicalUnit, cdb: Cdb<'_>) -> Result<By
         }
         REPORT_CAPABILITIES => {
             d.extend_from_slice(&8u16.to_be_bytes());
-            // CRH=0, SIP_C=0 (no SPEC_I_PT), ATP_C=1 (one target port per target: ALL_TG_PT
-            // is trivially honoured), PTPL_C when a state directory exists.
+            // CRH=0, SIP_C=0 (no SPEC_I_PT), ATP_C=1 (ALL_TG_PT: one registration covering
+            // the initiator port through every target port), PTPL_C when a state directory exists.
             let ptpl_c = lu.config().state_dir.is_some();
             d.push(0x04 | u8::from(ptpl_c));
             // TMV=1, ALLOW COMMANDS=000b (no information), PTPL_A.
@@ -464,6 +464,11 @@ pub(crate) fn persistent_reserve_out(
     let mut st = guard.clone();
     let mut me = st.identity(&PortPair::of(nexus));
     if all_ports && st.reg(&me).is_none() {
+        // ALL_TG_PT registers the initiator port through every target port; if it is already
+        // registered through one of them, that registration would be hidden: refused.
+        if st.regs.iter().any(|r| r.who.initiator == me.initiator) {
+            return Ok(ProutOutcome::Conflict);
+        }
         me.target = ALL_TARGET_PORTS.into();
     }
     let mut uas: UaList = Vec::new();
@@ -648,9 +653,13 @@ pub(crate) fn persistent_reserve_out(
             if dest.initiator.eq_ignore_ascii_case(&me.initiator) {
                 return Err(SenseReason::param(24, None));
             }
-            match st.regs.iter_mut().find(|g| {
-                g.who.initiator.eq_ignore_ascii_case(&dest.initiator) && g.who.target == dest.target
-            }) {
+            // The destination's registration: through that port, or its initiator port's
+            // ALL_TG_PT registration (which then holds the reservation).
+            let is_dest = |g: &Registration| {
+                g.who.initiator.eq_ignore_ascii_case(&dest.initiator)
+                    && (g.who.target == dest.target || &*g.who.target == ALL_TARGET_PORTS)
+            };
+            match st.regs.iter_mut().find(|g| is_dest(g)) {
                 Some(g) => g.key = sark,
                 None => st.regs.push(Registration {
                     who: dest.clone(),
@@ -661,10 +670,7 @@ pub(crate) fn persistent_reserve_out(
             let dest = st
                 .regs
                 .iter()
-                .find(|g| {
-                    g.who.initiator.eq_ignore_ascii_case(&dest.initiator)
-                        && g.who.target == dest.target
-                })
+                .find(|g| is_dest(g))
                 .map(|g| g.who.clone())
                 .unwrap_or(dest);
             st.res = Some(Reservation {

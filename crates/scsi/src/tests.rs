@@ -3781,3 +3781,41 @@ async fn pr_across_target_ports_all_tg_pt_spec_i_pt_and_register_and_move() {
     let rr = run_on(&t, 0, &path(2, 1), &prin(0x01), &[]).await;
     assert_eq!(&good(&rr)[8..16], &0xD4u64.to_be_bytes());
 }
+
+#[tokio::test]
+async fn alua_and_pr_edge_cases_found_in_review() {
+    // An ALL_TG_PT registration may not hide a per-port one of the same initiator port.
+    let t = alua_target();
+    register(&t, &path(1, 1), 0xA1).await;
+    let mut p = prout_params(0, 0xA2, false);
+    p[20] |= 0x04;
+    assert_eq!(
+        run_on(&t, 0, &path(1, 2), &prout(0x00, 0), &p).await.status,
+        Status::RESERVATION_CONFLICT
+    );
+    // A timed transition taken before the layout was replaced never ends a later state.
+    let t = alua_target();
+    let gen = t
+        .set_access_state(2, AccessState::Transitioning, None)
+        .unwrap();
+    t.set_port_groups(Some(vec![
+        PortGroup::new(1, vec![1]),
+        PortGroup::new(2, vec![2, 3]),
+    ]));
+    t.set_access_state(2, AccessState::Unavailable, None)
+        .unwrap();
+    assert_eq!(
+        t.set_access_state(2, AccessState::Standby, Some(gen)),
+        Err(AluaError::Overtaken)
+    );
+    // Configured groups: a new port outside them gets a group of its own.
+    t.follow_ports(&[1, 2, 3, 7]);
+    let g = t.alua().groups();
+    assert_eq!(g.len(), 3);
+    assert_eq!((g[2].id, g[2].ports.clone()), (7, vec![7]));
+    assert_eq!(
+        g[1].state,
+        AccessState::Unavailable,
+        "configured states stay"
+    );
+}

@@ -379,6 +379,9 @@ impl Shared {
     /// serves it) in step with the portals and the target's `portal_groups`. Targets whose
     /// groups were configured keep them.
     pub fn refresh_alua(&self) {
+        // One refresh at a time: two racing could leave the older port list in place.
+        static REFRESH: Mutex<()> = Mutex::new(());
+        let _one = lock(&REFRESH);
         let rt = self.runtime();
         let mut all: Vec<u16> = lock(&self.portals).iter().map(|p| p.tag).collect();
         all.sort_unstable();
