@@ -79,46 +79,9 @@ need open-iscsi test -x /usr/sbin/iscsistart -a -x /usr/sbin/iscsiadm -a -x /usr
 need e2fsprogs test -x /usr/sbin/mke2fs -a -x /usr/sbin/e2fsck -a -x /usr/sbin/debugfs
 need python3 test -x /usr/bin/python3
 
-pick_kernel() {
-    local k
-    if [[ -n ${IRONSAN_KERNEL_VERSION:-} ]]; then
-        echo "$IRONSAN_KERNEL_VERSION"
-        return 0
-    fi
-    local -a kvers=()
-    [[ -d /lib/modules ]] && mapfile -t kvers < <(find /lib/modules -mindepth 1 -maxdepth 1 -printf '%f\n' | sort -rV)
-    for k in "${kvers[@]}"; do
-        if [[ -r /boot/vmlinuz-$k && -f /lib/modules/$k/modules.dep ]] &&
-            grep -q '/iscsi_tcp\.ko' "/lib/modules/$k/modules.dep"; then
-            echo "$k"
-            return 0
-        fi
-    done
-    return 1
-}
-KVER=$(pick_kernel || true)
-[[ -n $KVER && -r /boot/vmlinuz-$KVER ]] || missing+=(linux-image-amd64)
-
-if [[ ${#missing[@]} -gt 0 ]]; then
-    msg="missing packages: ${missing[*]} (scripts/install-deps.sh installs them: apt-get install --no-install-recommends ${missing[*]})"
-    if [[ ${IRONSAN_REQUIRE_TOOLS:-0} == 1 ]]; then
-        die "$msg"
-    fi
-    log "SKIP: $msg"
-    exit 0
-fi
-
-# cargo may not be on PATH in a non-login shell.
-if ! command -v cargo >/dev/null 2>&1 && [[ -f ${HOME:-/root}/.cargo/env ]]; then
-    # shellcheck source=/dev/null
-    . "${HOME:-/root}/.cargo/env"
-fi
-BIN=${IRONSAN_BIN:-$ROOT/target/release/ironsan}
-if [[ ! -x $BIN ]]; then
-    log "building $BIN"
-    (cd "$ROOT" && cargo build --release -p ironsan)
-fi
-[[ -x $BIN ]] || die "ironsan binary $BIN not found"
+# shellcheck source=tests/kernel/common.sh
+. "$KDIR/common.sh"
+guest_prerequisites
 
 # TCG by default: on these machines /dev/kvm can exist and open yet not run
 # a guest (it spins in the kernel), and TCG is fast enough (about a minute).

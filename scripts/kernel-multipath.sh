@@ -45,20 +45,9 @@ command -v qemu-system-x86_64 >/dev/null || missing+=(qemu-system-x86)
 [[ -x /sbin/multipathd && -x /sbin/multipath ]] || missing+=(multipath-tools)
 [[ -x /usr/bin/sg_rtpg && -x /usr/bin/sg_vpd ]] || missing+=(sg3-utils)
 command -v busybox >/dev/null || missing+=(busybox-static)
-KVER=${IRONSAN_KERNEL_VERSION:-$(find /lib/modules -mindepth 1 -maxdepth 1 -printf '%f\n' 2>/dev/null | sort -rV | head -1)}
-[[ -n $KVER && -r /boot/vmlinuz-$KVER ]] || missing+=(linux-image-amd64)
-if [[ ${#missing[@]} -gt 0 ]]; then
-    msg="missing packages: ${missing[*]} (scripts/install-deps.sh installs them)"
-    [[ ${IRONSAN_REQUIRE_TOOLS:-0} == 1 ]] && die "$msg"
-    log "SKIP: $msg"
-    exit 0
-fi
-if ! command -v cargo >/dev/null 2>&1 && [[ -f ${HOME:-/root}/.cargo/env ]]; then
-    # shellcheck source=/dev/null
-    . "${HOME:-/root}/.cargo/env"
-fi
-BIN=${IRONSAN_BIN:-$ROOT/target/release/ironsan}
-[[ -x $BIN ]] || (cd "$ROOT" && cargo build --release -p ironsan)
+# shellcheck source=tests/kernel/common.sh
+. "$KDIR/common.sh"
+guest_prerequisites
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ironsan-mpath.XXXXXX")
 [[ $WORK != *,* ]] || die "work directory $WORK contains a comma (QEMU option syntax)"

@@ -79,7 +79,7 @@ if [[ $QUICK -eq 0 ]]; then
     section "shellcheck"
     # Gate on warnings and errors; info-level notes (e.g. SC2317 "unreachable"
     # for functions only called from traps) are advice, not defects.
-    shellcheck -S warning scripts/*.sh bench/*.sh .ci/run tests/kernel/build-initramfs.sh
+    shellcheck -S warning scripts/*.sh bench/*.sh .ci/run tests/kernel/build-initramfs.sh tests/kernel/common.sh
     shellcheck -S warning -s sh tests/kernel/init tests/kernel/init-multipath
 
     section "fuzz smoke (scripts/fuzz.sh: every target briefly; docs/FUZZING.md for long runs)"

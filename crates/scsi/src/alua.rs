@@ -210,13 +210,8 @@ impl Alua {
         let mut g = write(&self.groups);
         self.fixed.store(fixed, Ordering::Relaxed);
         let old = std::mem::replace(&mut *g, groups);
-        let changed = old
-            .iter()
-            .chain(g.iter())
-            .flat_map(|x| x.ports.iter())
-            .any(|p| state_of(&old, *p) != state_of(&g, *p));
         self.note_states(&g);
-        changed
+        any_port_changed(&old, &g)
     }
 
     fn note_states(&self, groups: &[PortGroup]) {
@@ -328,13 +323,8 @@ impl Alua {
                 })
                 .collect();
         }
-        let changed = old
-            .iter()
-            .chain(g.iter())
-            .flat_map(|x| x.ports.iter())
-            .any(|p| state_of(&old, *p) != state_of(&g, *p));
         self.note_states(&g);
-        changed
+        any_port_changed(&old, &g)
     }
 
     /// Set the PREF bit of group `id`.
@@ -350,11 +340,16 @@ impl Alua {
 
     /// The target port group designator value for VPD 83h (type 5), if `port` is in a group.
     pub(crate) fn group_id_of(&self, port: u16) -> Option<u16> {
-        read(&self.groups)
-            .iter()
-            .find(|g| g.ports.contains(&port))
-            .map(|g| g.id)
+        self.group_of(port).map(|g| g.id)
     }
+}
+
+/// Whether any port of either layout meets another state in `new` than in `old`.
+fn any_port_changed(old: &[PortGroup], new: &[PortGroup]) -> bool {
+    old.iter()
+        .chain(new)
+        .flat_map(|x| x.ports.iter())
+        .any(|p| state_of(old, *p) != state_of(new, *p))
 }
 
 fn state_of(groups: &[PortGroup], port: u16) -> AccessState {

@@ -781,6 +781,10 @@ impl Control {
             ironsan_backend::parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 10G)"))
         };
         let ok = |m: String| Ok(json!({ "message": m }));
+        let group = |s: &str| {
+            u16::try_from(num(s, "group")?)
+                .map_err(|_| format!("group '{s}' is not a target port group number"))
+        };
         match a.as_slice() {
             ["sessions"] => Ok(self.sessions()),
             ["targets"] => Ok(self.targets()),
@@ -858,8 +862,7 @@ impl Control {
             ["alua"] => self.alua(None),
             ["alua", t] => self.alua(Some(t)),
             ["alua", "set", t, g, state] | ["alua", "set", t, g, state, "--transition", _] => {
-                let g = u16::try_from(num(g, "group")?)
-                    .map_err(|_| format!("group '{g}' is not a target port group number"))?;
+                let g = group(g)?;
                 let st = ironsan_scsi::AccessState::parse(state).ok_or_else(|| {
                     format!("'{state}' is not a state (active/optimized, active/non-optimized, standby, unavailable, offline)")
                 })?;
@@ -874,8 +877,7 @@ impl Control {
                 })
             }
             ["alua", "prefer", t, g, on] => {
-                let g = u16::try_from(num(g, "group")?)
-                    .map_err(|_| format!("group '{g}' is not a target port group number"))?;
+                let g = group(g)?;
                 let pref = match *on {
                     "on" => true,
                     "off" => false,
