@@ -58,12 +58,14 @@ apt_install() {
 # qemu-system-x86, linux-image-amd64, busybox-static, open-iscsi and e2fsprogs run the real
 # kernel initiator in an emulated guest (scripts/kernel-initiator.sh); multipath-tools and
 # sg3-utils go into that guest for the multipath test (scripts/kernel-multipath.sh).
-# python3-matplotlib draws the benchmark report (bench/report.py), chromium checks it. gcc links every Rust
-# binary and compiles mimalloc, the allocator (crates/backend/src/sys.rs).
+# python3-matplotlib draws the benchmark report (bench/report.py); chromium loads it and the status
+# page (tests/http.rs); prometheus brings promtool, which checks /metrics (tests/http.rs). dpkg-dev
+# builds and checks the Debian package (scripts/package-test.sh). gcc links every Rust binary and
+# compiles mimalloc, the allocator.
 PLAIN=(gcc libiscsi-bin tgt istgt iproute2 procps python3 shellcheck
     qemu-system-x86 linux-image-amd64 busybox-static open-iscsi e2fsprogs
     ceph-mon ceph-osd ceph-common librbd1 tgt-rbd fio multipath-tools sg3-utils
-    python3-matplotlib chromium)
+    python3-matplotlib chromium prometheus dpkg-dev)
 missing=()
 for pkg in "${PLAIN[@]}"; do
     is_installed "$pkg" || missing+=("$pkg")

@@ -6,13 +6,14 @@ mod load;
 mod notify;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use config::{Backing, Plan};
 use ironsan_backend::{BlockDevice, FileBackend, FileOptions, NullBackend, RamBackend};
 use ironsan_scsi::{LogicalUnit, LuConfig};
 use ironsan_server::{Server, ServerConfig, TargetDef};
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 
 #[derive(Parser)]
@@ -36,6 +37,18 @@ enum Cmd {
     /// Load generator: keep --qd READ(16)/WRITE(16) commands in flight against any iSCSI
     /// target and report IOPS, MiB/s, latency percentiles and client CPU.
     Load(load::LoadArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) to stdout, e.g.
+    /// `ironsan completions bash > /etc/bash_completion.d/ironsan`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (ironsan.1, ironsan-serve.1, ironsan-ctl.1, ...) into DIR.
+    #[command(hide = true)]
+    Manpages {
+        /// Where to write them (created if missing).
+        dir: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -466,7 +479,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 .await
                 .map_err(|e| anyhow::anyhow!("{what}: cannot listen on {addr}: {e}"))?;
             println!("  metrics http://{}/metrics", l.local_addr()?);
-            Some(tokio::spawn(ironsan_server::metrics::serve_metrics(
+            Some(tokio::spawn(ironsan_server::http::serve(
                 l,
                 control.clone(),
             )))
@@ -596,10 +609,10 @@ fn start_control(
 #[global_allocator]
 static ALLOCATOR: ironsan_backend::Allocator = ironsan_backend::Allocator {};
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     let small_pages = ironsan_backend::no_transparent_huge_pages();
     let cli = Cli::parse();
-    match cli.cmd {
+    let r = match cli.cmd {
         Cmd::Serve(args) => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -612,12 +625,54 @@ fn main() -> Result<()> {
             if !small_pages {
                 tracing::warn!("could not turn transparent huge pages off for this process");
             }
-            let rt = tokio::runtime::Builder::new_multi_thread()
+            tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
-                .build()?;
-            rt.block_on(serve(*args))
+                .build()
+                .map_err(anyhow::Error::from)
+                .and_then(|rt| rt.block_on(serve(*args)))
         }
-        Cmd::Ctl(args) => ctl::run(args),
+        Cmd::Ctl(args) => return ctl::run(args),
         Cmd::Load(args) => load::main(args),
+        Cmd::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "ironsan",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
+        Cmd::Manpages { dir } => manpages(&dir),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the error and its causes, no backtrace.
+            eprintln!("ironsan: {e:#}");
+            ExitCode::FAILURE
+        }
     }
+}
+
+/// Write a man page for `ironsan` and for each command (`ironsan-serve.1`, `ironsan-ctl.1`,
+/// `ironsan-ctl-lun.1`, ...) into `dir`.
+fn manpages(dir: &std::path::Path) -> Result<()> {
+    fn write(cmd: clap::Command, name: String, dir: &std::path::Path) -> Result<()> {
+        let cmd = cmd.name(name.clone());
+        let mut out = Vec::new();
+        clap_mangen::Man::new(cmd.clone()).render(&mut out)?;
+        let path = dir.join(format!("{name}.1"));
+        std::fs::write(&path, out).with_context(|| path.display().to_string())?;
+        for sub in cmd
+            .get_subcommands()
+            .filter(|s| !s.is_hide_set() && s.get_name() != "help")
+        {
+            write(sub.clone(), format!("{name}-{}", sub.get_name()), dir)?;
+        }
+        Ok(())
+    }
+    std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+    let mut cmd = Cli::command();
+    cmd.build();
+    write(cmd, "ironsan".into(), dir)
 }

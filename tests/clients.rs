@@ -1591,9 +1591,53 @@ fn ctl_sessions_shows_negotiated_keys_for_a_libiscsi_session() {
     let s = Server::start(&["--lun", "ram:64M", "--control", &sock_s]);
     let mut perf = Background::spawn("iscsi-perf", &[&s.url(0)]);
     perf.wait_for_stdout("iops current", Duration::from_secs(15));
-    let out = run_stdout(bin(), &["ctl", "--control", &sock_s, "--json", "sessions"]);
+    // Flags anywhere on the line (clap subcommands with global flags).
+    let out = run_stdout(bin(), &["ctl", "sessions", "--json", "--control", &sock_s]);
     let v: serde_json::Value = serde_json::from_str(&out)
-        .unwrap_or_else(|e| panic!("ctl --json sessions is not JSON ({e}):\n{out}"));
+        .unwrap_or_else(|e| panic!("ctl sessions --json is not JSON ({e}):\n{out}"));
+    // The same as a table, and the exit statuses scripts test: 1 refused by the target (one
+    // line, no backtrace), 2 a bad command line, 3 no control socket there.
+    let text = run_stdout(bin(), &["ctl", "--control", &sock_s, "sessions"]);
+    assert!(
+        text.contains("negotiated:") && text.contains(DEFAULT_TARGET),
+        "{text}"
+    );
+    let ctl = |args: &[&str]| {
+        let mut full = vec!["ctl", "--control", &sock_s];
+        full.extend_from_slice(args);
+        run_env(
+            bin(),
+            &full,
+            &[("RUST_BACKTRACE", "1")],
+            Duration::from_secs(30),
+        )
+    };
+    let o = ctl(&["lun", "remove", "iqn.2026-11.org.nope:x", "0"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("ironsan ctl: ") && err.contains("iqn.2026-11.org.nope:x"),
+        "{err}"
+    );
+    assert_eq!(
+        ctl(&["lun", "remove", DEFAULT_TARGET, "zero"])
+            .status
+            .code(),
+        Some(2)
+    );
+    let gone = ctl_dir.path().join("nobody.sock").display().to_string();
+    let o = run_unchecked(
+        bin(),
+        &["ctl", "luns", "--control", &gone],
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let sessions = v
         .as_array()
         .unwrap_or_else(|| panic!("not an array:\n{out}"));

@@ -6,8 +6,8 @@
 //! One Unix stream socket (mode 0600: the owner only, in a 0700 directory). A client sends
 //! one JSON object per line, `{"argv": ["lun", "resize", "iqn…", "0", "20G"]}`, and gets one
 //! line back: `{"ok": true, "data": …}` or `{"ok": false, "error": "…"}`. `argv` is what
-//! follows `ironsan ctl`, so scripts and the CLI speak the same language; [`render`] turns
-//! `data` into the human tables `ironsan ctl` prints without `--json`.
+//! follows `ironsan ctl`, so scripts and the CLI speak the same language (the binary's
+//! src/ctl/ parses the command line with clap, builds `argv` and renders `data` as tables).
 //!
 //! # Run-time changes
 //! Targets and their access rules live in a copy-on-write [`crate::Runtime`] snapshot, a
@@ -148,6 +148,14 @@ pub struct Control {
     shared: Arc<Shared>,
     /// The spec each LUN was made from, for `save` (target → LUN → spec).
     origins: Arc<Mutex<BTreeMap<String, BTreeMap<u64, String>>>>,
+}
+
+impl std::fmt::Debug for Control {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Control")
+            .field("targets", &self.target_names())
+            .finish_non_exhaustive()
+    }
 }
 
 /// The name of `target` (which must exist), or of every target, sorted.
@@ -1117,290 +1125,51 @@ fn handle_line(control: &Control, hooks: &dyn Hooks, line: &str) -> Value {
     }
 }
 
+/// Why [`call`] got no answer's data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallError {
+    /// The socket could not be reached (nobody listening, no permission).
+    Unreachable(String),
+    /// The server refused the command, or the exchange broke off; the reason.
+    Refused(String),
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Unreachable(e) | CallError::Refused(e) => f.write_str(e),
+        }
+    }
+}
+
+impl std::error::Error for CallError {}
+
 /// Send one command to the control socket at `path` and return its `data` (blocking; for
 /// `ironsan ctl` and tests).
-pub fn call(path: &Path, argv: &[String]) -> Result<Value, String> {
+pub fn call(path: &Path, argv: &[String]) -> Result<Value, CallError> {
     use std::io::{BufRead, Write};
     let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| {
-        format!(
+        CallError::Unreachable(format!(
             "cannot connect to {}: {e} (is ironsan serve running? --control PATH)",
             path.display()
-        )
+        ))
     })?;
+    let broke = |e: std::io::Error| CallError::Refused(format!("{}: {e}", path.display()));
     let mut req = json!({ "argv": argv }).to_string();
     req.push('\n');
-    s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
+    s.write_all(req.as_bytes()).map_err(broke)?;
     let mut line = String::new();
     std::io::BufReader::new(&s)
         .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let v: Value = serde_json::from_str(&line).map_err(|e| format!("bad response: {e}"))?;
+        .map_err(broke)?;
+    let v: Value = serde_json::from_str(&line)
+        .map_err(|e| CallError::Refused(format!("bad response from {}: {e}", path.display())))?;
     if v["ok"] == true {
         Ok(v["data"].clone())
     } else {
-        Err(v["error"].as_str().unwrap_or("error").to_string())
-    }
-}
-
-// ----- human output -------------------------------------------------------------------------
-
-/// Columns left-aligned, two spaces apart.
-fn table(head: &[&str], rows: Vec<Vec<String>>) -> String {
-    let mut w: Vec<usize> = head.iter().map(|h| h.len()).collect();
-    for r in &rows {
-        for (i, c) in r.iter().enumerate() {
-            w[i] = w[i].max(c.chars().count());
-        }
-    }
-    let mut out = String::new();
-    let line = |cells: Vec<String>, out: &mut String| {
-        let mut l = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            if i + 1 == cells.len() {
-                l.push_str(c);
-            } else {
-                l.push_str(&format!("{c:<width$}  ", width = w[i]));
-            }
-        }
-        out.push_str(l.trim_end());
-        out.push('\n');
-    };
-    line(head.iter().map(|s| s.to_string()).collect(), &mut out);
-    for r in rows {
-        line(r, &mut out);
-    }
-    out
-}
-
-fn s(v: &Value) -> String {
-    match v {
-        Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
-/// Bytes in binary units (`1.5 GiB`).
-pub fn human_bytes(n: u64) -> String {
-    const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < U.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 || v.fract() == 0.0 {
-        format!("{v:.0} {}", U[u])
-    } else {
-        format!("{v:.1} {}", U[u])
-    }
-}
-
-fn render_sessions(v: &Value) -> String {
-    let mut out = String::new();
-    let empty = Vec::new();
-    let list = v.as_array().unwrap_or(&empty);
-    if list.is_empty() {
-        return "no sessions\n".into();
-    }
-    for sess in list {
-        out.push_str(&format!(
-            "session TSIH {} ISID {}  {}  →  {}  ({} commands)\n",
-            s(&sess["tsih"]),
-            s(&sess["isid"]),
-            s(&sess["initiator"]),
-            sess["target"].as_str().unwrap_or("(discovery)"),
-            s(&sess["commands"])
-        ));
-        for c in sess["connections"].as_array().unwrap_or(&empty) {
-            let u = |k: &str| c[k].as_u64().unwrap_or(0);
-            out.push_str(&format!(
-                "  connection CID {} from {} on {}: in flight {}, reads {} ({}), writes {} ({}), other {}, rx {} ({}), tx {} ({}, {} zero-copy), digest errors {}\n",
-                s(&c["cid"]), s(&c["peer"]), s(&c["portal"]), u("in_flight"),
-                u("reads"), human_bytes(u("read_bytes")), u("writes"), human_bytes(u("write_bytes")),
-                u("other_commands"), u("rx_pdus"), human_bytes(u("rx_bytes")),
-                u("tx_pdus"), human_bytes(u("tx_bytes")), human_bytes(u("tx_zero_copy_bytes")),
-                u("digest_errors"),
-            ));
-            let t = &c["tcp"];
-            if t.is_object() {
-                let g = |k: &str| t[k].as_u64().unwrap_or(0);
-                out.push_str(&format!(
-                    "    tcp: rtt {:.3} ms ± {:.3}, cwnd {}, ssthresh {}, retransmits {}, delivery rate {}/s, mss {}, congestion control {}\n",
-                    g("rtt_us") as f64 / 1000.0,
-                    g("rttvar_us") as f64 / 1000.0,
-                    g("cwnd"),
-                    if g("ssthresh") >= 0x7fff_ffff { "∞".to_string() } else { g("ssthresh").to_string() },
-                    g("retransmits"),
-                    human_bytes(g("delivery_rate")),
-                    g("mss"),
-                    t["congestion"].as_str().unwrap_or("?"),
-                ));
-            }
-        }
-        if let Some(p) = sess["params"].as_object() {
-            let kv: Vec<String> = p.iter().map(|(k, v)| format!("{k}={}", s(v))).collect();
-            out.push_str("  negotiated:");
-            let mut col = 13;
-            for item in kv {
-                if col + item.len() + 1 > 100 {
-                    out.push_str("\n             ");
-                    col = 13;
-                }
-                out.push(' ');
-                out.push_str(&item);
-                col += item.len() + 1;
-            }
-            out.push('\n');
-        }
-    }
-    out
-}
-
-fn render_targets(v: &Value) -> String {
-    let empty = Vec::new();
-    let rows = v
-        .as_array()
-        .unwrap_or(&empty)
-        .iter()
-        .map(|t| {
-            let acl = t["acl"].as_array().map(|a| a.len()).unwrap_or(0);
-            let auth = match (&t["chap"], &t["mutual_chap"]) {
-                (Value::String(u), Value::String(m)) => format!("mutual CHAP ({u}/{m})"),
-                (Value::String(u), _) => format!("CHAP ({u})"),
-                _ => "none".into(),
-            };
-            vec![
-                s(&t["name"]),
-                s(&t["alias"]),
-                s(&t["luns"]),
-                s(&t["sessions"]),
-                t["portal_groups"]
-                    .as_array()
-                    .map(|g| g.iter().map(s).collect::<Vec<_>>().join(","))
-                    .unwrap_or_else(|| "all".into()),
-                if acl == 0 {
-                    "everyone".into()
-                } else {
-                    format!("{acl} rule(s)")
-                },
-                auth,
-            ]
-        })
-        .collect();
-    table(
-        &[
-            "TARGET", "ALIAS", "LUNS", "SESSIONS", "GROUPS", "ACL", "AUTH",
-        ],
-        rows,
-    )
-}
-
-fn render_luns(v: &Value) -> String {
-    let empty = Vec::new();
-    let rows = v
-        .as_array()
-        .unwrap_or(&empty)
-        .iter()
-        .map(|l| {
-            vec![
-                s(&l["target"]),
-                s(&l["lun"]),
-                s(&l["backend"]),
-                s(&l["io_engine"]),
-                human_bytes(l["size"].as_u64().unwrap_or(0)),
-                s(&l["block_size"]),
-                if l["read_only"] == true { "ro" } else { "rw" }.into(),
-                if l["write_cache"] == true {
-                    "on"
-                } else {
-                    "off"
-                }
-                .into(),
-                s(&l["spec"]),
-            ]
-        })
-        .collect();
-    table(
-        &[
-            "TARGET", "LUN", "BACKEND", "ENGINE", "SIZE", "BS", "MODE", "WCE", "SPEC",
-        ],
-        rows,
-    )
-}
-
-/// The human form of a command's `data` (what `ironsan ctl` prints without `--json`).
-pub fn render(argv: &[String], data: &Value) -> String {
-    let a: Vec<&str> = argv.iter().map(String::as_str).collect();
-    match a.as_slice() {
-        ["sessions"] => render_sessions(data),
-        ["targets"] => render_targets(data),
-        ["luns", ..] => render_luns(data),
-        ["stats", ..] => crate::metrics::render_stats(data),
-        ["alua"] | ["alua", _] => {
-            let empty = Vec::new();
-            let rows = data
-                .as_array()
-                .unwrap_or(&empty)
-                .iter()
-                .map(|x| {
-                    vec![
-                        s(&x["target"]),
-                        s(&x["group"]),
-                        s(&x["state"]),
-                        if x["preferred"] == true { "yes" } else { "" }.into(),
-                        x["ports"]
-                            .as_array()
-                            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(","))
-                            .unwrap_or_default(),
-                        x["portals"]
-                            .as_array()
-                            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(" "))
-                            .unwrap_or_default(),
-                    ]
-                })
-                .collect();
-            table(
-                &["TARGET", "GROUP", "STATE", "PREF", "PORTS", "PORTALS"],
-                rows,
-            )
-        }
-        ["portals"] => {
-            let empty = Vec::new();
-            let rows = data
-                .as_array()
-                .unwrap_or(&empty)
-                .iter()
-                .map(|x| vec![s(&x["addr"]), s(&x["tag"])])
-                .collect();
-            table(&["PORTAL", "GROUP"], rows)
-        }
-        ["show", "target", _] => {
-            let t = &data["target"];
-            let mut out = format!(
-                "target {}\n  alias: {}\n  ACL: {}\n  CHAP: {}  mutual CHAP: {}\n\n",
-                s(&t["name"]),
-                s(&t["alias"]),
-                t["acl"]
-                    .as_array()
-                    .filter(|a| !a.is_empty())
-                    .map(|a| a.iter().map(s).collect::<Vec<_>>().join(", "))
-                    .unwrap_or_else(|| "everyone".into()),
-                s(&t["chap"]),
-                s(&t["mutual_chap"]),
-            );
-            out.push_str(&render_luns(&data["luns"]));
-            out.push('\n');
-            out.push_str(&render_sessions(&data["sessions"]));
-            out
-        }
-        _ => match data.get("message").and_then(Value::as_str) {
-            Some(m) => format!("{m}\n"),
-            None => match data.get("text").and_then(Value::as_str) {
-                Some(t) => t.to_string(),
-                None => serde_json::to_string_pretty(data).unwrap_or_default() + "\n",
-            },
-        },
+        Err(CallError::Refused(
+            v["error"].as_str().unwrap_or("error").to_string(),
+        ))
     }
 }
 

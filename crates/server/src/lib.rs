@@ -18,7 +18,9 @@
 pub mod access;
 pub mod admin;
 mod conn;
+pub mod exposition;
 pub mod fair;
+pub mod http;
 pub mod io;
 pub mod metrics;
 mod session;

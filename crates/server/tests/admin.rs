@@ -182,9 +182,6 @@ async fn live_lun_changes_do_not_disturb_another_session() {
     assert!(c0["reads"].as_u64().unwrap() >= 2, "{c0}");
     assert!(c0["tcp"]["cwnd"].as_u64().unwrap() > 0, "{c0}");
     assert!(c0["tcp"]["rtt_us"].is_u64(), "{c0}");
-    let text = admin::render(&["sessions".to_string()], &s);
-    assert!(text.contains("iqn.2026-11.org.test:b") && text.contains("MaxBurstLength="));
-    assert!(text.contains("rtt"), "{text}");
 
     // Remove LUN 1: B gets LOGICAL UNIT NOT SUPPORTED; A never noticed anything but UAs.
     ctl(&path, &["lun", "remove", TARGET, "1"]).await.unwrap();

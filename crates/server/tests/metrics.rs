@@ -51,7 +51,7 @@ async fn start() -> Running {
     let control = server.control();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics = l.local_addr().unwrap();
-    tokio::spawn(ironsan_server::metrics::serve_metrics(l, control.clone()));
+    tokio::spawn(ironsan_server::http::serve(l, control.clone()));
     let tx = support::run_in_background(server);
     Running {
         iscsi,
@@ -446,11 +446,6 @@ async fn scrape_counts_io_and_histograms_are_consistent() {
     let p50 = w["stages"]["total"]["p50_us"].as_f64().unwrap();
     let p99 = w["stages"]["total"]["p99_us"].as_f64().unwrap();
     assert!(p50 > 0.0 && p50 <= p99, "{w}");
-    let text = ironsan_server::admin::render(&["stats".to_string()], &v);
-    assert!(
-        text.contains("LUN 0 write: ") && text.contains("backend"),
-        "{text}"
-    );
     assert!(srv
         .control
         .dispatch(&NoHooks, &["stats".to_string(), "iqn.nope:x".to_string()])
@@ -460,16 +455,32 @@ async fn scrape_counts_io_and_histograms_are_consistent() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metrics_listener_answers_only_get_metrics() {
+async fn metrics_listener_serves_metrics_and_the_status_page_and_nothing_else() {
     let srv = start().await;
-    let (status, _, body) = http(srv.metrics, b"GET / HTTP/1.1\r\n\r\n").await;
+    let (status, headers, body) = http(srv.metrics, b"GET / HTTP/1.1\r\n\r\n").await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert!(
+        headers
+            .to_ascii_lowercase()
+            .contains("content-type: text/html"),
+        "{headers}"
+    );
+    assert!(body.contains("api/status"), "{body}");
+    let (status, _, body) = http(srv.metrics, b"GET /nothing HTTP/1.1\r\n\r\n").await;
     assert_eq!(status, "HTTP/1.1 404 Not Found");
     assert!(body.contains("/metrics"));
-    let (status, _, _) = http(srv.metrics, b"POST /metrics HTTP/1.1\r\n\r\n").await;
-    assert_eq!(status, "HTTP/1.1 404 Not Found");
+    let (status, headers, _) = http(srv.metrics, b"POST /metrics HTTP/1.1\r\n\r\n").await;
+    assert_eq!(status, "HTTP/1.1 405 Method Not Allowed");
+    assert!(
+        headers.to_ascii_lowercase().contains("allow: get,head"),
+        "{headers}"
+    );
     let (status, headers, body) = http(srv.metrics, b"HEAD /metrics HTTP/1.1\r\n\r\n").await;
     assert_eq!(status, "HTTP/1.1 200 OK");
-    assert!(body.is_empty() && headers.contains("Content-Length"));
+    assert!(
+        body.is_empty() && headers.to_ascii_lowercase().contains("content-length"),
+        "{headers}"
+    );
     // A request head that never ends is cut off at 8 KiB.
     let mut big = b"GET /metrics HTTP/1.1\r\n".to_vec();
     big.extend(std::iter::repeat_n(b'x', 20_000));

@@ -99,7 +99,7 @@ pub fn login_opts(target: &str, initiator: &str, isid: u8) -> LoginOptions {
 pub async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
     let path = path.to_owned();
     let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
-    tokio::task::spawn_blocking(move || admin::call(&path, &argv))
+    tokio::task::spawn_blocking(move || admin::call(&path, &argv).map_err(|e| e.to_string()))
         .await
         .unwrap()
 }

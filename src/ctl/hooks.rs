@@ -1,60 +1,15 @@
-//! `ironsan ctl` (the client of the control socket) and the binary's side of the control
-//! socket: building LUNs from specs (`lun add`), `apply` and `save`.
+//! The binary's side of the control socket: building LUNs from specs (`lun add`), `apply`
+//! and `save`, which need the configuration syntax the server crate does not know.
 
 use crate::config::{self, Backing, Limits, LunPlan, Plan};
 use anyhow::Result;
 use ironsan_scsi::LogicalUnit;
-use ironsan_server::admin::{self, Control, Hooks};
+use ironsan_server::admin::{Control, Hooks};
 use ironsan_server::{Access, PortalGroup, PortalInfo, TargetDef};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-
-#[derive(clap::Args)]
-#[command(after_help = "COMMANDS:
-  sessions                          sessions and connections: negotiated keys, counters, TCP_INFO
-  targets | luns [TARGET] | portals | show target IQN | counters
-  stats [TARGET]                    latency per stage (receive, queue, backend, respond, send, total)
-                                    per LUN and class: count, bytes, mean, p50, p99
-  lun add TARGET SPEC [LUN]         map a new LUN (SPEC as for --lun, e.g. ram:1G, file:x.img:10G,direct)
-  lun remove TARGET LUN             unmap a LUN (other LUs report REPORTED LUNS DATA HAS CHANGED)
-  lun resize TARGET LUN SIZE        grow (or shrink) a LUN; raises CAPACITY DATA HAS CHANGED
-  target add IQN [--alias A]        a new target (no LUNs, open to every initiator)
-  target remove IQN [--force]       --force closes its sessions
-  portal add ADDR:PORT [--tag N]    listen on a new portal of group N (default 1) now
-  portal remove ADDR:PORT           stop listening there (sessions that came in through it stay)
-  acl add|remove TARGET RULE        RULE as for --acl; TARGET 'discovery' for discovery sessions
-  alua [TARGET]                     ALUA target port groups: state, preferred, ports, portals
-  alua set TARGET GROUP STATE [--transition SECS]
-                                    active/optimized | active/non-optimized | standby |
-                                    unavailable | offline; --transition: transitioning first
-  alua prefer TARGET GROUP on|off   the PREF bit multipath adds to a group's priority
-  apply FILE [--dry-run]            reconcile the running state to a configuration file
-  save [FILE]                       write the running state as TOML (default: the --config file):
-                                    portals as bound, [limits], targets, ACLs, LUNs with identity")]
-pub struct CtlArgs {
-    /// The control socket of `ironsan serve` (default: as serve's default).
-    #[arg(long, value_name = "PATH", env = "IRONSAN_CONTROL")]
-    control: Option<PathBuf>,
-    /// Print the JSON answer instead of tables.
-    #[arg(long)]
-    json: bool,
-    /// The command and its arguments.
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
-    command: Vec<String>,
-}
-
-pub fn run(args: CtlArgs) -> Result<()> {
-    let path = args.control.unwrap_or_else(admin::default_socket_path);
-    let data = admin::call(&path, &args.command).map_err(anyhow::Error::msg)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&data)?);
-    } else {
-        print!("{}", admin::render(&args.command, &data));
-    }
-    Ok(())
-}
 
 /// The `--lun` spec equivalent to `l` (what `save` writes and `luns` shows).
 pub fn lun_spec(l: &LunPlan) -> String {

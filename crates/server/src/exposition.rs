@@ -1,0 +1,323 @@
+//! The Prometheus exposition of `GET /metrics`: every family, read from the live counters and
+//! latency histograms when scraped, encoded in the text format 0.0.4 by `prometheus-client`.
+//!
+//! The data path keeps its own lock-free counters and log2 histograms ([`crate::metrics`]):
+//! `prometheus-client`'s `Histogram` takes a lock on every observation, which the command path
+//! must not pay. The crate is used for what it fits: a [`Collector`] reads the counters at
+//! scrape time and hands them to the crate's encoder, which writes the names, HELP and TYPE
+//! lines, label escaping, `_total` suffixes and histogram buckets.
+
+use crate::admin::{ConnCounters, Control};
+use crate::metrics::{Class, BUCKETS, STAGES};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use std::fmt::Error;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// The `Content-Type` of the exposition.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// The whole exposition (text format 0.0.4).
+pub fn prometheus(control: &Control) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Families(control.clone())));
+    let mut out = String::with_capacity(64 << 10);
+    // Writing into a String fails only if a collector does; ours do not.
+    let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &registry);
+    out
+}
+
+/// Labels of one series.
+type Labels<'a> = Vec<(&'static str, String)>;
+
+/// Every family ironsan exports, read at scrape time.
+#[derive(Debug)]
+struct Families(Control);
+
+/// `le` of finite bucket `i` in seconds (2^i µs).
+fn le_seconds(i: usize) -> f64 {
+    (1u64 << i) as f64 / 1e6
+}
+
+fn counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = (Labels<'static>, u64)>,
+) -> Result<(), Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, v) in series {
+        m.encode_family(&labels)?
+            .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
+    }
+    Ok(())
+}
+
+fn gauge(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = (Labels<'static>, i64)>,
+) -> Result<(), Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in series {
+        m.encode_family(&labels)?.encode_gauge(&v)?;
+    }
+    Ok(())
+}
+
+fn conn_labels(c: &ConnCounters) -> Labels<'static> {
+    vec![
+        ("target", c.target.clone()),
+        ("initiator", c.initiator.clone()),
+        ("tsih", c.tsih.to_string()),
+        ("cid", c.cid.to_string()),
+    ]
+}
+
+impl Collector for Families {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), Error> {
+        let control = &self.0;
+        let luns = control.lun_metrics(None).unwrap_or_default();
+        let lun_labels =
+            |t: &str, lun: u64| vec![("target", t.to_string()), ("lun", lun.to_string())];
+
+        counter(
+            &mut enc,
+            "ironsan_commands",
+            "SCSI commands completed (response written), per target, LUN and class",
+            luns.iter().flat_map(|(t, lun, m)| {
+                Class::ALL.into_iter().map(move |c| {
+                    let mut l = lun_labels(t, *lun);
+                    l.push(("class", c.name().to_string()));
+                    (l, m.classes[c as usize].commands.load(Relaxed))
+                })
+            }),
+        )?;
+        counter(
+            &mut enc,
+            "ironsan_bytes",
+            "Data bytes moved by completed commands: read = Data-In sent, write = Data-Out received",
+            luns.iter().flat_map(|(t, lun, m)| {
+                [Class::Read, Class::Write].into_iter().map(move |c| {
+                    let mut l = lun_labels(t, *lun);
+                    l.push(("direction", c.name().to_string()));
+                    (l, m.classes[c as usize].bytes.load(Relaxed))
+                })
+            }),
+        )?;
+
+        {
+            let mut h = enc.encode_descriptor(
+            "ironsan_command_latency_seconds",
+            "Time per stage of a command: receive (header to data complete), queue (to SCSI execute), backend (SCSI and backend), respond (response built and queued), send (queued to written), total",
+            None,
+            MetricType::Histogram,
+        )?;
+            for (t, lun, m) in &luns {
+                for c in Class::ALL {
+                    for (stage, hist) in STAGES.iter().zip(&m.classes[c as usize].stages) {
+                        let s = hist.snapshot();
+                        let mut l = lun_labels(t, *lun);
+                        l.push(("class", c.name().to_string()));
+                        l.push(("stage", stage.to_string()));
+                        // The encoder writes the buckets cumulatively and adds +Inf with `count`.
+                        let buckets: Vec<(f64, u64)> =
+                            (0..BUCKETS).map(|i| (le_seconds(i), s.counts[i])).collect();
+                        h.encode_family(&l)?.encode_histogram::<NoLabelSet>(
+                            s.sum_ns as f64 / 1e9,
+                            s.count(),
+                            &buckets,
+                            None,
+                        )?;
+                    }
+                }
+            }
+        }
+
+        let inventory = control.lun_inventory();
+        gauge(
+            &mut enc,
+            "ironsan_lun_info",
+            "Every LUN (value 1), with its backend and device (the spec's first part: rbd:POOL/IMAGE, file:PATH, ram:SIZE, ...)",
+            inventory.iter().map(|(t, lun, kind, device, _)| {
+                let mut l = lun_labels(t, *lun);
+                l.push(("backend", kind.to_string()));
+                l.push(("device", device.clone()));
+                (l, 1)
+            }),
+        )?;
+        gauge(
+            &mut enc,
+            "ironsan_backend_operations_in_flight",
+            "Operations a LUN's backend has handed to its storage and not yet seen complete (RBD: in librbd)",
+            inventory.iter().filter_map(|(t, lun, kind, _, n)| {
+                let mut l = lun_labels(t, *lun);
+                l.push(("backend", kind.to_string()));
+                Some((l, i64::try_from((*n)?).unwrap_or(i64::MAX)))
+            }),
+        )?;
+
+        let mut alua = Vec::new();
+        for name in control.target_names() {
+            let Ok((_, groups)) = control.port_groups(&name) else {
+                continue;
+            };
+            for g in groups {
+                for st in ironsan_scsi::AccessState::ALL {
+                    let l = vec![
+                        ("target", name.clone()),
+                        ("group", g.id.to_string()),
+                        ("state", st.name().to_string()),
+                    ];
+                    alua.push((l, i64::from(g.state == st)));
+                }
+            }
+        }
+        gauge(
+            &mut enc,
+            "ironsan_alua_group_state",
+            "ALUA target port groups: 1 for the state each group is in, 0 for the others (state: active/optimized, active/non-optimized, standby, unavailable, offline, transitioning)",
+            alua,
+        )?;
+
+        let g = control.gauges();
+        let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        gauge(
+            &mut enc,
+            "ironsan_sessions",
+            "Sessions (normal and discovery) now",
+            [(vec![], n(g.sessions))],
+        )?;
+        gauge(
+            &mut enc,
+            "ironsan_connections",
+            "TCP connections open now",
+            [(vec![], n(g.connections))],
+        )?;
+        let conns = control.connection_counters();
+        counter(
+            &mut enc,
+            "ironsan_connection_bytes",
+            "Bytes received and sent on each connection of each session (several per session with MC/S)",
+            conns.iter().flat_map(|c| {
+                [("rx", c.rx_bytes), ("tx", c.tx_bytes)].map(|(d, v)| {
+                    let mut l = conn_labels(c);
+                    l.push(("direction", d.to_string()));
+                    (l, v)
+                })
+            }),
+        )?;
+        counter(
+            &mut enc,
+            "ironsan_connection_commands",
+            "SCSI commands received on each connection, by class",
+            conns.iter().flat_map(|c| {
+                [("read", c.reads), ("write", c.writes), ("other", c.other)].map(|(k, v)| {
+                    let mut l = conn_labels(c);
+                    l.push(("class", k.to_string()));
+                    (l, v)
+                })
+            }),
+        )?;
+        gauge(
+            &mut enc,
+            "ironsan_connection_commands_in_flight",
+            "SCSI commands delivered on each connection and not yet completed",
+            conns.iter().map(|c| (conn_labels(c), n(c.in_flight))),
+        )?;
+        counter(
+            &mut enc,
+            "ironsan_logins",
+            "Logins by result; failures by reason",
+            std::iter::once((
+                vec![("result", "success".to_string()), ("reason", String::new())],
+                g.logins,
+            ))
+            .chain(g.login_failures.iter().map(|(reason, v)| {
+                (
+                    vec![
+                        ("result", "failure".to_string()),
+                        ("reason", reason.to_string()),
+                    ],
+                    *v,
+                )
+            })),
+        )?;
+        counter(
+            &mut enc,
+            "ironsan_digest_errors",
+            "Header and data digest (CRC32C) errors",
+            [(vec![], g.digest_errors)],
+        )?;
+        counter(
+            &mut enc,
+            "ironsan_zero_copy_read_bytes",
+            "Data-In bytes sent straight from file LUNs' page cache (sendfile, or a mapping of a tmpfs file) or as the kernel's zero page (reads of nothing stored in RAM and NULL LUNs); zero_copy_reads",
+            [(vec![], g.zero_copy_bytes)],
+        )?;
+        counter(
+            &mut enc,
+            "ironsan_zero_copy_write_bytes",
+            "Data-Out bytes received straight into file LUNs' pages (zero_copy_writes)",
+            [(vec![], g.zero_copy_write_bytes)],
+        )?;
+
+        let (cpu, rss) = process_stats();
+        if let Some(cpu) = cpu {
+            let mut m = enc.encode_descriptor(
+                "process_cpu_seconds",
+                "Total user and system CPU time spent in seconds",
+                None,
+                MetricType::Counter,
+            )?;
+            m.encode_counter::<NoLabelSet, _, u64>(&cpu, None)?;
+        }
+        if let Some(rss) = rss {
+            gauge(
+                &mut enc,
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes",
+                [(vec![], n(rss))],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// CPU seconds (user + system) and resident bytes of this process, from /proc.
+fn process_stats() -> (Option<f64>, Option<u64>) {
+    const CLK_TCK: f64 = 100.0;
+    let cpu = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // Fields after the command name (which may hold spaces) start at field 3 (state).
+            let rest = &s[s.rfind(')')? + 1..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let utime: u64 = f.get(11)?.parse().ok()?;
+            let stime: u64 = f.get(12)?.parse().ok()?;
+            Some((utime + stime) as f64 / CLK_TCK)
+        });
+    let rss = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let l = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+            let kb: u64 = l.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kb * 1024)
+        });
+    (cpu, rss)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bucket_bounds_are_powers_of_two_microseconds() {
+        assert_eq!(le_seconds(0).to_string(), "0.000001");
+        assert_eq!(le_seconds(1).to_string(), "0.000002");
+        assert_eq!(le_seconds(24).to_string(), "16.777216");
+    }
+}

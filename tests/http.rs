@@ -1,0 +1,137 @@
+//! The HTTP listener of `ironsan serve --metrics` with real clients: Prometheus' own checker
+//! (`promtool check metrics`, Debian package `prometheus`) on a scrape taken under load, and
+//! the status page loaded by headless Chromium while a libiscsi session is logged in.
+
+mod common;
+use common::*;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+/// GET `path` from `addr`: (status code, body).
+fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).unwrap();
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let code = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"));
+    (code, body.to_string())
+}
+
+/// serve with a RAM LUN, the metrics listener on a free port, and a libiscsi session reading
+/// from it until dropped.
+fn serve_with_session() -> (Server, SocketAddr, Background) {
+    let maddr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let m = maddr.to_string();
+    let s = Server::start(&["--lun", "ram:64M", "--metrics", &m]);
+    let mut perf = Background::spawn("iscsi-perf", &[&s.url(0)]);
+    perf.wait_for_stdout("iops current", Duration::from_secs(15));
+    (s, maddr, perf)
+}
+
+#[test]
+fn metrics_pass_promtool_check_metrics_under_load() {
+    if !require_tools(&["promtool", "iscsi-perf"]) {
+        return;
+    }
+    let (_s, maddr, _perf) = serve_with_session();
+    let (code, body) = get(maddr, "/metrics");
+    assert_eq!(code, 200, "{body}");
+    for family in [
+        "ironsan_commands_total{",
+        "ironsan_command_latency_seconds_bucket{",
+        "ironsan_connection_bytes_total{",
+        "ironsan_sessions 1",
+        "ironsan_lun_info{",
+    ] {
+        assert!(body.contains(family), "no {family} in:\n{body}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("metrics.txt");
+    std::fs::write(&file, &body).unwrap();
+    let out = run_unchecked(
+        "sh",
+        &[
+            "-c",
+            &format!("promtool check metrics < {}", file.display()),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}",
+        show(&out)
+    );
+}
+
+#[test]
+fn status_page_shows_a_live_session_in_chromium_without_console_errors() {
+    let Some(chromium) = which("chromium").or_else(|| which("chromium-browser")) else {
+        require_tool("chromium");
+        return;
+    };
+    if !require_tool("iscsi-perf") {
+        return;
+    }
+    let (s, maddr, _perf) = serve_with_session();
+    let (code, api) = get(maddr, "/api/status");
+    assert_eq!(code, 200, "{api}");
+    let v: serde_json::Value = serde_json::from_str(&api).unwrap();
+    let initiator = v["sessions"][0]["initiator"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no session in /api/status: {api}"))
+        .to_string();
+    assert_eq!(get(maddr, "/nothing-here").0, 404);
+
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("profile");
+    let url = format!("http://{maddr}/");
+    let args = [
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--virtual-time-budget=5000",
+        &format!("--user-data-dir={}", profile.display()),
+        "--dump-dom",
+        &url,
+    ];
+    let started = Instant::now();
+    let out = run_unchecked(chromium.to_str().unwrap(), &args, Duration::from_secs(120));
+    assert!(out.status.success(), "chromium failed:\n{}", show(&out));
+    let dom = String::from_utf8_lossy(&out.stdout);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        dom.contains("data-state=\"ok\""),
+        "the page did not render the status (after {:?}):\n{dom}\n{log}",
+        started.elapsed()
+    );
+    assert!(dom.contains("data-sessions=\"1\""), "{dom}");
+    assert!(
+        dom.contains(&initiator),
+        "the session's initiator is not shown:\n{dom}"
+    );
+    assert!(dom.contains(&s.target), "{dom}");
+    assert!(dom.contains("ram:67108864"), "the LUN is not shown:\n{dom}");
+    assert!(
+        dom.contains("MaxBurstLength="),
+        "no negotiated keys:\n{dom}"
+    );
+    let errors: Vec<&str> = log
+        .lines()
+        .filter(|l| (l.contains("CONSOLE") || l.contains("Uncaught")) && !l.contains(":INFO:"))
+        .collect();
+    assert!(errors.is_empty(), "console errors:\n{}", errors.join("\n"));
+}
