@@ -65,7 +65,7 @@ apt_install() {
 PLAIN=(gcc libiscsi-bin tgt istgt iproute2 procps python3 shellcheck
     qemu-system-x86 linux-image-amd64 busybox-static open-iscsi e2fsprogs
     ceph-mon ceph-osd ceph-common librbd1 tgt-rbd fio multipath-tools sg3-utils
-    python3-matplotlib chromium prometheus dpkg-dev)
+    python3-matplotlib chromium prometheus dpkg-dev curl)
 missing=()
 for pkg in "${PLAIN[@]}"; do
     is_installed "$pkg" || missing+=("$pkg")

@@ -79,7 +79,7 @@ if [[ $QUICK -eq 0 ]]; then
     section "shellcheck"
     # Gate on warnings and errors; info-level notes (e.g. SC2317 "unreachable"
     # for functions only called from traps) are advice, not defects.
-    shellcheck -S warning scripts/*.sh bench/*.sh .ci/run tests/kernel/build-initramfs.sh tests/kernel/common.sh
+    shellcheck -S warning scripts/*.sh bench/*.sh packaging/*.sh .ci/run tests/kernel/build-initramfs.sh tests/kernel/common.sh
     shellcheck -S warning -s sh tests/kernel/init tests/kernel/init-multipath
 
     section "fuzz smoke (scripts/fuzz.sh: every target briefly; docs/FUZZING.md for long runs)"
@@ -129,6 +129,9 @@ IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/k
 
 section "benchmark report (bench/report.py on the checked-in run, opened in headless Chromium)"
 bash scripts/report-test.sh
+
+section "Debian package (packaging/build-deb.sh: install, serve from the installed config, remove, purge)"
+IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/package-test.sh
 
 section "bench smoke (bench/run.sh, 1 s per workload: the tool works, figures not judged)"
 # Every client against every target once, interleaved as in a real run; exits 1 if any

@@ -478,7 +478,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
             let l = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|e| anyhow::anyhow!("{what}: cannot listen on {addr}: {e}"))?;
-            println!("  metrics http://{}/metrics", l.local_addr()?);
+            let at = l.local_addr()?;
+            println!("  metrics http://{at}/metrics, status page http://{at}/");
             Some(tokio::spawn(ironsan_server::http::serve(
                 l,
                 control.clone(),
