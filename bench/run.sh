@@ -52,7 +52,7 @@
 #     qd1     QD1 4K random read: latency = 1 / IOPS of iscsi-perf -m 1 -b 8 -r;
 #             ironsan also once more with --busy-poll-us $POLL_US (ironsan-poll).
 #             With ram too, ironsan-poll also runs the 4K QD32 random read:
-#             the opt-in polling mode is what SPDK's figure in issue #4 is.
+#             the opt-in polling mode is what SPDK's published QD1 figure measures.
 #     scale   16 iscsi-perf processes (16 sessions) x -m 8 -b 8 -r, summed,
 #             vs one session -m 32, run just before and just after the 16
 #             against the same target (row 1x-randread-4k-qd32: the two

@@ -52,6 +52,8 @@
 //! ```
 
 use ironsan_backend::parse_size;
+pub use ironsan_server::limits::parse_on_off;
+pub use ironsan_server::Limits;
 use ironsan_server::{Access, AclRule, ChapAccount, PortalGroup};
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -278,32 +280,6 @@ pub struct TargetPlan {
 /// the server's total.
 pub const MAX_CONNECTIONS_PER_SESSION: u16 = 64;
 
-/// Resource limits (docs/SECURITY.md). Defaults are safe for a storage node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limits {
-    pub login_timeout_secs: u64,
-    pub nop_interval_secs: u64,
-    pub nop_timeout_secs: u64,
-    pub max_connections: usize,
-    pub max_sessions: usize,
-    pub max_sessions_per_initiator: usize,
-    pub write_buffer_per_session: u64,
-    pub max_r2ts_per_connection: usize,
-    pub tx_buffer_per_connection: u64,
-    /// SIGTERM: how long to wait for sessions to log out and commands to finish.
-    pub shutdown_grace: std::time::Duration,
-    /// Opt-in busy polling per connection, in microseconds (0: off).
-    pub busy_poll_us: u64,
-    /// Large reads of file LUNs sent from the page cache with `sendfile`.
-    pub zero_copy_reads: ironsan_server::ZeroCopyReads,
-    /// Large writes to tmpfs/ramfs file LUNs received straight into the file's pages.
-    pub zero_copy_writes: bool,
-    /// The connections of a session with several move data in equal shares.
-    pub connection_fairness: bool,
-    /// What runs file LUNs' I/O that may block (process-wide, fixed at start).
-    pub io_engine: ironsan_backend::IoEngine,
-}
-
 #[cfg(test)]
 impl Plan {
     /// Every portal address of every group.
@@ -312,29 +288,6 @@ impl Plan {
             .iter()
             .flat_map(|g| g.listen.iter().copied())
             .collect()
-    }
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        let d = ironsan_server::ServerConfig::new(Vec::new(), Vec::new());
-        Limits {
-            login_timeout_secs: d.login_timeout.as_secs(),
-            nop_interval_secs: d.nop_interval.as_secs(),
-            nop_timeout_secs: d.nop_timeout.as_secs(),
-            max_connections: d.max_connections,
-            max_sessions: d.max_sessions,
-            max_sessions_per_initiator: d.max_sessions_per_initiator,
-            write_buffer_per_session: d.write_buffer_per_session,
-            max_r2ts_per_connection: d.max_r2ts_per_connection,
-            tx_buffer_per_connection: d.tx_buffer_per_connection,
-            shutdown_grace: d.shutdown_grace,
-            busy_poll_us: d.busy_poll.as_micros() as u64,
-            zero_copy_reads: d.zero_copy_reads,
-            zero_copy_writes: d.zero_copy_writes,
-            connection_fairness: d.connection_fairness,
-            io_engine: ironsan_backend::IoEngine::Auto,
-        }
     }
 }
 
@@ -578,7 +531,7 @@ struct FileConfig {
     #[serde(default)]
     target: Vec<FileTarget>,
     discovery: Option<FileAccess>,
-    limits: Option<FileLimits>,
+    limits: Option<Limits>,
     metrics: Option<Spanned<String>>,
     control: Option<Spanned<String>>,
 }
@@ -630,26 +583,6 @@ struct FileChap {
     secret: Option<String>,
     secret_file: Option<String>,
     secret_env: Option<String>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileLimits {
-    login_timeout: Option<Spanned<u64>>,
-    nop_interval: Option<Spanned<u64>>,
-    nop_timeout: Option<Spanned<u64>>,
-    max_connections: Option<Spanned<usize>>,
-    max_sessions: Option<Spanned<usize>>,
-    max_sessions_per_initiator: Option<Spanned<usize>>,
-    write_buffer_per_session: Option<Spanned<String>>,
-    max_r2ts_per_connection: Option<Spanned<usize>>,
-    tx_buffer_per_connection: Option<Spanned<String>>,
-    shutdown_grace: Option<Spanned<String>>,
-    busy_poll_us: Option<Spanned<u64>>,
-    zero_copy_reads: Option<Spanned<String>>,
-    zero_copy_writes: Option<Spanned<String>>,
-    connection_fairness: Option<Spanned<String>>,
-    io_engine: Option<Spanned<String>>,
 }
 
 type At<'a> = &'a dyn Fn(std::ops::Range<usize>, String) -> String;
@@ -790,160 +723,48 @@ fn access_from_file(
     Ok(a)
 }
 
-fn limits_from_file(l: Option<FileLimits>, at: At) -> Result<Limits, String> {
-    let mut out = Limits::default();
-    let Some(l) = l else {
-        return Ok(out);
+/// `[limits]` as read (serde has checked each key's type and form), checked against its
+/// bounds; an error names the line of the key.
+fn limits_from_file(l: Option<Limits>, text: &str, at: At) -> Result<Limits, String> {
+    let l = l.unwrap_or_default();
+    l.check()
+        .map_err(|e| at(key_span(text, "limits", e.key), e.message))?;
+    Ok(l)
+}
+
+/// Where `key = …` is written inside the `[table]` of `text` (for errors found after parsing);
+/// the table's header, or the start, if it cannot be found.
+fn key_span(text: &str, table: &str, key: &str) -> std::ops::Range<usize> {
+    let header = format!("[{table}]");
+    let Some(start) = text.find(&header) else {
+        return 0..0;
     };
-    fn num<T: Copy + PartialOrd + std::fmt::Display>(
-        v: &Option<Spanned<T>>,
-        name: &str,
-        min: T,
-        max: T,
-        dst: &mut T,
-        at: At,
-    ) -> Result<(), String> {
-        if let Some(v) = v {
-            let x = *v.get_ref();
-            if x < min || x > max {
-                return Err(at(
-                    v.span(),
-                    format!("{name} must be between {min} and {max}"),
-                ));
-            }
-            *dst = x;
+    let mut begin = start;
+    for line in text[start..].split_inclusive('\n') {
+        let t = line.trim_start();
+        if begin > start && t.starts_with('[') {
+            break;
         }
-        Ok(())
-    }
-    let size = |v: &Option<Spanned<String>>, name: &str, min: u64, dst: &mut u64| {
-        if let Some(v) = v {
-            let n = parse_size(v.get_ref())
-                .filter(|&n| n >= min && n <= 1 << 40)
-                .ok_or_else(|| {
-                    at(
-                        v.span(),
-                        format!(
-                            "{name} '{}' must be a size from {min} bytes (e.g. 64M)",
-                            v.get_ref()
-                        ),
-                    )
-                })?;
-            *dst = n;
+        if t.strip_prefix(key)
+            .is_some_and(|r| r.trim_start().starts_with('='))
+        {
+            return begin..begin + line.len();
         }
-        Ok::<(), String>(())
-    };
-    num(
-        &l.login_timeout,
-        "login_timeout",
-        1,
-        3600,
-        &mut out.login_timeout_secs,
-        at,
-    )?;
-    num(
-        &l.nop_interval,
-        "nop_interval",
-        0,
-        3600,
-        &mut out.nop_interval_secs,
-        at,
-    )?;
-    num(
-        &l.busy_poll_us,
-        "busy_poll_us",
-        0,
-        10_000,
-        &mut out.busy_poll_us,
-        at,
-    )?;
-    num(
-        &l.nop_timeout,
-        "nop_timeout",
-        1,
-        3600,
-        &mut out.nop_timeout_secs,
-        at,
-    )?;
-    num(
-        &l.max_connections,
-        "max_connections",
-        1,
-        1 << 20,
-        &mut out.max_connections,
-        at,
-    )?;
-    num(
-        &l.max_sessions,
-        "max_sessions",
-        1,
-        1 << 16,
-        &mut out.max_sessions,
-        at,
-    )?;
-    num(
-        &l.max_sessions_per_initiator,
-        "max_sessions_per_initiator",
-        1,
-        1 << 16,
-        &mut out.max_sessions_per_initiator,
-        at,
-    )?;
-    num(
-        &l.max_r2ts_per_connection,
-        "max_r2ts_per_connection",
-        1,
-        1 << 16,
-        &mut out.max_r2ts_per_connection,
-        at,
-    )?;
-    // At least the largest transfer, so one command alone always fits.
-    let max_io = u64::from(ironsan_scsi::MAX_TRANSFER_BYTES);
-    size(
-        &l.write_buffer_per_session,
-        "write_buffer_per_session",
-        max_io,
-        &mut out.write_buffer_per_session,
-    )?;
-    size(
-        &l.tx_buffer_per_connection,
-        "tx_buffer_per_connection",
-        max_io,
-        &mut out.tx_buffer_per_connection,
-    )?;
-    if let Some(z) = &l.zero_copy_reads {
-        out.zero_copy_reads = z
-            .get_ref()
-            .parse()
-            .map_err(|e| at(z.span(), format!("zero_copy_reads: {e}")))?;
+        begin += line.len();
     }
-    if let Some(f) = &l.connection_fairness {
-        out.connection_fairness = parse_on_off(f.get_ref())
-            .map_err(|e| at(f.span(), format!("connection_fairness: {e}")))?;
-    }
-    if let Some(z) = &l.zero_copy_writes {
-        out.zero_copy_writes = parse_on_off(z.get_ref())
-            .map_err(|e| at(z.span(), format!("zero_copy_writes: {e}")))?;
-    }
-    if let Some(z) = &l.io_engine {
-        out.io_engine = z
-            .get_ref()
-            .parse()
-            .map_err(|e| at(z.span(), format!("io_engine: {e}")))?;
-    }
-    if let Some(g) = &l.shutdown_grace {
-        out.shutdown_grace = parse_duration(g.get_ref())
-            .filter(|d| d.as_secs() <= 3600)
-            .ok_or_else(|| {
-                at(
-                    g.span(),
-                    format!(
-                        "shutdown_grace '{}' must be a duration up to 1h (e.g. \"10s\", \"500ms\", \"2m\")",
-                        g.get_ref()
-                    ),
-                )
-            })?;
-    }
-    Ok(out)
+    start..start + header.len()
+}
+
+/// The key of the `key = value` line holding `offset`, if that line is one.
+fn key_at(text: &str, offset: usize) -> Option<&str> {
+    let line_start = text.get(..offset)?.rfind('\n').map_or(0, |i| i + 1);
+    let line = text.get(line_start..)?.lines().next()?;
+    let (k, _) = line.split_once('=')?;
+    let k = k.trim();
+    (!k.is_empty()
+        && k.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+    .then_some(k)
 }
 
 #[derive(Deserialize)]
@@ -963,31 +784,6 @@ struct FileLun {
     physical_block_size: Option<Spanned<u32>>,
     serial: Option<Spanned<String>>,
     naa: Option<Spanned<String>>,
-}
-
-/// A duration: a number with `ms`, `s`, `m` or `h` (`"10s"`, `"1500ms"`, `"2m"`).
-/// "on" or "off" (zero_copy_writes).
-pub fn parse_on_off(v: &str) -> Result<bool, String> {
-    match v {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        other => Err(format!("expected on or off, not {other:?}")),
-    }
-}
-
-pub fn parse_duration(v: &str) -> Option<std::time::Duration> {
-    let v = v.trim();
-    let split = v.find(|c: char| !c.is_ascii_digit())?;
-    let (n, unit) = v.split_at(split);
-    let n: u64 = n.parse().ok()?;
-    let ms = match unit.trim() {
-        "ms" => n,
-        "s" => n.checked_mul(1000)?,
-        "m" => n.checked_mul(60_000)?,
-        "h" => n.checked_mul(3_600_000)?,
-        _ => return None,
-    };
-    Some(std::time::Duration::from_millis(ms))
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
@@ -1033,8 +829,13 @@ pub fn load_file(path: &Path) -> Result<Plan, String> {
 pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
     let file = path.display();
     let cfg: FileConfig = toml::from_str(text).map_err(|e| {
-        let line = e.span().map(|s| line_of(text, s.start)).unwrap_or(1);
-        format!("{file}:{line}: {}", e.message())
+        let start = e.span().map(|s| s.start).unwrap_or(0);
+        let line = line_of(text, start);
+        // Errors of a value's own form (a size, a duration, on/off) do not name the key.
+        match key_at(text, start).filter(|k| !e.message().contains(k)) {
+            Some(k) => format!("{file}:{line}: {k}: {}", e.message()),
+            None => format!("{file}:{line}: {}", e.message()),
+        }
     })?;
     let at = |span: std::ops::Range<usize>, msg: String| {
         format!("{file}:{}: {msg}", line_of(text, span.start))
@@ -1218,7 +1019,7 @@ pub fn parse_file(text: &str, path: &Path) -> Result<Plan, String> {
         Some(d) => access_from_file(&d.acl, &d.chap, &d.mutual_chap, base, &at)?,
         None => Access::default(),
     };
-    let limits = limits_from_file(cfg.limits, &at)?;
+    let limits = limits_from_file(cfg.limits, text, &at)?;
     let metrics = match &cfg.metrics {
         Some(m) => Some(m.get_ref().parse::<SocketAddr>().map_err(|_| {
             at(
@@ -1476,6 +1277,7 @@ pub fn from_flags(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ironsan_server::limits::parse_duration;
 
     #[test]
     fn parses_every_lun_spec_form() {

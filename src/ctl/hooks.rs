@@ -571,46 +571,9 @@ fn clashes(a: &SocketAddr, b: &SocketAddr) -> bool {
     a.port() == b.port() && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
 }
 
-/// A byte count as the configuration file writes sizes (`64M`, or plain bytes).
-fn size_text(n: u64) -> String {
-    for (unit, shift) in [("T", 40), ("G", 30), ("M", 20), ("K", 10)] {
-        if n > 0 && n.is_multiple_of(1u64 << shift) {
-            return format!("{}{unit}", n >> shift);
-        }
-    }
-    n.to_string()
-}
-
-/// A duration as the configuration file writes it (`10s`, `2500ms`).
-fn duration_text(d: std::time::Duration) -> String {
-    let ms = d.as_millis();
-    if ms.is_multiple_of(1000) {
-        format!("{}s", ms / 1000)
-    } else {
-        format!("{ms}ms")
-    }
-}
-
 /// The `[limits]` section with every limit (the running values, defaults included).
 fn limits_text(l: &Limits) -> String {
-    format!(
-        "\n[limits]\nlogin_timeout = {}\nnop_interval = {}\nnop_timeout = {}\nmax_connections = {}\nmax_sessions = {}\nmax_sessions_per_initiator = {}\nwrite_buffer_per_session = \"{}\"\nmax_r2ts_per_connection = {}\ntx_buffer_per_connection = \"{}\"\nshutdown_grace = \"{}\"\nbusy_poll_us = {}\nzero_copy_reads = \"{}\"\nzero_copy_writes = \"{}\"\nconnection_fairness = \"{}\"\nio_engine = \"{}\"\n",
-        l.login_timeout_secs,
-        l.nop_interval_secs,
-        l.nop_timeout_secs,
-        l.max_connections,
-        l.max_sessions,
-        l.max_sessions_per_initiator,
-        size_text(l.write_buffer_per_session),
-        l.max_r2ts_per_connection,
-        size_text(l.tx_buffer_per_connection),
-        duration_text(l.shutdown_grace),
-        l.busy_poll_us,
-        l.zero_copy_reads,
-        if l.zero_copy_writes { "on" } else { "off" },
-        if l.connection_fairness { "on" } else { "off" },
-        l.io_engine,
-    )
+    format!("\n[limits]\n{}", l.to_toml())
 }
 
 fn plan_size(l: &LunPlan) -> Option<u64> {
@@ -1010,9 +973,9 @@ shutdown_grace = "2500ms"
         let d = Limits::default();
         assert_eq!(plan_limits(&limits_text(&d)), d);
         let l = Limits {
-            login_timeout_secs: 3,
-            nop_interval_secs: 0,
-            nop_timeout_secs: 7,
+            login_timeout: std::time::Duration::from_secs(3),
+            nop_interval: std::time::Duration::ZERO,
+            nop_timeout: std::time::Duration::from_secs(7),
             max_connections: 9,
             max_sessions: 10,
             max_sessions_per_initiator: 2,
@@ -1020,7 +983,7 @@ shutdown_grace = "2500ms"
             max_r2ts_per_connection: 5,
             tx_buffer_per_connection: 1 << 30,
             shutdown_grace: std::time::Duration::from_millis(1500),
-            busy_poll_us: 50,
+            busy_poll: std::time::Duration::from_micros(50),
             zero_copy_reads: ironsan_server::ZeroCopyReads::On,
             zero_copy_writes: false,
             connection_fairness: false,
@@ -1034,6 +997,9 @@ shutdown_grace = "2500ms"
         );
         assert!(text.contains("shutdown_grace = \"1500ms\""), "{text}");
         assert_eq!(plan_limits(&text), l);
-        assert_eq!(duration_text(std::time::Duration::ZERO), "0s");
+        assert_eq!(
+            ironsan_server::limits::duration_text(std::time::Duration::ZERO),
+            "0s"
+        );
     }
 }

@@ -22,6 +22,7 @@ pub mod exposition;
 pub mod fair;
 pub mod http;
 pub mod io;
+pub mod limits;
 pub mod metrics;
 mod session;
 mod sys;
@@ -38,6 +39,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
 
 pub use access::{Access, AclRule, ChapAccount, Secret};
+pub use limits::Limits;
 pub use session::SessionInfo;
 
 /// One iSCSI target (an iSCSI node with a SCSI target device behind it).
@@ -89,54 +91,14 @@ pub struct ServerConfig {
     pub negotiation: TargetDefaults,
     /// Commands one session may have in the target at once (sets MaxCmdSN).
     pub queue_depth: u32,
-    /// A login must complete within this time.
-    pub login_timeout: Duration,
-    /// Send a NOP-In ping after this long without traffic (zero disables).
-    pub nop_interval: Duration,
-    /// Drop the connection if a ping is not answered within this time.
-    pub nop_timeout: Duration,
+    /// Resource limits and data-path switches (`[limits]`).
+    pub limits: Limits,
     /// Largest Expected Data Transfer Length of a write the target will buffer.
     pub max_io_bytes: u32,
     /// Access control (ACL, CHAP) per target name; a target without an entry is open.
     pub access: HashMap<String, Access>,
     /// Access control for discovery sessions.
     pub discovery: Access,
-    /// Connections the server holds at once (any state). A login beyond it fails with 0302
-    /// (out of resources); a few more are accepted only to say so, the rest closed at once.
-    pub max_connections: usize,
-    /// Sessions (normal and discovery) at once; a new one beyond it: 0302.
-    pub max_sessions: usize,
-    /// Sessions one initiator name may have at once; a new one beyond it: 0302.
-    pub max_sessions_per_initiator: usize,
-    /// Bytes of write data a session may have buffered (sum of the EDTL of its writes from
-    /// arrival to completion). A write beyond it ends with TASK SET FULL. At least
-    /// `max_io_bytes`, so a write alone always fits.
-    pub write_buffer_per_session: u64,
-    /// R2Ts outstanding at once over all the writes of a connection (on top of
-    /// MaxOutstandingR2T per task); further R2Ts wait until data arrives.
-    pub max_r2ts_per_connection: usize,
-    /// Bytes of read data a connection may have between the backend and the socket; a read
-    /// waits (holding its CmdSN slot, so MaxCmdSN stops advancing) until the writer has sent
-    /// enough. Bounds what an initiator that never reads can make the target hold.
-    pub tx_buffer_per_connection: u64,
-    /// On shutdown: how long to wait, after asking every initiator to log out (Async
-    /// Message), for in-flight commands to finish and sessions to log out before the
-    /// remaining connections are closed.
-    pub shutdown_grace: Duration,
-    /// Opt-in busy polling: before a connection's reader waits for the socket, it keeps
-    /// trying to receive for this long (yielding to other tasks in between). Cuts QD1
-    /// latency by avoiding the sleep and wake-up per command, at the price of a core spinning
-    /// while initiators are active. Zero (the default): never poll.
-    pub busy_poll: Duration,
-    /// Whether large reads of file LUNs go from the page cache to the socket with `sendfile`
-    /// (no copy through user space) when a connection has no data digest.
-    pub zero_copy_reads: ZeroCopyReads,
-    /// Whether large writes to file LUNs on tmpfs/ramfs receive their Data-Out straight into
-    /// the file's pages (no copy through a buffer) when a connection has no data digest.
-    pub zero_copy_writes: bool,
-    /// The connection fairness control ([`fair`]): the connections of a session with several
-    /// move data in equal shares.
-    pub connection_fairness: bool,
 }
 
 /// How a connection sends large file-LUN reads without copying them through a buffer. Only
@@ -207,23 +169,10 @@ impl ServerConfig {
             targets,
             negotiation: TargetDefaults::default(),
             queue_depth: 128,
-            login_timeout: Duration::from_secs(15),
-            nop_interval: Duration::from_secs(15),
-            nop_timeout: Duration::from_secs(30),
+            limits: Limits::default(),
             max_io_bytes: ironsan_scsi::MAX_TRANSFER_BYTES,
             access: HashMap::new(),
             discovery: Access::default(),
-            max_connections: 1024,
-            max_sessions: 512,
-            max_sessions_per_initiator: 32,
-            write_buffer_per_session: 64 << 20,
-            max_r2ts_per_connection: 256,
-            tx_buffer_per_connection: 64 << 20,
-            shutdown_grace: Duration::from_secs(10),
-            busy_poll: Duration::ZERO,
-            zero_copy_reads: ZeroCopyReads::Auto,
-            zero_copy_writes: true,
-            connection_fairness: true,
         }
     }
 }
@@ -499,7 +448,7 @@ impl Server {
         stop.await;
         // Every listening socket is closed when this returns; portals can no longer be added.
         drop(accepting);
-        let grace = self.shared.cfg.shutdown_grace;
+        let grace = self.shared.cfg.limits.shutdown_grace;
         let (sessions, conns) = (self.shared.session_count(), self.shared.open_connections());
         tracing::info!(
             sessions,
@@ -950,6 +899,7 @@ async fn accept_loop(
                 if open
                     >= shared
                         .cfg
+                        .limits
                         .max_connections
                         .saturating_add(OVERFLOW_CONNECTIONS)
                 {
@@ -959,7 +909,7 @@ async fn accept_loop(
                     continue;
                 }
                 let _ = stream.set_nodelay(true);
-                let over = open >= shared.cfg.max_connections;
+                let over = open >= shared.cfg.limits.max_connections;
                 let tag = tag.load(Ordering::Relaxed);
                 tokio::spawn(async move {
                     conn::run(stream, peer, tag, Arc::clone(&guard.0), over).await;

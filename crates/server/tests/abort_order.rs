@@ -465,8 +465,8 @@ async fn silent_initiator_is_dropped_by_nop_timeout_and_acknowledged_writes_surv
             "write@2000-2007:hang",
         ],
         |c| {
-            c.nop_interval = Duration::from_millis(200);
-            c.nop_timeout = Duration::from_millis(300);
+            c.limits.nop_interval = Duration::from_millis(200);
+            c.limits.nop_timeout = Duration::from_millis(300);
         },
     )
     .await;

@@ -1290,7 +1290,7 @@ async fn wait_fds_back(baseline: usize) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn c13_idle_connection_flood_is_closed_by_the_login_timeout() {
     let _g = GATE.write().await;
-    let (addr, _stop) = start_with(|c| c.login_timeout = Duration::from_secs(1)).await;
+    let (addr, _stop) = start_with(|c| c.limits.login_timeout = Duration::from_secs(1)).await;
     let by = Bystander::start(addr, 1).await;
     let n = if long() { 2_000 } else { 500 };
     let fd0 = fd_count();
@@ -1336,7 +1336,7 @@ async fn c13_idle_connection_flood_is_closed_by_the_login_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn c13_slow_logins_are_cut_by_the_login_timeout() {
     let _g = GATE.write().await;
-    let (addr, _stop) = start_with(|c| c.login_timeout = Duration::from_secs(1)).await;
+    let (addr, _stop) = start_with(|c| c.limits.login_timeout = Duration::from_secs(1)).await;
     let by = Bystander::start(addr, 1).await;
     let n = if long() { 1_000 } else { 200 };
     let fd0 = fd_count();

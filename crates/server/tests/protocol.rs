@@ -36,7 +36,7 @@ async fn login_write_read_logout() {
 /// slept are both served, with digests and multi-PDU transfers, and logout still works.
 #[tokio::test]
 async fn busy_polling_serves_io_before_and_after_it_sleeps() {
-    let (addr, _stop) = start_with(|c| c.busy_poll = Duration::from_micros(500)).await;
+    let (addr, _stop) = start_with(|c| c.limits.busy_poll = Duration::from_micros(500)).await;
     let mut o = LoginOptions::new(Some(TARGET));
     o.header_digest = true;
     o.data_digest = true;
@@ -63,7 +63,7 @@ async fn busy_polling_serves_io_before_and_after_it_sleeps() {
 async fn logout_behind_reads_waiting_for_transmit_budget_completes() {
     // The budget is max(tx_buffer_per_connection, max_io_bytes) = 32 MiB here: a 32 KiB read
     // (small enough to stay in the reader's batch) and a 32 MiB one cannot both hold it.
-    let (addr, _stop) = start_with(|c| c.tx_buffer_per_connection = 0).await;
+    let (addr, _stop) = start_with(|c| c.limits.tx_buffer_per_connection = 0).await;
     let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
         .await
         .unwrap();
@@ -552,8 +552,8 @@ async fn data_segment_longer_than_negotiated_closes_the_connection() {
 #[tokio::test]
 async fn unanswered_nop_in_closes_the_connection() {
     let (addr, _stop) = start_with(|c| {
-        c.nop_interval = Duration::from_millis(200);
-        c.nop_timeout = Duration::from_millis(300);
+        c.limits.nop_interval = Duration::from_millis(200);
+        c.limits.nop_timeout = Duration::from_millis(300);
     })
     .await;
     let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
@@ -580,8 +580,8 @@ async fn unanswered_nop_in_closes_the_connection() {
 #[tokio::test]
 async fn answered_nop_in_keeps_the_connection() {
     let (addr, _stop) = start_with(|c| {
-        c.nop_interval = Duration::from_millis(100);
-        c.nop_timeout = Duration::from_millis(1000);
+        c.limits.nop_interval = Duration::from_millis(100);
+        c.limits.nop_timeout = Duration::from_millis(1000);
     })
     .await;
     let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))

@@ -442,7 +442,7 @@ async fn discovery_acl_refuses_other_initiators() {
 
 #[tokio::test]
 async fn connections_beyond_the_limit_fail_with_0302() {
-    let (addr, _stop) = start_with(|c| c.max_connections = 2).await;
+    let (addr, _stop) = start_with(|c| c.limits.max_connections = 2).await;
     let mut a = Client::login(addr, &opts(Some(DISK), HOST1, None))
         .await
         .unwrap();
@@ -470,8 +470,8 @@ async fn connections_beyond_the_limit_fail_with_0302() {
 #[tokio::test]
 async fn sessions_per_initiator_and_in_total_are_limited_with_0302() {
     let (addr, _stop) = start_with(|c| {
-        c.max_sessions_per_initiator = 2;
-        c.max_sessions = 3;
+        c.limits.max_sessions_per_initiator = 2;
+        c.limits.max_sessions = 3;
     })
     .await;
     let with_isid = |init: &str, n: u8| {
@@ -548,7 +548,7 @@ async fn recv_timeout(c: &mut Client, ms: u64) -> Option<Pdu> {
 async fn write_buffer_quota_ends_further_writes_with_task_set_full() {
     let (addr, _stop) = start_with(|c| {
         c.max_io_bytes = 1 << 20;
-        c.write_buffer_per_session = 1 << 20;
+        c.limits.write_buffer_per_session = 1 << 20;
     })
     .await;
     let mut c = Client::login(addr, &r2t_only()).await.unwrap();
@@ -599,7 +599,7 @@ async fn write_buffer_quota_ends_further_writes_with_task_set_full() {
 
 #[tokio::test]
 async fn outstanding_r2ts_per_connection_are_capped() {
-    let (addr, _stop) = start_with(|c| c.max_r2ts_per_connection = 2).await;
+    let (addr, _stop) = start_with(|c| c.limits.max_r2ts_per_connection = 2).await;
     let mut c = Client::login(addr, &r2t_only()).await.unwrap();
     for i in 1..=4u32 {
         let w = write_cmd(&mut c, Itt(i), u64::from(i) * 16, 4096);
@@ -650,7 +650,7 @@ async fn outstanding_r2ts_per_connection_are_capped() {
 async fn reads_to_an_initiator_that_does_not_read_are_bounded_and_complete_later() {
     let (addr, _stop) = start_with(|c| {
         c.max_io_bytes = 1 << 20;
-        c.tx_buffer_per_connection = 1 << 20;
+        c.limits.tx_buffer_per_connection = 1 << 20;
     })
     .await;
     let mut c = Client::login(addr, &opts(Some(DISK), HOST1, None))

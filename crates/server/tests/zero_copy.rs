@@ -62,7 +62,7 @@ impl Rig {
 
 /// A server whose LUN 0 is a new file `name` in `dir`.
 async fn start(dir: &Path, name: &str, mode: ZeroCopyReads) -> Rig {
-    start_with(dir, name, |cfg| cfg.zero_copy_reads = mode).await
+    start_with(dir, name, |cfg| cfg.limits.zero_copy_reads = mode).await
 }
 
 /// [`start`] with the server's configuration as `f` leaves it.
@@ -212,7 +212,7 @@ async fn reads_of_nothing_stored_are_sent_from_the_zero_page() {
         (ZeroCopyReads::Off, false),
     ] {
         let rig = start_on(Arc::new(RamBackend::new(LUN_BYTES)), |cfg| {
-            cfg.zero_copy_reads = mode
+            cfg.limits.zero_copy_reads = mode
         })
         .await;
         let mut c = login(rig.addr, |_| {}).await;
@@ -562,7 +562,7 @@ async fn data_digest_or_writes_off_receive_through_a_buffer() {
         "with DataDigest=CRC32C the bytes are checked before they may reach the medium"
     );
     let rig = start_with(Path::new("/dev/shm"), "wr-off", |cfg| {
-        cfg.zero_copy_writes = false;
+        cfg.limits.zero_copy_writes = false;
     })
     .await;
     let mut c = login(rig.addr, |_| {}).await;
@@ -647,7 +647,10 @@ async fn a_write_broken_off_mid_transfer_leaves_no_block_torn() {
     // buffer, nothing is written.
     for on in [true, false] {
         let name = if on { "tear-on" } else { "tear-off" };
-        let rig = start_with(Path::new("/dev/shm"), name, |cfg| cfg.zero_copy_writes = on).await;
+        let rig = start_with(Path::new("/dev/shm"), name, |cfg| {
+            cfg.limits.zero_copy_writes = on
+        })
+        .await;
         let mut c = login(rig.addr, |_| {}).await;
         assert_eq!(c.read16(0, 0, 1, BS).await.unwrap().status, 0);
         let old = pattern(256 << 10, 1);
@@ -697,7 +700,10 @@ async fn a_write_broken_off_mid_transfer_leaves_no_block_torn() {
 async fn reinstatement_mid_data_out_lets_no_late_bytes_of_the_old_write_land() {
     for on in [true, false] {
         let name = if on { "late-on" } else { "late-off" };
-        let rig = start_with(Path::new("/dev/shm"), name, |cfg| cfg.zero_copy_writes = on).await;
+        let rig = start_with(Path::new("/dev/shm"), name, |cfg| {
+            cfg.limits.zero_copy_writes = on
+        })
+        .await;
         let mut c = login(rig.addr, |o| o.isid.0[5] = 21).await;
         // A nexus with a unit attention to report does not place writes: take it first.
         let _ = c.read16(0, 0, 1, BS).await.unwrap();
@@ -734,7 +740,7 @@ async fn reinstatement_mid_data_out_lets_no_late_bytes_of_the_old_write_land() {
 #[tokio::test]
 async fn a_reset_by_another_initiator_releases_a_waiting_in_place_write_at_once() {
     let rig = start_with(Path::new("/dev/shm"), "reset-wait", |cfg| {
-        cfg.zero_copy_writes = true
+        cfg.limits.zero_copy_writes = true
     })
     .await;
     let mut a = login(rig.addr, |o| o.isid.0[5] = 31).await;

@@ -318,7 +318,9 @@ async fn new_session(
         let replaced = usize::from(old.is_some());
         let total = reg.len() - replaced;
         let mine = reg.count_initiator(&ready.initiator_name) - replaced;
-        if total >= shared.cfg.max_sessions || mine >= shared.cfg.max_sessions_per_initiator {
+        if total >= shared.cfg.limits.max_sessions
+            || mine >= shared.cfg.limits.max_sessions_per_initiator
+        {
             tracing::warn!(peer = %info.peer, initiator = %ready.initiator_name, total, mine, "session limit reached: login refused (0302)");
             return Err(LoginStatus::OUT_OF_RESOURCES);
         }
@@ -374,7 +376,7 @@ async fn new_session(
         sparams,
         nexus,
         core,
-        shared.cfg.connection_fairness,
+        shared.cfg.limits.connection_fairness,
     ));
     // Joined before the registry makes it findable: no other login can end it or take its
     // place first, so this cannot fail.

@@ -109,6 +109,7 @@ type ConnResult = Result<(), ConnError>;
 fn tx_budget_bytes(shared: &Shared) -> usize {
     let b = shared
         .cfg
+        .limits
         .tx_buffer_per_connection
         .max(u64::from(shared.cfg.max_io_bytes))
         .min(Semaphore::MAX_PERMITS as u64);
@@ -242,7 +243,7 @@ pub async fn run(
 
     // Login phase, bounded in time so half-sent logins cannot pin resources.
     let login = tokio::time::timeout(
-        shared.cfg.login_timeout,
+        shared.cfg.limits.login_timeout,
         login::login_phase(&mut rd, &tx, &shared, peer, portal, over_limit, &mut writer),
     )
     .await;
@@ -302,7 +303,7 @@ pub async fn run(
         core: ConnCore::new(
             write::write_params(&session, &params),
             params.max_xmit_data_segment_length,
-            shared.cfg.max_r2ts_per_connection,
+            shared.cfg.limits.max_r2ts_per_connection,
         ),
         held: IntMap::default(),
         held_pdus: IntMap::default(),
@@ -318,15 +319,15 @@ pub async fn run(
         writer: direct_writer,
         polling: Arc::new(AtomicBool::new(false)),
         not_polling: Arc::new(AtomicBool::new(false)),
-        place_min: write::place_min(shared.cfg.zero_copy_writes, &params),
-        in_place: exec::in_place_reads(shared.cfg.zero_copy_reads, &params, fd),
+        place_min: write::place_min(shared.cfg.limits.zero_copy_writes, &params),
+        in_place: exec::in_place_reads(shared.cfg.limits.zero_copy_reads, &params, fd),
     };
     let keepalive = tokio::spawn(keepalive::run(
         conn.tx.clone(),
         Arc::clone(&last_rx),
         conn.epoch,
-        shared.cfg.nop_interval,
-        shared.cfg.nop_timeout,
+        shared.cfg.limits.nop_interval,
+        shared.cfg.limits.nop_timeout,
         Arc::clone(&session),
         id,
         cid,
@@ -588,7 +589,7 @@ impl Connection {
                 // (and reap finished command tasks).
                 self.flush().await;
                 while self.tasks.try_join_next().is_some() {}
-                let spin = self.shared.cfg.busy_poll;
+                let spin = self.shared.cfg.limits.busy_poll;
                 if !spin.is_zero() && rd.buffer().is_empty() {
                     // Opt-in busy polling (`busy_poll`): keep receiving for a while instead
                     // of sleeping, letting the writer and other tasks run in between.
@@ -726,6 +727,7 @@ impl Connection {
         let secs = self
             .shared
             .cfg
+            .limits
             .shutdown_grace
             .as_secs()
             .clamp(1, u64::from(u16::MAX));

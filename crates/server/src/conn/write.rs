@@ -227,6 +227,7 @@ impl Connection {
         let quota_limit = self
             .shared
             .cfg
+            .limits
             .write_buffer_per_session
             .max(u64::from(self.shared.cfg.max_io_bytes));
         let quota = (cmd.write && !oversize && edtl > 0)
