@@ -97,7 +97,7 @@ impl BinHooks {
         file: &Path,
         dry_run: bool,
     ) -> Result<Vec<String>, String> {
-        let plan = config::load_file(file)?;
+        let plan = config::load_file(file).map_err(|e| e.to_string())?;
         let mut changes = Vec::new();
         let mut errors = Vec::new();
         let running = control.target_names();
@@ -513,7 +513,7 @@ impl BinHooks {
             }
         }
         // The file must read back.
-        config::parse_file(&out, Path::new("(saved)"))?;
+        config::parse_file(&out, Path::new("(saved)")).map_err(|e| e.to_string())?;
         Ok(out)
     }
 }

@@ -19,7 +19,7 @@
 //! where the CPU is the limit) lose little: the slowest busy one keeps pace with the others,
 //! and nobody waits more than [`MAX_WAIT`]. A session of one connection never looks at it.
 
-use crate::admin::ConnStats;
+use crate::counters::ConnStats;
 use crate::writer::TxStats;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};

@@ -18,6 +18,7 @@
 pub mod access;
 pub mod admin;
 mod conn;
+pub mod counters;
 pub mod exposition;
 pub mod fair;
 pub mod http;
@@ -288,7 +289,7 @@ impl Runtime {
 pub(crate) struct Shared {
     pub cfg: ServerConfig,
     runtime: RwLock<Arc<Runtime>>,
-    pub stats: admin::ServerStats,
+    pub stats: counters::ServerStats,
     /// The spec each LUN was made from (for `ironsan ctl save`), kept by `admin::Control`.
     pub origins:
         Arc<Mutex<std::collections::BTreeMap<String, std::collections::BTreeMap<u64, String>>>>,
@@ -391,7 +392,7 @@ impl Server {
         let shared = Arc::new(Shared {
             cfg,
             runtime: RwLock::new(Arc::new(runtime)),
-            stats: admin::ServerStats::default(),
+            stats: counters::ServerStats::default(),
             origins: Default::default(),
             portals: Mutex::new(portals),
             listeners: Mutex::new(Listeners {

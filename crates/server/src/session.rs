@@ -154,7 +154,7 @@ pub struct ConnInfo {
     /// session's list: the connection removes itself before its socket is closed.
     pub fd: std::os::fd::RawFd,
     /// Counters of the reader side (relaxed atomics).
-    pub stats: Arc<crate::admin::ConnStats>,
+    pub stats: Arc<crate::counters::ConnStats>,
     /// Counters of the writer side.
     pub tx: Arc<crate::writer::TxStats>,
     /// When the login completed.

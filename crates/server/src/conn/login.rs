@@ -4,7 +4,7 @@
 
 use super::LazyWriter;
 use crate::access::{os_random, Access};
-use crate::admin::ConnStats;
+use crate::counters::ConnStats;
 use crate::io::{self, Digests, ReadError};
 use crate::session::{Close, ConnInfo, ConnSignals, Core, Session};
 use crate::writer::{self, Out, OutPdu};

@@ -25,7 +25,7 @@ mod text;
 mod tmf;
 mod write;
 
-use crate::admin::ConnStats;
+use crate::counters::ConnStats;
 use crate::io::{self, Digests, ReadError};
 use crate::metrics::{LunMetrics, Stamp};
 use crate::session::{Close, ConnSignals, Core, Session};

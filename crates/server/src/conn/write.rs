@@ -4,7 +4,7 @@
 //! the session delivers it.
 
 use super::{reject, ConnResult, Connection};
-use crate::admin::ConnStats;
+use crate::counters::ConnStats;
 use crate::io;
 use crate::metrics::Stamp;
 use crate::session::{PlacedSlot, Running, Session};

@@ -1,0 +1,94 @@
+//! The counters the data path keeps for operations: per connection (relaxed atomics the
+//! reader and writer bump) and server-wide (logins, digest errors, zero-copy bytes), and the
+//! plain snapshots the control API hands out ([`ConnCounters`], [`Gauges`]).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+/// Per-connection counters, updated by the reader with relaxed atomics.
+#[derive(Debug, Default)]
+pub struct ConnStats {
+    pub rx_pdus: AtomicU64,
+    pub rx_bytes: AtomicU64,
+    pub reads: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub writes: AtomicU64,
+    pub write_bytes: AtomicU64,
+    /// Commands with no data (TEST UNIT READY, SYNCHRONIZE CACHE, …).
+    pub other_cmds: AtomicU64,
+    pub digest_errors: AtomicU64,
+    /// SCSI commands admitted and not yet completed.
+    pub in_flight: AtomicU64,
+}
+
+impl ConnStats {
+    pub(crate) fn received(&self, bytes: usize) {
+        self.rx_pdus.fetch_add(1, Relaxed);
+        self.rx_bytes.fetch_add(bytes as u64, Relaxed);
+    }
+    pub(crate) fn command(&self, read: bool, write: bool, edtl: u32) {
+        self.in_flight.fetch_add(1, Relaxed);
+        let (n, b) = match (read, write) {
+            (true, _) => (&self.reads, &self.read_bytes),
+            (_, true) => (&self.writes, &self.write_bytes),
+            _ => {
+                self.other_cmds.fetch_add(1, Relaxed);
+                return;
+            }
+        };
+        n.fetch_add(1, Relaxed);
+        b.fetch_add(u64::from(edtl), Relaxed);
+    }
+}
+
+/// One connection's counters, labelled by its session (the metrics' per-connection series).
+#[derive(Debug, Clone)]
+pub struct ConnCounters {
+    pub target: String,
+    pub initiator: String,
+    pub tsih: u16,
+    pub cid: u16,
+    pub rx_bytes: u64,
+    pub tx_bytes: u64,
+    pub reads: u64,
+    pub writes: u64,
+    pub other: u64,
+    pub in_flight: u64,
+}
+
+/// Server-wide counters (logins, digest errors).
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    pub logins: AtomicU64,
+    /// Failed logins by reason (a status name); rare, so a mutex is fine.
+    pub login_failures: Mutex<BTreeMap<String, u64>>,
+    pub digest_errors: AtomicU64,
+    /// Data-In bytes sent straight from file LUNs' page cache or as the zero page, every connection ever.
+    pub zero_copy_bytes: Arc<AtomicU64>,
+    /// Data-Out bytes received straight into file LUNs' pages (zero_copy_writes).
+    pub zero_copy_write_bytes: AtomicU64,
+}
+
+impl ServerStats {
+    pub(crate) fn login_failed(&self, reason: &str) {
+        *self
+            .login_failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(reason.to_string())
+            .or_default() += 1;
+    }
+}
+
+/// Server-wide gauges and counters, as [`crate::admin::Control::gauges`] reads them.
+#[derive(Clone, Debug, Default)]
+pub struct Gauges {
+    pub connections: u64,
+    pub sessions: u64,
+    pub logins: u64,
+    pub login_failures: BTreeMap<String, u64>,
+    pub digest_errors: u64,
+    pub zero_copy_bytes: u64,
+    pub zero_copy_write_bytes: u64,
+}
