@@ -76,6 +76,14 @@ if [[ $QUICK -eq 0 ]]; then
     section "cargo clippy"
     cargo clippy --workspace --all-targets -- -D warnings
 
+    section "cargo deny (licences, bans, sources; deny.toml)"
+    # Installed from crates.io when missing (about 3 minutes on two cores). Advisories need the
+    # RustSec database from GitHub, which these machines cannot reach (deny.toml says more).
+    if ! command -v cargo-deny >/dev/null; then
+        cargo install --locked --no-default-features cargo-deny --version 0.20.2
+    fi
+    cargo deny --offline check licenses bans sources
+
     section "shellcheck"
     # Gate on warnings and errors; info-level notes (e.g. SC2317 "unreachable"
     # for functions only called from traps) are advice, not defects.
