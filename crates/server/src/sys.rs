@@ -1,11 +1,14 @@
 //! The server crate's only `unsafe`: getsockopt(TCP_INFO) for the admin view, the two
 //! sends of zero-copy Data-In (`sendmsg` with MSG_MORE for the headers before a file range,
-//! `sendfile` for the range), and the monotonic clock as nanoseconds for the per-command
-//! stage stamps. Kept thin: one call each, no pointers kept.
+//! `sendfile` for the range), the receive of Data-Out straight into a file's mapped pages
+//! (`recv`, with `ioctl(FIONREAD)` and a one-byte peek to decide how much), and the monotonic
+//! clock as nanoseconds for the per-command stage stamps. Kept thin: one call each, no
+//! pointers kept.
 
 #![allow(unsafe_code)]
 
-use std::os::fd::{AsRawFd, RawFd};
+use ironsan_backend::MappedDest;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 
 fn check(ret: isize) -> std::io::Result<usize> {
     if ret < 0 {
@@ -75,6 +78,57 @@ pub fn sendfile(
     // read or written besides `off`.
     let ret = unsafe { libc::sendfile(sock, file.as_raw_fd(), &mut off, count) };
     check(ret)
+}
+
+/// `recv(src, MSG_DONTWAIT)` of at most `dest.len()` bytes straight into `dest`: the kernel
+/// copies from the socket into the mapped file's pages, with no buffer in between.
+/// `WouldBlock` when nothing is there; `Ok(0)` at end of stream; EFAULT when the file no
+/// longer reaches that far (cut short behind our back).
+pub fn recv_into(src: BorrowedFd<'_>, dest: MappedDest<'_>) -> std::io::Result<usize> {
+    // SAFETY: `dest` names `dest.len()` bytes inside a live shared mapping of a file, which it
+    // borrows (so keeps mapped) for the call: a `MappedDest` is only made by the backend's
+    // `Mapping::dest`, for a range it checked lies inside the mapping. No Rust reference to
+    // that memory exists (it is written only by system calls like this one), so no aliasing
+    // rule is involved; a page past the end of a file cut short makes the call fail with
+    // EFAULT. `src` is a borrowed open descriptor.
+    let ret = unsafe {
+        libc::recv(
+            src.as_raw_fd(),
+            dest.as_ptr().cast::<libc::c_void>(),
+            dest.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    check(ret)
+}
+
+/// Bytes waiting in a socket's receive queue (`ioctl(FIONREAD)`).
+pub fn bytes_readable(src: BorrowedFd<'_>) -> std::io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int through the pointer, which points at `n`, alive and
+    // exclusively borrowed for the call; `src` is a borrowed open descriptor.
+    let ret = unsafe { libc::ioctl(src.as_raw_fd(), libc::FIONREAD, &mut n as *mut libc::c_int) };
+    if ret < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// `recv(MSG_PEEK | MSG_DONTWAIT)` of one byte: `true` when a byte is waiting, `false` at end
+/// of stream, `WouldBlock` when nothing is, or the socket's error.
+pub fn peek_byte(src: BorrowedFd<'_>) -> std::io::Result<bool> {
+    let mut b = 0u8;
+    // SAFETY: the kernel writes at most one byte, into `b`, alive and exclusively borrowed for
+    // the call; `src` is a borrowed open descriptor.
+    let ret = unsafe {
+        libc::recv(
+            src.as_raw_fd(),
+            (&mut b as *mut u8).cast::<libc::c_void>(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    check(ret).map(|n| n > 0)
 }
 
 /// shutdown(fd, SHUT_RDWR): end both directions of a connection whose socket stays open
