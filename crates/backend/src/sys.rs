@@ -44,7 +44,7 @@ fn preadv2(
 
 /// Write all of `buf` at `offset`; with `dsync`, each write is durable on return
 /// (RWF_DSYNC: the data and the metadata needed to read it are on stable storage).
-pub fn write_all_at(
+pub(crate) fn write_all_at(
     file: &impl AsRawFd,
     mut buf: &[u8],
     mut offset: u64,
@@ -74,7 +74,7 @@ pub fn write_all_at(
 /// spare capacity (so a large read buffer is not zeroed before the kernel fills it): returns
 /// how many bytes came from the page cache; `Ok(0)` or an error means "go to a worker
 /// thread".
-pub fn read_nowait_append(
+pub(crate) fn read_nowait_append(
     file: &impl AsRawFd,
     buf: &mut Vec<u8>,
     len: usize,
@@ -85,7 +85,7 @@ pub fn read_nowait_append(
 
 /// Read up to `len` bytes at `offset` into `buf`'s spare capacity (blocking); returns the
 /// bytes appended (fewer only at the end of the file).
-pub fn read_append_blocking(
+pub(crate) fn read_append_blocking(
     file: &impl AsRawFd,
     buf: &mut Vec<u8>,
     len: usize,
@@ -129,7 +129,7 @@ fn read_append(
 }
 
 /// A read that found the end of the backing file before its last byte.
-pub fn past_end() -> io::Error {
+pub(crate) fn past_end() -> io::Error {
     io::Error::new(
         io::ErrorKind::UnexpectedEof,
         "read past end of backing store",
@@ -137,7 +137,11 @@ pub fn past_end() -> io::Error {
 }
 
 /// Read exactly `buf.len()` bytes at `offset` (blocking).
-pub fn read_exact_at(file: &impl AsRawFd, mut buf: &mut [u8], mut offset: u64) -> io::Result<()> {
+pub(crate) fn read_exact_at(
+    file: &impl AsRawFd,
+    mut buf: &mut [u8],
+    mut offset: u64,
+) -> io::Result<()> {
     while !buf.is_empty() {
         match preadv2(file, buf, offset, 0) {
             Ok(0) => return Err(past_end()),
@@ -153,7 +157,7 @@ pub fn read_exact_at(file: &impl AsRawFd, mut buf: &mut [u8], mut offset: u64) -
 }
 
 /// The file system type (`statfs.f_type`) of the file system holding `file`.
-pub fn fs_type(file: &impl AsRawFd) -> io::Result<i64> {
+pub(crate) fn fs_type(file: &impl AsRawFd) -> io::Result<i64> {
     // SAFETY: all-zero bytes are a valid `statfs` (a plain C struct of integers).
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is a valid, exclusively borrowed `statfs` the kernel fills in; the descriptor
@@ -167,14 +171,14 @@ pub fn fs_type(file: &impl AsRawFd) -> io::Result<i64> {
 }
 
 /// `statfs.f_type` of tmpfs and ramfs: file systems whose pages live in memory.
-pub const TMPFS_MAGIC: i64 = 0x0102_1994;
-pub const RAMFS_MAGIC: i64 = 0x8584_58f6;
+pub(crate) const TMPFS_MAGIC: i64 = 0x0102_1994;
+pub(crate) const RAMFS_MAGIC: i64 = 0x8584_58f6;
 
 /// `statfs.f_type` of FUSE file systems.
-pub const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+pub(crate) const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
 
 /// Deallocate a byte range, keeping the file size (`fallocate(PUNCH_HOLE|KEEP_SIZE)`).
-pub fn punch_hole(file: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> {
+pub(crate) fn punch_hole(file: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> {
     // SAFETY: plain syscall on a valid descriptor owned by `file`; no memory is passed.
     let ret = unsafe {
         libc::fallocate(
@@ -193,7 +197,11 @@ pub fn punch_hole(file: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> 
 
 /// `lseek(fd, offset, SEEK_DATA)` (`data = true`) or `SEEK_HOLE`: the next data or hole
 /// offset at or after `offset`; `Ok(None)` when there is no more data (ENXIO).
-pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Result<Option<u64>> {
+pub(crate) fn seek_data_or_hole(
+    file: &impl AsRawFd,
+    offset: u64,
+    data: bool,
+) -> io::Result<Option<u64>> {
     let whence = if data {
         libc::SEEK_DATA
     } else {
@@ -216,7 +224,7 @@ pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Re
 /// (`memfd_create` with sealing, `ftruncate`, then `F_SEAL_WRITE | F_SEAL_SHRINK |
 /// F_SEAL_GROW | F_SEAL_SEAL`): every byte reads as zero for as long as it is open, and
 /// `sendfile` from it sends the kernel's shared zero page.
-pub fn sealed_zero_file(name: &std::ffi::CStr, size: u64) -> io::Result<std::fs::File> {
+pub(crate) fn sealed_zero_file(name: &std::ffi::CStr, size: u64) -> io::Result<std::fs::File> {
     use std::os::fd::FromRawFd;
     // SAFETY: `name` is a valid NUL-terminated string borrowed for the call; the flags ask for
     // a new descriptor, closed on exec, that may be sealed.
@@ -241,7 +249,7 @@ pub fn sealed_zero_file(name: &std::ffi::CStr, size: u64) -> io::Result<std::fs:
 
 /// Hand glibc's free heap memory back to the kernel (`malloc_trim(0)`); memory of another
 /// allocator is not its business.
-pub fn malloc_trim() {
+pub(crate) fn malloc_trim() {
     // SAFETY: malloc_trim takes each arena's own lock (glibc documents it MT-Safe) and reads
     // or writes no memory of ours; it only returns unused pages to the kernel.
     unsafe { libc::malloc_trim(0) };
@@ -266,7 +274,7 @@ const SYS_CACHESTAT: libc::c_long = 451;
 
 /// Whether every page of `[offset, offset + len)` of `file` is in the page cache now;
 /// `None` when the kernel has no `cachestat` (ENOSYS) or the file does not support it.
-pub fn fully_cached(file: &impl AsRawFd, offset: u64, len: u64) -> Option<bool> {
+pub(crate) fn fully_cached(file: &impl AsRawFd, offset: u64, len: u64) -> Option<bool> {
     #[repr(C)]
     struct Range {
         off: u64,

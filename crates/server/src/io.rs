@@ -385,7 +385,7 @@ pub async fn read_pdu<R: AsyncRead + Unpin>(
 }
 
 /// Encoded PDUs waiting to be written in one vectored write.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct WriteBatch {
     /// Headers, digests and padding live here; data segments are referenced, not copied.
     parts: Vec<Part>,
@@ -400,6 +400,7 @@ pub struct WriteBatch {
     failed: Option<std::io::Error>,
 }
 
+#[derive(Debug)]
 enum Part {
     Small([u8; BHS_LEN + 4], usize),
     Tail([u8; 8], usize),
@@ -638,6 +639,7 @@ static RETIRED_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// when no such slice is left, and otherwise moves to a new one, keeping a handle on the old
 /// until its last slice is dropped. At most [`RETIRED_MAX`] such buffers per connection and
 /// [`RETIRED_BYTES_MAX`] in the process are held that way; past that, data is copied.
+#[derive(Debug)]
 pub struct RecvBuf<R> {
     inner: R,
     /// The bytes received and not yet consumed.
