@@ -5,7 +5,7 @@ use ironsan_initiator::load::{run, Pattern, Report, Spec, Spread, Url};
 use std::time::Duration;
 
 #[derive(clap::Args)]
-pub struct LoadArgs {
+pub(crate) struct LoadArgs {
     /// iscsi://[user%secret@]HOST[:PORT]/TARGET-IQN/LUN (libiscsi's URL form). With several
     /// URLs (paths to one LUN, or LUNs of several targets), session i logs in to URL
     /// i mod their number, and its connection j (--connections) to URL (i + j) mod their
@@ -55,7 +55,7 @@ pub struct LoadArgs {
     json: bool,
 }
 
-pub fn main(a: LoadArgs) -> Result<()> {
+pub(crate) fn main(a: LoadArgs) -> Result<()> {
     let urls = a
         .url
         .iter()

@@ -1,5 +1,6 @@
 //! `ironsan`: the command-line front end. `ironsan serve` runs the target.
 
+mod alloc;
 mod config;
 mod ctl;
 mod load;
@@ -596,12 +597,13 @@ fn start_control(
     ))))
 }
 
-/// The allocator the RAM store and the I/O buffers are tuned for (`backend::sys::Allocator`).
+/// The allocator the RAM store and the I/O buffers are tuned for ([`alloc::Allocator`]).
 #[global_allocator]
-static ALLOCATOR: ironsan_backend::Allocator = ironsan_backend::Allocator {};
+static ALLOCATOR: alloc::Allocator = alloc::Allocator;
 
 fn main() -> ExitCode {
     let small_pages = ironsan_backend::no_transparent_huge_pages();
+    ironsan_backend::set_free_memory_release(alloc::release_free_memory);
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Serve(args) => {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 /// Send `state` to the service manager if `$NOTIFY_SOCKET` is set. `Ok(false)`: not run
 /// under a manager that wants notifications.
-pub fn notify(state: &str) -> std::io::Result<bool> {
+pub(crate) fn notify(state: &str) -> std::io::Result<bool> {
     match std::env::var_os("NOTIFY_SOCKET") {
         Some(addr) if !addr.is_empty() => send(&addr, state).map(|()| true),
         _ => Ok(false),
@@ -19,14 +19,14 @@ pub fn notify(state: &str) -> std::io::Result<bool> {
 }
 
 /// Log, rather than fail, when the notification cannot be sent.
-pub fn notify_or_warn(state: &str) {
+pub(crate) fn notify_or_warn(state: &str) {
     if let Err(e) = notify(state) {
         tracing::warn!("sd_notify {}: {e}", state.lines().next().unwrap_or(state));
     }
 }
 
 /// Send `state` to the datagram socket `addr` (a path, or `@name` for an abstract socket).
-pub fn send(addr: &OsStr, state: &str) -> std::io::Result<()> {
+pub(crate) fn send(addr: &OsStr, state: &str) -> std::io::Result<()> {
     send_with(addr, state, false)
 }
 
@@ -49,7 +49,7 @@ fn send_with(addr: &OsStr, state: &str, nonblocking: bool) -> std::io::Result<()
 /// Where and how often the service manager wants `WATCHDOG=1`: `$NOTIFY_SOCKET` and
 /// `$WATCHDOG_USEC` (positive microseconds), when `$WATCHDOG_PID` is unset or is this process
 /// (as sd_watchdog_enabled(3) decides).
-pub fn watchdog_interval() -> Option<(OsString, Duration)> {
+pub(crate) fn watchdog_interval() -> Option<(OsString, Duration)> {
     let addr = std::env::var_os("NOTIFY_SOCKET").filter(|s| !s.is_empty())?;
     let usec = std::env::var("WATCHDOG_USEC").ok();
     let pid = std::env::var("WATCHDOG_PID").ok();
@@ -71,7 +71,7 @@ fn watchdog_from(usec: Option<&str>, pid: Option<&str>, me: u32) -> Option<Durat
 /// once. Runs as a task of its own on the server's runtime: if the runtime stops running
 /// tasks, the pings stop and the service manager restarts the process. A failed send is
 /// logged once (at `warn`) until one succeeds again.
-pub async fn watchdog(addr: OsString, period: Duration) {
+pub(crate) async fn watchdog(addr: OsString, period: Duration) {
     let mut tick = tokio::time::interval(period.max(Duration::from_millis(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;

@@ -1784,7 +1784,7 @@ fn load_round_trip(url: &str) {
     }
 }
 
-/// The binary's memory set-up (`backend::sys`): mimalloc without transparent huge pages, and
+/// The binary's memory set-up (`src/alloc.rs`): mimalloc without transparent huge pages, and
 /// the memory of a RAM LUN's data goes back to the kernel when the data goes, although the
 /// target is idle then (mimalloc alone returns memory only while the process allocates).
 #[test]

@@ -25,13 +25,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Bytes per record (a page: the atomicity unit under test).
-pub const REC: usize = 4096;
+pub(crate) const REC: usize = 4096;
 /// LBAs (512 bytes) per record.
-pub const LBAS: u64 = (REC / 512) as u64;
+pub(crate) const LBAS: u64 = (REC / 512) as u64;
 const MAGIC: &[u8; 8] = b"IRNCRASH";
 
 /// Something that can be crashed and restarted.
-pub trait Crashable: Send {
+pub(crate) trait Crashable: Send {
     fn addr(&self) -> SocketAddr;
     fn target(&self) -> String;
     /// Crash now (SIGKILL; and/or cut power). Must close every connection.
@@ -42,7 +42,7 @@ pub trait Crashable: Send {
 
 /// What to run.
 #[derive(Clone, Debug)]
-pub struct Plan {
+pub(crate) struct Plan {
     pub name: String,
     pub wce: bool,
     pub cycles: usize,
@@ -60,7 +60,7 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn new(name: &str, wce: bool) -> Plan {
+    pub(crate) fn new(name: &str, wce: bool) -> Plan {
         let long = std::env::var("IRONSAN_LONG").is_ok_and(|v| v == "1");
         let seed = std::env::var("IRONSAN_SEED")
             .ok()
@@ -88,7 +88,7 @@ impl Plan {
 
 /// What a run found.
 #[derive(Clone, Debug, Default)]
-pub struct Report {
+pub(crate) struct Report {
     pub cycles: usize,
     /// Write commands acknowledged GOOD.
     pub acked: u64,
@@ -113,10 +113,10 @@ pub struct Report {
 }
 
 impl Report {
-    pub fn ok(&self) -> bool {
+    pub(crate) fn ok(&self) -> bool {
         self.lost == 0 && self.torn == 0 && self.foreign == 0 && self.nonzero_unwritten == 0
     }
-    pub fn summary(&self, name: &str) -> String {
+    pub(crate) fn summary(&self, name: &str) -> String {
         format!(
             "{name}: {} cycles, {} writes acked ({} durable on ack), {} records checked, \
              lost {}, torn {}, foreign {}, non-zero unwritten {}, partial in-flight {}, \
@@ -179,7 +179,7 @@ impl Rng {
 }
 
 /// One record of `block` written by write `seq`.
-pub fn record(block: u64, seq: u64, nrec: u64) -> Vec<u8> {
+pub(crate) fn record(block: u64, seq: u64, nrec: u64) -> Vec<u8> {
     let mut r = vec![0u8; REC];
     r[..8].copy_from_slice(MAGIC);
     r[8..16].copy_from_slice(&block.to_le_bytes());
@@ -199,7 +199,7 @@ pub fn record(block: u64, seq: u64, nrec: u64) -> Vec<u8> {
 }
 
 /// What a record read back is: `Ok(0)` zeros, `Ok(seq)` a whole record of `block`, or why not.
-pub fn decode(block: u64, r: &[u8]) -> Result<u64, String> {
+pub(crate) fn decode(block: u64, r: &[u8]) -> Result<u64, String> {
     if r.iter().all(|&b| b == 0) {
         return Ok(0);
     }
@@ -411,7 +411,7 @@ async fn verify(plan: &Plan, t: &dyn Crashable, model: &Mutex<Model>, rep: &mut 
 }
 
 /// Run `plan.cycles` write-crash-restart-verify cycles against `t`.
-pub async fn run(plan: &Plan, t: &mut dyn Crashable) -> Report {
+pub(crate) async fn run(plan: &Plan, t: &mut dyn Crashable) -> Report {
     eprintln!(
         "{}: seed {} (IRONSAN_SEED={} reproduces the schedule), {} cycles, WCE={}",
         plan.name,

@@ -22,12 +22,17 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 /// The target name `ironsan serve` uses when no `--target` is given.
-pub const DEFAULT_TARGET: &str = "iqn.2026-11.org.ironsan:default";
+pub(crate) const DEFAULT_TARGET: &str = "iqn.2026-11.org.ironsan:default";
 
 /// Write `dir`/ironsan.toml for [`Server::start_config`]: `addr` as the only portal, data
 /// under `dir`/data, the control socket at `control` ("none" for none), [`DEFAULT_TARGET`]
 /// with a 1 MiB RAM LUN, then `extra` (more tables, e.g. `[limits]`). Returns its path.
-pub fn write_ram_config(dir: &Path, addr: SocketAddr, control: &str, extra: &str) -> PathBuf {
+pub(crate) fn write_ram_config(
+    dir: &Path,
+    addr: SocketAddr,
+    control: &str,
+    extra: &str,
+) -> PathBuf {
     let config = dir.join("ironsan.toml");
     std::fs::write(
         &config,
@@ -41,10 +46,10 @@ pub fn write_ram_config(dir: &Path, addr: SocketAddr, control: &str, extra: &str
 }
 
 /// How long a client command may run before it is killed and the test fails.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The `ironsan` binary under test (built by cargo for this test crate).
-pub fn bin() -> &'static str {
+pub(crate) fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_ironsan")
 }
 
@@ -53,7 +58,7 @@ pub fn bin() -> &'static str {
 // ---------------------------------------------------------------------------------------------
 
 /// The full path of `name` on PATH, if it is there and executable.
-pub fn which(name: &str) -> Option<PathBuf> {
+pub(crate) fn which(name: &str) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
@@ -67,7 +72,7 @@ pub fn which(name: &str) -> Option<PathBuf> {
 
 /// True when `name` is on PATH. Otherwise: with `IRONSAN_REQUIRE_TOOLS=1` (CI, scripts/test.sh)
 /// panic; else print a skip line and return false, and the test should return early.
-pub fn require_tool(name: &str) -> bool {
+pub(crate) fn require_tool(name: &str) -> bool {
     if which(name).is_some() {
         return true;
     }
@@ -79,13 +84,13 @@ pub fn require_tool(name: &str) -> bool {
 }
 
 /// [`require_tool`] for several tools; true only when all are there.
-pub fn require_tools(names: &[&str]) -> bool {
+pub(crate) fn require_tools(names: &[&str]) -> bool {
     names.iter().all(|n| require_tool(n))
 }
 
 /// qemu-img with a loadable iscsi:// driver. qemu-img can be installed without the
 /// qemu-block-extra module (or with a mismatched one); it then fails with "Unknown protocol".
-pub fn require_qemu_iscsi() -> bool {
+pub(crate) fn require_qemu_iscsi() -> bool {
     if !require_tool("qemu-img") {
         return false;
     }
@@ -138,7 +143,7 @@ fn describe(cmd: &str, args: &[&str]) -> String {
 }
 
 /// Render an Output for a failure message.
-pub fn show(out: &Output) -> String {
+pub(crate) fn show(out: &Output) -> String {
     format!(
         "status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
         out.status,
@@ -149,12 +154,12 @@ pub fn show(out: &Output) -> String {
 
 /// Run `cmd args` to completion within `timeout` (killed and panic on timeout) and return its
 /// output whatever the exit status. Stdin is /dev/null.
-pub fn run_unchecked(cmd: &str, args: &[&str], timeout: Duration) -> Output {
+pub(crate) fn run_unchecked(cmd: &str, args: &[&str], timeout: Duration) -> Output {
     run_env(cmd, args, &[], timeout)
 }
 
 /// [`run_unchecked`] with extra environment variables.
-pub fn run_env(cmd: &str, args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Output {
+pub(crate) fn run_env(cmd: &str, args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Output {
     let what = describe(cmd, args);
     let mut child = Command::new(cmd)
         .args(args)
@@ -204,7 +209,7 @@ pub fn run_env(cmd: &str, args: &[&str], env: &[(&str, &str)], timeout: Duration
 }
 
 /// Run `cmd args` with the default timeout; panic (with both streams) unless it exits 0.
-pub fn run(cmd: &str, args: &[&str]) -> Output {
+pub(crate) fn run(cmd: &str, args: &[&str]) -> Output {
     let out = run_unchecked(cmd, args, DEFAULT_TIMEOUT);
     assert!(
         out.status.success(),
@@ -216,13 +221,13 @@ pub fn run(cmd: &str, args: &[&str]) -> Output {
 }
 
 /// stdout of a successful [`run`] as text.
-pub fn run_stdout(cmd: &str, args: &[&str]) -> String {
+pub(crate) fn run_stdout(cmd: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&run(cmd, args).stdout).into_owned()
 }
 
 /// A numeric field of `/proc/PID/status` (`"VmRSS:"` in KiB, `"THP_enabled:"`, ...); `None`
 /// when the process or the field is not there.
-pub fn proc_status(pid: u32, field: &str) -> Option<u64> {
+pub(crate) fn proc_status(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
@@ -231,7 +236,7 @@ pub fn proc_status(pid: u32, field: &str) -> Option<u64> {
 }
 
 /// Send `sig` (e.g. "TERM", "INT") to a process.
-pub fn signal(pid: u32, sig: &str) {
+pub(crate) fn signal(pid: u32, sig: &str) {
     let st = Command::new("kill")
         .arg(format!("-{sig}"))
         .arg(pid.to_string())
@@ -241,7 +246,7 @@ pub fn signal(pid: u32, sig: &str) {
 }
 
 /// A long-running client whose stdout/stderr go to files that can be polled.
-pub struct Background {
+pub(crate) struct Background {
     pub child: Child,
     pub what: String,
     out_path: PathBuf,
@@ -250,7 +255,7 @@ pub struct Background {
 }
 
 impl Background {
-    pub fn spawn(cmd: &str, args: &[&str]) -> Background {
+    pub(crate) fn spawn(cmd: &str, args: &[&str]) -> Background {
         let dir = tempfile::tempdir().expect("tempdir");
         let out_path = dir.path().join("stdout");
         let err_path = dir.path().join("stderr");
@@ -271,15 +276,15 @@ impl Background {
         }
     }
 
-    pub fn stdout(&self) -> String {
+    pub(crate) fn stdout(&self) -> String {
         String::from_utf8_lossy(&std::fs::read(&self.out_path).unwrap_or_default()).into_owned()
     }
 
-    pub fn stderr(&self) -> String {
+    pub(crate) fn stderr(&self) -> String {
         String::from_utf8_lossy(&std::fs::read(&self.err_path).unwrap_or_default()).into_owned()
     }
 
-    pub fn output_text(&self) -> String {
+    pub(crate) fn output_text(&self) -> String {
         format!(
             "--- {} stdout ---\n{}\n--- stderr ---\n{}",
             self.what,
@@ -290,7 +295,7 @@ impl Background {
 
     /// Wait until stdout contains `needle`; panic (with the output) after `timeout` or if the
     /// process exits first.
-    pub fn wait_for_stdout(&mut self, needle: &str, timeout: Duration) {
+    pub(crate) fn wait_for_stdout(&mut self, needle: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         loop {
             if self.stdout().contains(needle) {
@@ -315,7 +320,7 @@ impl Background {
     }
 
     /// Wait for exit up to `timeout`; None if still running.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<ExitStatus> {
+    pub(crate) fn wait_timeout(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {
@@ -343,17 +348,17 @@ impl Drop for Background {
 // ---------------------------------------------------------------------------------------------
 
 /// A port that was free on `ip` a moment ago (bind port 0, read it, close).
-pub fn free_port_on(ip: IpAddr) -> u16 {
+pub(crate) fn free_port_on(ip: IpAddr) -> u16 {
     let l = TcpListener::bind((ip, 0)).unwrap_or_else(|e| panic!("cannot bind {ip}:0: {e}"));
     l.local_addr().unwrap().port()
 }
 
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     free_port_on(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
 
 /// True when [::1] can be bound here (IPv6 loopback configured).
-pub fn ipv6_loopback_available() -> bool {
+pub(crate) fn ipv6_loopback_available() -> bool {
     TcpListener::bind("[::1]:0").is_ok()
 }
 
@@ -368,7 +373,7 @@ fn accepts(addr: SocketAddr) -> bool {
 
 /// A running `ironsan serve`. Its temporary directory holds `data/` (the `--data-dir`, created
 /// by the server) and the captured output of each start (`server-N.stdout` / `.stderr`).
-pub struct Server {
+pub(crate) struct Server {
     child: Option<Child>,
     /// The first portal's port (127.0.0.1).
     pub port: u16,
@@ -392,7 +397,7 @@ impl Server {
     /// connection may take it as its source port before the server binds it. When the server
     /// then exits at start-up because the address is in use, it is started again on another
     /// free port (a few times).
-    pub fn start(args: &[&str]) -> Server {
+    pub(crate) fn start(args: &[&str]) -> Server {
         let dir = tempfile::Builder::new()
             .prefix("ironsan-test-")
             .tempdir()
@@ -447,7 +452,7 @@ impl Server {
 
     /// `ironsan serve --config FILE` where the config (written by the caller into `dir`) listens
     /// on `addrs`; `target` is the first target's name.
-    pub fn start_config(
+    pub(crate) fn start_config(
         dir: tempfile::TempDir,
         config: &Path,
         addrs: Vec<SocketAddr>,
@@ -576,36 +581,41 @@ impl Server {
     }
 
     /// The temporary directory of this server.
-    pub fn dir(&self) -> &Path {
+    pub(crate) fn dir(&self) -> &Path {
         self.dir.path()
     }
 
     /// The `--data-dir` (for servers started with [`Server::start`]).
-    pub fn data_dir(&self) -> PathBuf {
+    pub(crate) fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
     }
 
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.as_ref().expect("server not running").id()
     }
 
-    pub fn addr(&self) -> SocketAddr {
+    pub(crate) fn addr(&self) -> SocketAddr {
         self.addrs[0]
     }
 
     /// `iscsi://127.0.0.1:PORT` (the portal, for iscsi-ls).
-    pub fn portal_url(&self) -> String {
+    pub(crate) fn portal_url(&self) -> String {
         format!("iscsi://{}", self.addrs[0])
     }
 
     /// `iscsi://127.0.0.1:PORT/<target>/<lun>`.
-    pub fn url(&self, lun: u32) -> String {
+    pub(crate) fn url(&self, lun: u32) -> String {
         format!("iscsi://{}/{}/{lun}", self.addrs[0], self.target)
     }
 
     /// qemu's `json:` filename for the LUN, with extra iscsi driver options (e.g.
     /// `("header-digest", "crc32c")`) and an optional other portal (e.g. a [`Sniffer`]).
-    pub fn qemu_json(&self, lun: u32, portal: Option<SocketAddr>, opts: &[(&str, &str)]) -> String {
+    pub(crate) fn qemu_json(
+        &self,
+        lun: u32,
+        portal: Option<SocketAddr>,
+        opts: &[(&str, &str)],
+    ) -> String {
         let portal = portal.unwrap_or(self.addrs[0]);
         let mut file = format!(
             r#""driver":"iscsi","transport":"tcp","portal":"{portal}","target":"{}","lun":{lun}"#,
@@ -617,30 +627,30 @@ impl Server {
         format!(r#"json:{{"driver":"raw","file":{{{file}}}}}"#)
     }
 
-    pub fn stdout_path(&self) -> PathBuf {
+    pub(crate) fn stdout_path(&self) -> PathBuf {
         self.dir
             .path()
             .join(format!("server-{}.stdout", self.generation))
     }
 
-    pub fn stderr_path(&self) -> PathBuf {
+    pub(crate) fn stderr_path(&self) -> PathBuf {
         self.dir
             .path()
             .join(format!("server-{}.stderr", self.generation))
     }
 
     /// What the current (or last) start printed on stdout.
-    pub fn stdout(&self) -> String {
+    pub(crate) fn stdout(&self) -> String {
         std::fs::read_to_string(self.stdout_path()).unwrap_or_default()
     }
 
     /// What the current (or last) start printed on stderr (the log).
-    pub fn stderr(&self) -> String {
+    pub(crate) fn stderr(&self) -> String {
         std::fs::read_to_string(self.stderr_path()).unwrap_or_default()
     }
 
     /// Both streams of the current start, for failure messages (log tail only).
-    pub fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         let err = self.stderr();
         let lines: Vec<&str> = err.lines().collect();
         let tail = lines[lines.len().saturating_sub(60)..].join("\n");
@@ -651,7 +661,7 @@ impl Server {
     }
 
     /// Panic (with its output) if the server has died.
-    pub fn assert_alive(&mut self) {
+    pub(crate) fn assert_alive(&mut self) {
         if let Some(st) = self
             .child
             .as_mut()
@@ -665,7 +675,7 @@ impl Server {
     }
 
     /// SIGTERM and wait up to `timeout` for the exit status; None if it had to be SIGKILLed.
-    pub fn stop_within(&mut self, timeout: Duration) -> Option<ExitStatus> {
+    pub(crate) fn stop_within(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let mut child = self.child.take()?;
         if let Some(st) = child.try_wait().unwrap() {
             return Some(st);
@@ -687,7 +697,7 @@ impl Server {
 
     /// Wait up to `timeout` for the server to exit by itself (after a signal the test sent);
     /// None if it is still running then (it is SIGKILLed).
-    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+    pub(crate) fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let mut child = self.child.take()?;
         let deadline = Instant::now() + timeout;
         loop {
@@ -705,7 +715,7 @@ impl Server {
 
     /// Stop (SIGTERM, must exit within 10 s) and start again with the same arguments, port
     /// and data directory (waits until it is ready, as at the first start).
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         let st = self.stop_within(Duration::from_secs(10));
         assert!(
             st.is_some(),
@@ -716,7 +726,7 @@ impl Server {
     }
 
     /// SIGKILL (a crash: no flush, no clean-up) and reap; returns at once if not running.
-    pub fn kill9(&mut self) {
+    pub(crate) fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -725,7 +735,7 @@ impl Server {
 
     /// Start again with the same arguments and port after [`Server::kill9`] (waits until it
     /// is ready, as at the first start).
-    pub fn start_again(&mut self) {
+    pub(crate) fn start_again(&mut self) {
         self.spawn();
     }
 }
@@ -749,7 +759,7 @@ impl Drop for Server {
 // ---------------------------------------------------------------------------------------------
 
 /// The value after `key` on the first line that starts with `key` (e.g. `"Vendor:"`).
-pub fn field<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+pub(crate) fn field<'a>(text: &'a str, key: &str) -> Option<&'a str> {
     text.lines()
         .find_map(|l| l.trim_start().strip_prefix(key))
         .map(str::trim)
@@ -757,7 +767,7 @@ pub fn field<'a>(text: &'a str, key: &str) -> Option<&'a str> {
 
 /// The size iscsi-ls prints for a disk: libiscsi 1.19 computes READ CAPACITY(10)'s
 /// block length × returned LBA (not LBA+1), then divides by 1024 while > 1024, at most to 'T'.
-pub fn iscsi_ls_size(rc10_lba: u64, block: u64) -> String {
+pub(crate) fn iscsi_ls_size(rc10_lba: u64, block: u64) -> String {
     let mut size = rc10_lba * block;
     let units = [' ', 'k', 'M', 'G', 'T'];
     let mut u = 0;
@@ -773,7 +783,7 @@ pub fn iscsi_ls_size(rc10_lba: u64, block: u64) -> String {
 // ---------------------------------------------------------------------------------------------
 
 /// Deterministic pseudo-random bytes (xorshift64*), different for each seed.
-pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut v = Vec::with_capacity(len + 8);
     while v.len() < len {
@@ -787,7 +797,7 @@ pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
 }
 
 /// Panic with the first differing offset if `got` != `want`.
-pub fn assert_same_bytes(what: &str, got: &[u8], want: &[u8]) {
+pub(crate) fn assert_same_bytes(what: &str, got: &[u8], want: &[u8]) {
     if got == want {
         return;
     }
@@ -813,7 +823,7 @@ pub fn assert_same_bytes(what: &str, got: &[u8], want: &[u8]) {
 }
 
 /// CRC32C (Castagnoli), bitwise: an implementation independent of the one under test.
-pub fn crc32c(data: &[u8]) -> u32 {
+pub(crate) fn crc32c(data: &[u8]) -> u32 {
     let mut crc = !0u32;
     for &b in data {
         crc ^= b as u32;
@@ -834,7 +844,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 
 /// Bytes recorded on one relayed connection (each direction capped at [`Sniffer::CAP`]).
 #[derive(Default, Clone)]
-pub struct Captured {
+pub(crate) struct Captured {
     /// Initiator → target.
     pub up: Vec<u8>,
     /// Target → initiator.
@@ -844,15 +854,15 @@ pub struct Captured {
 /// A relay on 127.0.0.1:<free port> that forwards every connection to `upstream` and records
 /// the bytes. Its threads end when the connections close; the accept thread lives as long as
 /// the test process (it is blocked in accept and harmless).
-pub struct Sniffer {
+pub(crate) struct Sniffer {
     pub addr: SocketAddr,
     conns: Arc<Mutex<Vec<Arc<Mutex<Captured>>>>>,
 }
 
 impl Sniffer {
-    pub const CAP: usize = 24 << 20;
+    pub(crate) const CAP: usize = 24 << 20;
 
-    pub fn start(upstream: SocketAddr) -> Sniffer {
+    pub(crate) fn start(upstream: SocketAddr) -> Sniffer {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind sniffer");
         let addr = listener.local_addr().unwrap();
         let conns: Arc<Mutex<Vec<Arc<Mutex<Captured>>>>> = Arc::default();
@@ -879,7 +889,7 @@ impl Sniffer {
     }
 
     /// Everything recorded so far, one entry per connection.
-    pub fn captured(&self) -> Vec<Captured> {
+    pub(crate) fn captured(&self) -> Vec<Captured> {
         self.conns
             .lock()
             .unwrap()
@@ -912,7 +922,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, cap: Arc<Mutex<Captured>>, up: b
 
 /// What [`check_header_digests`] found in one direction of a connection.
 #[derive(Debug, Default)]
-pub struct DigestWalk {
+pub(crate) struct DigestWalk {
     /// Login PDUs (no digests there).
     pub login_pdus: usize,
     /// Full Feature Phase PDUs whose header digest was present and correct.
@@ -926,7 +936,7 @@ pub struct DigestWalk {
 /// Response that has T=1 and NSG=3); for the initiator→target stream pass the number of
 /// login responses the other direction had (one request per response).
 /// Returns Err describing the first bad PDU. A truncated last PDU (capture cap) is ignored.
-pub fn check_header_digests(
+pub(crate) fn check_header_digests(
     stream: &[u8],
     login_pdus: Option<usize>,
 ) -> Result<DigestWalk, String> {
@@ -979,12 +989,12 @@ pub fn check_header_digests(
 }
 
 /// A loop block device over a file (`losetup -f --show`), detached when dropped.
-pub struct LoopDevice(pub String);
+pub(crate) struct LoopDevice(pub String);
 
 impl LoopDevice {
     /// Create `file` (sparse, `size` bytes) and attach it; `Err` says why not (no losetup,
     /// no loop devices, not root).
-    pub fn over_new_file(file: &Path, size: u64) -> Result<LoopDevice, String> {
+    pub(crate) fn over_new_file(file: &Path, size: u64) -> Result<LoopDevice, String> {
         File::create(file)
             .and_then(|f| f.set_len(size))
             .map_err(|e| format!("{}: {e}", file.display()))?;
@@ -1013,7 +1023,7 @@ impl Drop for LoopDevice {
 
 /// `qemu-img convert` of raw data from `from` to `to` (files, `iscsi://` URLs or `json:`
 /// names); `into_existing`: write into what `to` already is (`-n`: no create, e.g. a LUN).
-pub fn qemu_img_convert(from: &str, to: &str, into_existing: bool) -> Output {
+pub(crate) fn qemu_img_convert(from: &str, to: &str, into_existing: bool) -> Output {
     let mut args = vec!["convert"];
     if into_existing {
         args.push("-n");

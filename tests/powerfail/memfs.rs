@@ -28,12 +28,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
 const PAGE: u64 = 4096;
-pub const FILE_NAME: &str = "disk.img";
+pub(crate) const FILE_NAME: &str = "disk.img";
 const FILE_INO: u64 = 2;
 
 /// Request counters.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Stats {
+pub(crate) struct Stats {
     pub writes: u64,
     pub fsyncs: u64,
     pub fdatasyncs: u64,
@@ -52,14 +52,14 @@ struct State {
 
 /// Handle shared by the FUSE server thread and the test.
 #[derive(Clone)]
-pub struct PowerFs {
+pub(crate) struct PowerFs {
     st: Arc<Mutex<State>>,
     size: u64,
     direct_io: bool,
 }
 
 impl PowerFs {
-    pub fn new(size: u64, direct_io: bool) -> Self {
+    pub(crate) fn new(size: u64, direct_io: bool) -> Self {
         PowerFs {
             st: Arc::default(),
             size,
@@ -67,13 +67,13 @@ impl PowerFs {
         }
     }
     /// Power failure: every write not yet covered by an FSYNC is gone.
-    pub fn cut(&self) {
+    pub(crate) fn cut(&self) {
         let mut s = self.st.lock().unwrap();
         s.stats.pages_lost += s.dirty.len() as u64;
         s.stats.cuts += 1;
         s.dirty.clear();
     }
-    pub fn stats(&self) -> Stats {
+    pub(crate) fn stats(&self) -> Stats {
         self.st.lock().unwrap().stats
     }
     fn attr(&self, ino: u64) -> FileAttr {
@@ -243,7 +243,10 @@ impl Filesystem for PowerFs {
 }
 
 /// Mount `fs` at `dir` (as root, by mount(2); no fusermount needed). Unmounted when dropped.
-pub fn mount(fs: PowerFs, dir: &std::path::Path) -> std::io::Result<fuser::BackgroundSession> {
+pub(crate) fn mount(
+    fs: PowerFs,
+    dir: &std::path::Path,
+) -> std::io::Result<fuser::BackgroundSession> {
     let mut cfg = fuser::Config::default();
     cfg.mount_options = vec![
         fuser::MountOption::FSName("ironsan-powerfail".into()),

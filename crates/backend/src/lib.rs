@@ -131,9 +131,9 @@ pub use fault::{Effect, FaultBackend, FaultControl, FaultRule, Ops};
 pub use file::{FileBackend, FileOptions, IoEngine};
 pub use int_map::IntMap;
 pub use null::NullBackend;
-pub use ram::RamBackend;
+pub use ram::{set_free_memory_release, RamBackend};
 pub use rbd::{RbdBackend, RbdOptions};
-pub use sys::{no_transparent_huge_pages, Allocator};
+pub use sys::{no_transparent_huge_pages, MappedDest};
 
 /// Data that stays in a file until it is sent: `len` bytes at `offset` of `file`. A backend
 /// returns one from [`BlockDevice::read_in_place`] when the kernel can send the range straight
@@ -225,9 +225,9 @@ impl FileRange {
 }
 
 /// Where a write's bytes can be received in place: `len` bytes at `offset` of a file, mapped
-/// shared, so the transport has the kernel copy them from the socket straight into the file's
-/// pages ([`recv_from`](Self::recv_from)) instead of into a buffer first and from there into
-/// the file. A backend hands one out from [`BlockDevice::write_in_place`] only where that copy
+/// shared, so the transport has the kernel copy them from its socket straight into the file's
+/// pages ([`mapped`](Self::mapped)) instead of into a buffer first and from there into the
+/// file. A backend hands one out from [`BlockDevice::write_in_place`] only where that copy
 /// cannot wait for a device (tmpfs/ramfs files). The bytes are in the file as they arrive.
 #[derive(Clone, Debug)]
 pub struct InPlaceWrite {
@@ -235,7 +235,7 @@ pub struct InPlaceWrite {
     map: Arc<sys::Mapping>,
     offset: u64,
     len: usize,
-    /// [`recv_from`](Self::recv_from) receives whole multiples of this (a logical block).
+    /// The transport receives whole multiples of this into the mapping (a logical block).
     grain: usize,
 }
 
@@ -282,37 +282,15 @@ impl InPlaceWrite {
         self.len == 0
     }
 
-    /// Receive at most `max` bytes from `src` (a socket) without waiting, into the write at
-    /// byte `at`, and only whole grains of what is there (all `max` bytes if they are).
-    /// `Ok(0)`: less than a grain (and less than `max`) is there, which the caller receives
-    /// through memory; `WouldBlock`: nothing is there; `UnexpectedEof`: the stream ended.
-    /// Asking past the write's end is `InvalidInput`; another error is the socket's or the
-    /// medium's (EFAULT: the file was cut short), and the bytes stay in the socket.
-    pub fn recv_from(
-        &self,
-        src: std::os::fd::BorrowedFd<'_>,
-        at: usize,
-        max: usize,
-    ) -> std::io::Result<usize> {
-        let at_file = self.map_offset(at, max)?;
-        let ready = sys::bytes_readable(src)?;
-        let n = if ready >= max {
-            max
-        } else {
-            ready - ready % self.grain
-        };
-        if n > 0 {
-            return sys::recv_into(src, &self.map, at_file, n);
-        }
-        if ready > 0 {
-            return Ok(0);
-        }
-        // Nothing counted: let the socket itself say whether that is "wait" (which clears
-        // the caller's readiness correctly), the end, an error, or bytes just arrived.
-        match sys::peek_byte(src)? {
-            false => Err(std::io::ErrorKind::UnexpectedEof.into()),
-            true => Ok(0),
-        }
+    /// The file's mapped pages under bytes `at .. at + len` of the write, as the destination
+    /// of a receive system call ([`MappedDest`]: a raw view for the kernel, never read or
+    /// written in user space). `InvalidInput` when the bytes are not all inside the write. A
+    /// file cut short behind our back shows only in that call: it fails with EFAULT.
+    pub fn mapped(&self, at: usize, len: usize) -> std::io::Result<MappedDest<'_>> {
+        let at_map = self.map_offset(at, len)?;
+        self.map
+            .dest(at_map, len)
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))
     }
 
     /// Write `data` (bytes already received elsewhere) into the write at byte `at`.

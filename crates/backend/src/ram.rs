@@ -30,6 +30,30 @@ const SHARDS: usize = 64;
 /// Unmapped chunk memory that is handed back to the kernel at once (see `unmap_sync`).
 const TRIM_AFTER: u64 = 64 << 20;
 
+/// How the process allocator hands its free memory back to the kernel where it does not do
+/// so by itself while the process is idle; set by whoever installs that allocator
+/// ([`set_free_memory_release`]).
+static FREE_MEMORY_RELEASE: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Have the RAM store call `release` whenever it has freed [`TRIM_AFTER`] bytes of chunks, to
+/// hand the process allocator's free memory back to the kernel so unmapping a RAM LUN really
+/// shrinks the process: the `ironsan` binary sets mimalloc's `mi_collect` (mimalloc gives
+/// freed memory back by itself only while the process keeps allocating; an idle target would
+/// keep it). glibc's `malloc_trim` is called after it in any case, for chunks in glibc's heap
+/// (under the system allocator, as in this crate's own tests). Set once: a later call changes
+/// nothing and returns `false`.
+pub fn set_free_memory_release(release: fn()) -> bool {
+    FREE_MEMORY_RELEASE.set(release).is_ok()
+}
+
+/// Hand the allocator's free memory back to the kernel ([`set_free_memory_release`]).
+fn release_free_memory() {
+    if let Some(release) = FREE_MEMORY_RELEASE.get() {
+        release();
+    }
+    crate::sys::malloc_trim();
+}
+
 /// Reads at least this long (within one allocated chunk) share the chunk instead of copying.
 /// Smaller reads copy: the copy is cheap, a shared chunk makes the next write to it copy the
 /// whole chunk, and a read holding a chunk keeps a whole chunk alive while the transmit budget
@@ -272,14 +296,14 @@ impl RamBackend {
                 Arc::make_mut(chunk)[within..within + n].fill(0);
             }
         }
-        // Chunks live in the allocator's heap (they may be adopted I/O buffers), and glibc
-        // keeps freed heap memory for reuse: once enough has been freed, hand the free pages
-        // back to the kernel so unmapping a RAM LUN really shrinks the process.
+        // Chunks live in the allocator's heap (they may be adopted I/O buffers), and the
+        // allocator keeps freed heap memory for reuse: once enough has been freed, hand the
+        // free pages back to the kernel so unmapping a RAM LUN really shrinks the process.
         if freed > 0
             && self.freed_since_trim.fetch_add(freed, Ordering::Relaxed) + freed >= TRIM_AFTER
         {
             self.freed_since_trim.store(0, Ordering::Relaxed);
-            crate::sys::release_free_memory();
+            release_free_memory();
         }
     }
 }

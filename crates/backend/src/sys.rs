@@ -44,7 +44,7 @@ fn preadv2(
 
 /// Write all of `buf` at `offset`; with `dsync`, each write is durable on return
 /// (RWF_DSYNC: the data and the metadata needed to read it are on stable storage).
-pub fn write_all_at(
+pub(crate) fn write_all_at(
     file: &impl AsRawFd,
     mut buf: &[u8],
     mut offset: u64,
@@ -74,7 +74,7 @@ pub fn write_all_at(
 /// spare capacity (so a large read buffer is not zeroed before the kernel fills it): returns
 /// how many bytes came from the page cache; `Ok(0)` or an error means "go to a worker
 /// thread".
-pub fn read_nowait_append(
+pub(crate) fn read_nowait_append(
     file: &impl AsRawFd,
     buf: &mut Vec<u8>,
     len: usize,
@@ -85,7 +85,7 @@ pub fn read_nowait_append(
 
 /// Read up to `len` bytes at `offset` into `buf`'s spare capacity (blocking); returns the
 /// bytes appended (fewer only at the end of the file).
-pub fn read_append_blocking(
+pub(crate) fn read_append_blocking(
     file: &impl AsRawFd,
     buf: &mut Vec<u8>,
     len: usize,
@@ -129,7 +129,7 @@ fn read_append(
 }
 
 /// A read that found the end of the backing file before its last byte.
-pub fn past_end() -> io::Error {
+pub(crate) fn past_end() -> io::Error {
     io::Error::new(
         io::ErrorKind::UnexpectedEof,
         "read past end of backing store",
@@ -137,7 +137,11 @@ pub fn past_end() -> io::Error {
 }
 
 /// Read exactly `buf.len()` bytes at `offset` (blocking).
-pub fn read_exact_at(file: &impl AsRawFd, mut buf: &mut [u8], mut offset: u64) -> io::Result<()> {
+pub(crate) fn read_exact_at(
+    file: &impl AsRawFd,
+    mut buf: &mut [u8],
+    mut offset: u64,
+) -> io::Result<()> {
     while !buf.is_empty() {
         match preadv2(file, buf, offset, 0) {
             Ok(0) => return Err(past_end()),
@@ -153,7 +157,7 @@ pub fn read_exact_at(file: &impl AsRawFd, mut buf: &mut [u8], mut offset: u64) -
 }
 
 /// The file system type (`statfs.f_type`) of the file system holding `file`.
-pub fn fs_type(file: &impl AsRawFd) -> io::Result<i64> {
+pub(crate) fn fs_type(file: &impl AsRawFd) -> io::Result<i64> {
     // SAFETY: all-zero bytes are a valid `statfs` (a plain C struct of integers).
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is a valid, exclusively borrowed `statfs` the kernel fills in; the descriptor
@@ -167,14 +171,14 @@ pub fn fs_type(file: &impl AsRawFd) -> io::Result<i64> {
 }
 
 /// `statfs.f_type` of tmpfs and ramfs: file systems whose pages live in memory.
-pub const TMPFS_MAGIC: i64 = 0x0102_1994;
-pub const RAMFS_MAGIC: i64 = 0x8584_58f6;
+pub(crate) const TMPFS_MAGIC: i64 = 0x0102_1994;
+pub(crate) const RAMFS_MAGIC: i64 = 0x8584_58f6;
 
 /// `statfs.f_type` of FUSE file systems.
-pub const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+pub(crate) const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
 
 /// Deallocate a byte range, keeping the file size (`fallocate(PUNCH_HOLE|KEEP_SIZE)`).
-pub fn punch_hole(file: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> {
+pub(crate) fn punch_hole(file: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> {
     // SAFETY: plain syscall on a valid descriptor owned by `file`; no memory is passed.
     let ret = unsafe {
         libc::fallocate(
@@ -193,7 +197,11 @@ pub fn punch_hole(file: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> 
 
 /// `lseek(fd, offset, SEEK_DATA)` (`data = true`) or `SEEK_HOLE`: the next data or hole
 /// offset at or after `offset`; `Ok(None)` when there is no more data (ENXIO).
-pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Result<Option<u64>> {
+pub(crate) fn seek_data_or_hole(
+    file: &impl AsRawFd,
+    offset: u64,
+    data: bool,
+) -> io::Result<Option<u64>> {
     let whence = if data {
         libc::SEEK_DATA
     } else {
@@ -212,99 +220,11 @@ pub fn seek_data_or_hole(file: &impl AsRawFd, offset: u64, data: bool) -> io::Re
     Ok(Some(ret as u64))
 }
 
-/// The process allocator the `ironsan` binary installs (`#[global_allocator]`): mimalloc
-/// (<https://github.com/microsoft/mimalloc>, MIT), run without transparent huge pages (see
-/// [`no_transparent_huge_pages`]).
-///
-/// Why (docs/PERFORMANCE.md, "mimalloc"): a command still allocates a few buffers (a read's
-/// Data-In, a write's Data-Out, the RAM store's 512 KiB chunks); against glibc's allocator
-/// the same binary took about a tenth less CPU per 4K read or write and per 512K read, with
-/// the same memory per idle session. glibc kept no freed 512 KiB buffer for reuse unless
-/// told to (`mallopt`, which is unsafe once threads run); mimalloc does by itself.
-///
-/// Rust asks every allocation with its alignment. mimalloc's `mi_malloc_aligned` (what the
-/// `mimalloc` crate calls for all of them) takes a slow generic path for any block over 1 KiB,
-/// whatever the alignment: a 4 KiB read buffer cost about 250 instructions more than with
-/// `mi_malloc` (callgrind, docs/PERFORMANCE.md). mimalloc's blocks are 16-byte aligned once
-/// they are 16 bytes or more (`MI_MAX_ALIGN_SIZE`, the first block of a page starts 16-aligned
-/// and every size class from 16 bytes is a multiple of 16) and 8-aligned below, so a layout
-/// whose alignment is at most 16 and at most its size gets plain `mi_malloc`, as std's own
-/// `System` allocator does with `malloc`; anything else the aligned calls.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Allocator;
-
-/// The largest alignment plain `mi_malloc` guarantees (mimalloc's `MI_MAX_ALIGN_SIZE`) for a
-/// block at least that large; smaller power-of-two sizes are aligned to their size.
-const MI_MIN_ALIGN: usize = 16;
-
-impl Allocator {
-    /// Whether a block of `size` bytes from plain `mi_malloc`/`mi_zalloc`/`mi_realloc` is
-    /// aligned to `align` (the rule above); the one place `alloc`, `alloc_zeroed` and
-    /// `realloc` decide between the plain and the `_aligned` calls.
-    #[inline]
-    fn plain(align: usize, size: usize) -> bool {
-        align <= MI_MIN_ALIGN && align <= size
-    }
-}
-
-// SAFETY: every block handed out comes from mimalloc with at least the layout's size and
-// alignment (`plain` above gives the rule under which `mi_malloc`'s natural alignment
-// suffices; other layouts use the `_aligned` calls), and every block is returned to mimalloc
-// with `mi_free`, which accepts blocks from any of these calls. mimalloc is thread-safe.
-unsafe impl std::alloc::GlobalAlloc for Allocator {
-    #[inline]
-    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
-        use libmimalloc_sys as mi;
-        // SAFETY: plain calls into mimalloc with a size and a power-of-two alignment.
-        unsafe {
-            if Self::plain(layout.align(), layout.size()) {
-                mi::mi_malloc(layout.size()).cast()
-            } else {
-                mi::mi_malloc_aligned(layout.size(), layout.align()).cast()
-            }
-        }
-    }
-
-    #[inline]
-    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
-        use libmimalloc_sys as mi;
-        // SAFETY: as in `alloc`; the block comes back zeroed.
-        unsafe {
-            if Self::plain(layout.align(), layout.size()) {
-                mi::mi_zalloc(layout.size()).cast()
-            } else {
-                mi::mi_zalloc_aligned(layout.size(), layout.align()).cast()
-            }
-        }
-    }
-
-    #[inline]
-    unsafe fn dealloc(&self, ptr: *mut u8, _layout: std::alloc::Layout) {
-        // SAFETY: the caller passes a block this allocator returned (GlobalAlloc's contract),
-        // i.e. one from mimalloc, which `mi_free` takes whatever call made it.
-        unsafe { libmimalloc_sys::mi_free(ptr.cast()) }
-    }
-
-    #[inline]
-    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
-        use libmimalloc_sys as mi;
-        // SAFETY: `ptr` is a live block of this allocator (the caller's contract); the new
-        // block keeps the old alignment under the same rule as `alloc`.
-        unsafe {
-            if Self::plain(layout.align(), new_size) {
-                mi::mi_realloc(ptr.cast(), new_size).cast()
-            } else {
-                mi::mi_realloc_aligned(ptr.cast(), new_size, layout.align()).cast()
-            }
-        }
-    }
-}
-
 /// A new anonymous file of `size` bytes that holds no pages and can never be written
 /// (`memfd_create` with sealing, `ftruncate`, then `F_SEAL_WRITE | F_SEAL_SHRINK |
 /// F_SEAL_GROW | F_SEAL_SEAL`): every byte reads as zero for as long as it is open, and
 /// `sendfile` from it sends the kernel's shared zero page.
-pub fn sealed_zero_file(name: &std::ffi::CStr, size: u64) -> io::Result<std::fs::File> {
+pub(crate) fn sealed_zero_file(name: &std::ffi::CStr, size: u64) -> io::Result<std::fs::File> {
     use std::os::fd::FromRawFd;
     // SAFETY: `name` is a valid NUL-terminated string borrowed for the call; the flags ask for
     // a new descriptor, closed on exec, that may be sealed.
@@ -327,16 +247,9 @@ pub fn sealed_zero_file(name: &std::ffi::CStr, size: u64) -> io::Result<std::fs:
     Ok(file)
 }
 
-/// Hand the allocator's free memory back to the kernel: used after a RAM LUN frees many
-/// chunks, so the process really shrinks. mimalloc gives freed memory back on its own only
-/// while the process keeps allocating; an idle target would keep it. `malloc_trim` does the
-/// same for glibc's heap (where the chunks live when this crate runs under the system
-/// allocator, as in its own tests).
-pub fn release_free_memory() {
-    // SAFETY: mi_collect takes no pointers; it walks mimalloc's own structures (each
-    // thread's heap is only collected by its thread; the arenas under their locks) and
-    // returns unused pages to the kernel. Harmless when mimalloc is not the allocator.
-    unsafe { libmimalloc_sys::mi_collect(true) };
+/// Hand glibc's free heap memory back to the kernel (`malloc_trim(0)`); memory of another
+/// allocator is not its business.
+pub(crate) fn malloc_trim() {
     // SAFETY: malloc_trim takes each arena's own lock (glibc documents it MT-Safe) and reads
     // or writes no memory of ours; it only returns unused pages to the kernel.
     unsafe { libc::malloc_trim(0) };
@@ -361,7 +274,7 @@ const SYS_CACHESTAT: libc::c_long = 451;
 
 /// Whether every page of `[offset, offset + len)` of `file` is in the page cache now;
 /// `None` when the kernel has no `cachestat` (ENOSYS) or the file does not support it.
-pub fn fully_cached(file: &impl AsRawFd, offset: u64, len: u64) -> Option<bool> {
+pub(crate) fn fully_cached(file: &impl AsRawFd, offset: u64, len: u64) -> Option<bool> {
     #[repr(C)]
     struct Range {
         off: u64,
@@ -404,93 +317,12 @@ pub fn fully_cached(file: &impl AsRawFd, offset: u64, len: u64) -> Option<bool> 
     Some(stat.nr_cache >= pages)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::alloc::{GlobalAlloc, Layout};
-
-    /// Every layout a program can ask for comes back aligned, usable to its full size,
-    /// zeroed when asked, and keeps its bytes and alignment through `realloc`, on both paths
-    /// (plain `mi_malloc` and the aligned calls). Each size is allocated many times so blocks
-    /// come from different places in mimalloc's pages.
-    #[test]
-    fn allocator_honours_every_alignment_and_keeps_bytes_through_realloc() {
-        let a = Allocator;
-        let sizes = [
-            1usize,
-            2,
-            3,
-            4,
-            7,
-            8,
-            12,
-            16,
-            24,
-            40,
-            48,
-            80,
-            96,
-            112,
-            144,
-            1000,
-            1024,
-            1040,
-            4096,
-            4100,
-            6144,
-            12288,
-            20480,
-            65536,
-            524288,
-            1 << 21,
-        ];
-        for &size in &sizes {
-            for align in [1usize, 2, 4, 8, 16, 32, 64, 2048, 4096] {
-                // A Rust layout's size is a multiple of its alignment.
-                let size = size.div_ceil(align) * align;
-                let layout = Layout::from_size_align(size, align).expect("layout");
-                let mut held = Vec::new();
-                for round in 0..64u8 {
-                    // SAFETY: a non-zero-size layout; the block is freed below with it.
-                    let p = unsafe {
-                        if round % 2 == 0 {
-                            a.alloc(layout)
-                        } else {
-                            a.alloc_zeroed(layout)
-                        }
-                    };
-                    assert!(!p.is_null(), "size {size} align {align}");
-                    assert_eq!(p as usize % align, 0, "size {size} align {align}");
-                    // SAFETY: `p` is a live block of `size` bytes.
-                    let block = unsafe { std::slice::from_raw_parts_mut(p, size) };
-                    if round % 2 == 1 {
-                        assert!(block.iter().all(|&b| b == 0), "zeroed {size}/{align}");
-                    }
-                    block.fill(round);
-                    held.push((p, round));
-                }
-                for (p, round) in held {
-                    // SAFETY: `p` is live with `layout`; the new block has `2 * size` bytes.
-                    let q = unsafe { a.realloc(p, layout, size * 2) };
-                    assert!(!q.is_null());
-                    assert_eq!(q as usize % align, 0, "realloc size {size} align {align}");
-                    // SAFETY: the first `size` bytes were carried over by realloc.
-                    let kept = unsafe { std::slice::from_raw_parts(q, size) };
-                    assert!(kept.iter().all(|&b| b == round), "realloc kept bytes");
-                    let grown = Layout::from_size_align(size * 2, align).expect("layout");
-                    // SAFETY: `q` is live with the grown layout.
-                    unsafe { a.dealloc(q, grown) };
-                }
-            }
-        }
-    }
-}
-
 /// A shared, writable mapping of the first `len` bytes of a file (`mmap(MAP_SHARED)`), used
-/// only as a destination for the kernel: [`recv_into`] has the kernel copy received bytes
-/// straight into the file's pages. Nothing in user space reads or writes the mapped memory,
-/// so a file cut short behind our back cannot raise SIGBUS: the kernel's copy into a page
-/// past the end fails with EFAULT instead.
+/// only by the kernel: a receive system call copies bytes from a socket straight into the
+/// file's pages ([`MappedDest`]), a send copies them out ([`iovec`](Self::iovec)). Nothing in
+/// user space reads or writes the mapped memory, so a file cut short behind our back cannot
+/// raise SIGBUS: the kernel's copy into or out of a page past the end fails with EFAULT
+/// instead.
 #[derive(Debug)]
 pub struct Mapping {
     ptr: std::ptr::NonNull<libc::c_void>,
@@ -546,6 +378,56 @@ impl Mapping {
             iov_len: len,
         })
     }
+
+    /// `len` bytes at byte `at` of the mapping as the destination of a receive system call
+    /// ([`MappedDest`]); `None` when the range is not inside the mapping.
+    pub fn dest(&self, at: usize, len: usize) -> Option<MappedDest<'_>> {
+        at.checked_add(len).filter(|&e| e <= self.len)?;
+        Some(MappedDest {
+            ptr: self.ptr.as_ptr().cast::<u8>().wrapping_add(at),
+            len,
+            _map: std::marker::PhantomData,
+        })
+    }
+}
+
+/// `len` writable bytes of a [`Mapping`], for the kernel to write: the destination of a
+/// `recv` straight into a file's pages (the server's receive path). It borrows the mapping, so
+/// the memory stays mapped while it exists, and it gives out a raw pointer only, never a
+/// reference: nothing in user space reads or writes that memory, it is written by system
+/// calls alone, and a page past the end of a file cut short behind our back makes such a call
+/// fail with EFAULT instead of raising SIGBUS. Only [`Mapping::dest`] makes one, so
+/// `ptr .. ptr + len` always lies inside a live mapping.
+#[derive(Debug)]
+pub struct MappedDest<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _map: std::marker::PhantomData<&'a Mapping>,
+}
+
+impl MappedDest<'_> {
+    /// The first byte, for a system call to write `len()` bytes from (never to dereference).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Bytes the destination covers.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it covers nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Only the first `n` bytes (all of them if there are fewer).
+    pub fn first(self, n: usize) -> Self {
+        MappedDest {
+            len: self.len.min(n),
+            ..self
+        }
+    }
 }
 
 impl Drop for Mapping {
@@ -557,67 +439,4 @@ impl Drop for Mapping {
             libc::munmap(self.ptr.as_ptr(), self.len);
         }
     }
-}
-
-/// `recv(src, MSG_DONTWAIT)` of at most `len` bytes straight into `map` at byte `at`: the
-/// kernel copies from the socket into the mapped file's pages, with no buffer in between.
-/// `WouldBlock` when nothing is there; `Ok(0)` at end of stream; EFAULT when the file no
-/// longer reaches that far (cut short behind our back).
-pub fn recv_into(
-    src: std::os::fd::BorrowedFd<'_>,
-    map: &Mapping,
-    at: usize,
-    len: usize,
-) -> io::Result<usize> {
-    at.checked_add(len)
-        .filter(|&e| e <= map.len)
-        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: `at + len <= map.len` (checked above), so the kernel writes only inside the
-    // mapping, which `map` keeps alive for the call. No Rust reference to that memory exists:
-    // it is written only by the kernel, so no aliasing rule is involved. `src` is a borrowed
-    // open descriptor.
-    let ret = unsafe {
-        libc::recv(
-            std::os::fd::AsRawFd::as_raw_fd(&src),
-            map.ptr.as_ptr().cast::<u8>().add(at).cast::<libc::c_void>(),
-            len,
-            libc::MSG_DONTWAIT,
-        )
-    };
-    check(ret)
-}
-
-/// Bytes waiting in a socket's receive queue (`ioctl(FIONREAD)`).
-pub fn bytes_readable(src: std::os::fd::BorrowedFd<'_>) -> io::Result<usize> {
-    let mut n: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one c_int through the pointer, which points at `n`, alive and
-    // exclusively borrowed for the call; `src` is a borrowed open descriptor.
-    let ret = unsafe {
-        libc::ioctl(
-            std::os::fd::AsRawFd::as_raw_fd(&src),
-            libc::FIONREAD,
-            &mut n as *mut libc::c_int,
-        )
-    };
-    if ret < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(usize::try_from(n).unwrap_or(0))
-}
-
-/// `recv(MSG_PEEK | MSG_DONTWAIT)` of one byte: `true` when a byte is waiting, `false` at end
-/// of stream, `WouldBlock` when nothing is, or the socket's error.
-pub fn peek_byte(src: std::os::fd::BorrowedFd<'_>) -> io::Result<bool> {
-    let mut b = 0u8;
-    // SAFETY: the kernel writes at most one byte, into `b`, alive and exclusively borrowed for
-    // the call; `src` is a borrowed open descriptor.
-    let ret = unsafe {
-        libc::recv(
-            std::os::fd::AsRawFd::as_raw_fd(&src),
-            (&mut b as *mut u8).cast::<libc::c_void>(),
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    check(ret).map(|n| n > 0)
 }

@@ -34,7 +34,7 @@ const ENTRIES: u32 = 256;
 /// Memory the kernel reads or writes while an operation is in flight: a buffer of its own
 /// (a read's, or an aligned copy for O_DIRECT) or the caller's shared bytes.
 #[derive(Debug)]
-pub enum Buf {
+pub(crate) enum Buf {
     None,
     Owned(Vec<u8>),
     Shared(Bytes),
@@ -42,7 +42,7 @@ pub enum Buf {
 
 impl Buf {
     /// The bytes a write takes from.
-    pub fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Buf::None => &[],
             Buf::Owned(v) => v,
@@ -204,14 +204,14 @@ async fn drive(driving: Driving, afd: tokio::io::unix::AsyncFd<EventFd>) {
 
 /// Why an operation could not be submitted.
 #[derive(Debug)]
-pub enum SubmitError {
+pub(crate) enum SubmitError {
     /// Not on a tokio runtime with I/O enabled: the caller runs the operation another way.
     NoRuntime,
     Io(io::Error),
 }
 
 /// One io_uring instance and its completion driver.
-pub struct Ring {
+pub(crate) struct Ring {
     shared: Arc<Shared>,
     limit: Arc<Semaphore>,
     start: Mutex<()>,
@@ -233,7 +233,7 @@ impl Drop for Ring {
 impl Ring {
     /// Set up a ring that supports read, write and fsync, with an eventfd for completions.
     /// Fails where io_uring is missing or disabled (`kernel.io_uring_disabled`, seccomp).
-    pub fn new() -> io::Result<Ring> {
+    pub(crate) fn new() -> io::Result<Ring> {
         // COOP_TASKRUN (Linux 5.19): a completion does not interrupt the submitting thread
         // with an IPI while it runs (it is woken if asleep, and runs the completion work at its
         // next syscall, which a busy connection makes at once): +13 % 4K O_DIRECT reads, +24 %
@@ -291,7 +291,7 @@ impl Ring {
     /// Start the driver on the current tokio runtime if none runs; `Err(NoRuntime)` off a
     /// tokio runtime (or on one without I/O), where the caller must do its I/O another way.
     /// Nothing is submitted unless a driver is there to reap it.
-    pub fn ensure_driver(&self) -> Result<(), SubmitError> {
+    pub(crate) fn ensure_driver(&self) -> Result<(), SubmitError> {
         if self.shared.driving.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -384,7 +384,7 @@ impl Ring {
     /// Read up to `len` bytes at `offset` into `buf`'s spare capacity (after its current
     /// length); returns the buffer and how many bytes were appended (fewer only at the end of
     /// the file).
-    pub async fn read_append(
+    pub(crate) async fn read_append(
         &self,
         file: &Arc<File>,
         mut buf: Vec<u8>,
@@ -420,7 +420,7 @@ impl Ring {
     /// Write `data.bytes()[range]` at `offset` (`dsync`: RWF_DSYNC); `keep` lives until the
     /// kernel is done and comes back with the buffer and the bytes written (fewer than asked:
     /// write the rest again).
-    pub async fn write(
+    pub(crate) async fn write(
         &self,
         file: &Arc<File>,
         data: Buf,
@@ -450,7 +450,7 @@ impl Ring {
     }
 
     /// `fdatasync(file)`.
-    pub async fn fdatasync(&self, file: &Arc<File>) -> Result<(), SubmitError> {
+    pub(crate) async fn fdatasync(&self, file: &Arc<File>) -> Result<(), SubmitError> {
         let entry = opcode::Fsync::new(types::Fd(file.as_raw_fd()))
             .flags(types::FsyncFlags::DATASYNC)
             .build();

@@ -81,7 +81,7 @@ pub(crate) struct DataOutSeq {
 impl DataOutSeq {
     /// Bytes `start..end` of the command's data as Data-Out headers with their data length:
     /// DataSN from 0, at most `mrdsl` bytes each, F on the last.
-    pub fn pdus(&self, start: u32, end: u32) -> impl Iterator<Item = (DataOut, u32)> + '_ {
+    pub(crate) fn pdus(&self, start: u32, end: u32) -> impl Iterator<Item = (DataOut, u32)> + '_ {
         let mrdsl = self.mrdsl.max(1);
         let mut off = start;
         let mut sn = 0;
@@ -263,6 +263,7 @@ impl CommandResult {
 }
 
 /// A logged-in connection.
+#[derive(Debug)]
 pub struct Client {
     rd: BufReader<OwnedReadHalf>,
     wr: OwnedWriteHalf,

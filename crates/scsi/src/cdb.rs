@@ -110,30 +110,30 @@ pub fn cdb_length(op: u8) -> Option<usize> {
 pub(crate) struct Cdb<'a>(pub &'a [u8]);
 
 impl Cdb<'_> {
-    pub fn op(&self) -> u8 {
+    pub(crate) fn op(&self) -> u8 {
         self.u8(0)
     }
-    pub fn u8(&self, i: usize) -> u8 {
+    pub(crate) fn u8(&self, i: usize) -> u8 {
         self.0.get(i).copied().unwrap_or(0)
     }
-    pub fn bit(&self, i: usize, bit: u8) -> bool {
+    pub(crate) fn bit(&self, i: usize, bit: u8) -> bool {
         self.u8(i) & (1 << bit) != 0
     }
     /// Big-endian unsigned field of `n` (<= 8) bytes at `i`.
-    pub fn be(&self, i: usize, n: usize) -> u64 {
+    pub(crate) fn be(&self, i: usize, n: usize) -> u64 {
         (i..i + n).fold(0u64, |acc, j| (acc << 8) | u64::from(self.u8(j)))
     }
-    pub fn u16(&self, i: usize) -> u16 {
+    pub(crate) fn u16(&self, i: usize) -> u16 {
         self.be(i, 2) as u16
     }
-    pub fn u32(&self, i: usize) -> u32 {
+    pub(crate) fn u32(&self, i: usize) -> u32 {
         self.be(i, 4) as u32
     }
-    pub fn u64(&self, i: usize) -> u64 {
+    pub(crate) fn u64(&self, i: usize) -> u64 {
         self.be(i, 8)
     }
     /// Offset of the CONTROL byte (the last byte of a fixed-length CDB).
-    pub fn control_offset(&self) -> usize {
+    pub(crate) fn control_offset(&self) -> usize {
         cdb_length(self.op()).unwrap_or(1) - 1
     }
 }

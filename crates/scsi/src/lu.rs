@@ -498,7 +498,7 @@ fn add_waker(waiters: &mut Vec<Waker>, w: &Waker) {
 
 impl RangeLock {
     /// Lock blocks `start .. end` (half open).
-    pub fn lock(&self, start: u64, end: u64) -> RangeLockFuture<'_> {
+    pub(crate) fn lock(&self, start: u64, end: u64) -> RangeLockFuture<'_> {
         RangeLockFuture {
             lock: self,
             start,
@@ -508,7 +508,7 @@ impl RangeLock {
 
     /// Lock blocks `start .. end` if no held range overlaps them now and no aborted task may
     /// still take one; never waits.
-    pub fn try_lock(&self, start: u64, end: u64) -> Option<RangeGuard> {
+    pub(crate) fn try_lock(&self, start: u64, end: u64) -> Option<RangeGuard> {
         let mut g = lock(&self.shared.state);
         if g.overlaps(start, end) || g.aborted_alive(&self.shared) {
             return None;
@@ -518,7 +518,7 @@ impl RangeLock {
 
     /// Resolves when no orphaned range overlaps blocks `start .. end` and no aborted task can
     /// still create one (see the type's docs). Reads await this before reading the medium.
-    pub fn settled(&self, start: u64, end: u64) -> Settled<'_> {
+    pub(crate) fn settled(&self, start: u64, end: u64) -> Settled<'_> {
         Settled {
             lock: self,
             start,
@@ -529,7 +529,7 @@ impl RangeLock {
     /// The transport aborted a task that may be executing a command on this LU; `gone`
     /// reports when its future has been dropped. Until then [`settled`](Self::settled) waits,
     /// so a read issued after the TMF response sees any range the task orphans.
-    pub fn aborting(&self, gone: TaskGone) {
+    pub(crate) fn aborting(&self, gone: TaskGone) {
         let mut g = lock(&self.shared.state);
         g.prune();
         if !gone() {
@@ -540,13 +540,13 @@ impl RangeLock {
 
     /// Ranges held right now (tests).
     #[cfg(test)]
-    pub fn held(&self) -> usize {
+    pub(crate) fn held(&self) -> usize {
         lock(&self.shared.state).held.len()
     }
 
     /// Orphaned ranges right now (tests).
     #[cfg(test)]
-    pub fn orphaned(&self) -> usize {
+    pub(crate) fn orphaned(&self) -> usize {
         lock(&self.shared.state).orphaned
     }
 }
@@ -618,7 +618,7 @@ pub(crate) struct RangeGuard {
 impl RangeGuard {
     /// This guard as a backend [`Keep`](ironsan_backend::Keep) value, for one backend
     /// operation started with [`Kept::run`].
-    pub fn keep(self) -> Kept {
+    pub(crate) fn keep(self) -> Kept {
         let mark = OrphanMark {
             shared: Some(Arc::clone(&self.shared)),
             token: self.token,
@@ -631,7 +631,7 @@ impl RangeGuard {
     /// A shared guard as a [`Keep`](ironsan_backend::Keep) value, for commands that issue
     /// several backend operations under one lock: the range is released when the command
     /// and every operation it issued are done.
-    pub fn keep_shared(self: &Arc<Self>) -> Kept {
+    pub(crate) fn keep_shared(self: &Arc<Self>) -> Kept {
         Kept {
             keep: Box::new(Arc::clone(self)),
             mark: OrphanMark {
@@ -673,7 +673,7 @@ impl Kept {
     /// Start the backend operation `op` with the keep and await it. If this future is
     /// dropped (the task was aborted) before `op` returns and the device still holds the
     /// keep, the range becomes orphaned: reads of it wait until the device lets go.
-    pub fn run<'a, T>(
+    pub(crate) fn run<'a, T>(
         self,
         op: impl FnOnce(ironsan_backend::Keep) -> ironsan_backend::IoFuture<'a, T>,
     ) -> InDevice<'a, T> {

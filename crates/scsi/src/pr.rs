@@ -93,11 +93,11 @@ pub fn names_port(victim: &str, port: &str) -> bool {
 impl PortPair {
     /// Whether this registration identity covers the I_T nexus `who` (exactly, or as an
     /// ALL_TG_PT registration of its initiator port).
-    pub fn covers(&self, who: &PortPair) -> bool {
+    pub(crate) fn covers(&self, who: &PortPair) -> bool {
         self == who || (&*self.target == ALL_TARGET_PORTS && self.initiator == who.initiator)
     }
 
-    pub fn of(n: &Nexus) -> Self {
+    pub(crate) fn of(n: &Nexus) -> Self {
         PortPair {
             initiator: Arc::clone(&n.initiator_port),
             target: Arc::clone(&n.target_port),
@@ -161,11 +161,11 @@ impl PrState {
 
     /// Whether a command of class `access` from `who` conflicts with the reservation.
     /// Whether a persistent reservation exists (without one nothing conflicts).
-    pub fn reserved(&self) -> bool {
+    pub(crate) fn reserved(&self) -> bool {
         self.res.is_some()
     }
 
-    pub fn conflicts(&self, who: &PortPair, access: PrAccess) -> bool {
+    pub(crate) fn conflicts(&self, who: &PortPair, access: PrAccess) -> bool {
         let Some(res) = &self.res else {
             return false;
         };

@@ -53,6 +53,7 @@ pub trait Hooks: Send + Sync + 'static {
 pub type LunEntry = (u64, Arc<LogicalUnit>, Option<String>);
 
 /// Hooks that add nothing (tests, embedders without a configuration file).
+#[derive(Debug)]
 pub struct NoHooks;
 impl Hooks for NoHooks {}
 

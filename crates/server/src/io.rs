@@ -146,6 +146,40 @@ impl PlaceTarget for InPlaceWrite {
     }
 }
 
+/// Receive at most `max` bytes from `src` (a socket) without waiting, straight into the
+/// file's pages under bytes `at ..` of `w` ([`InPlaceWrite::mapped`]), and only whole grains
+/// ([`InPlaceWrite::grain`]) of what is there (all `max` bytes if they are). `Ok(0)`: less
+/// than a grain (and less than `max`) is there, which the caller receives through memory;
+/// `WouldBlock`: nothing is there; `UnexpectedEof`: the stream ended. Asking past the write's
+/// end is `InvalidInput`; another error is the socket's or the medium's (EFAULT: the file was
+/// cut short), and the bytes stay in the socket.
+pub fn recv_in_place(
+    w: &InPlaceWrite,
+    src: std::os::fd::BorrowedFd<'_>,
+    at: usize,
+    max: usize,
+) -> std::io::Result<usize> {
+    let dest = w.mapped(at, max)?;
+    let ready = crate::sys::bytes_readable(src)?;
+    let n = if ready >= max {
+        max
+    } else {
+        ready - ready % w.grain()
+    };
+    if n > 0 {
+        return crate::sys::recv_into(src, dest.first(n));
+    }
+    if ready > 0 {
+        return Ok(0);
+    }
+    // Nothing counted: let the socket itself say whether that is "wait" (which clears the
+    // caller's readiness correctly), the end, an error, or bytes just arrived.
+    match crate::sys::peek_byte(src)? {
+        false => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        true => Ok(0),
+    }
+}
+
 /// The Data-Out of one write received in place ([`InPlaceWrite`]), a whole logical block at a
 /// time: a block reaches the medium only once all its bytes are here, so a transfer broken
 /// off (a TCP reset, an abort) leaves each block all old or all new, never torn. Blocks that
@@ -206,7 +240,7 @@ impl Placement {
     /// Receive a data segment (no data digest) for bytes `at ..` of the write: what is in
     /// the receive buffer and the ends of blocks split with other segments through
     /// [`put`](Self::put), every whole block still in the socket copied by the kernel straight
-    /// into the file ([`InPlaceWrite::recv_from`]); should that copy fail, the rest is received
+    /// into the file ([`recv_in_place`]); should that copy fail, the rest is received
     /// into memory and written from there. The outer error ends the connection; the inner one
     /// is the medium's (a write failed, e.g. tmpfs is full): the rest of the segment is then
     /// read and dropped, so the stream stays in step, and the caller fails the command.
@@ -248,7 +282,7 @@ impl Placement {
             } else {
                 let stream = r.inner.as_ref();
                 match stream.try_io(tokio::io::Interest::READABLE, || {
-                    target.with(|t| t.recv_from(stream.as_fd(), pos, whole))
+                    target.with(|t| recv_in_place(t, stream.as_fd(), pos, whole))
                 }) {
                     Ok(0) => Some((grain - pos % grain).min(end - pos)),
                     Ok(n) => {
@@ -351,7 +385,7 @@ pub async fn read_pdu<R: AsyncRead + Unpin>(
 }
 
 /// Encoded PDUs waiting to be written in one vectored write.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct WriteBatch {
     /// Headers, digests and padding live here; data segments are referenced, not copied.
     parts: Vec<Part>,
@@ -366,6 +400,7 @@ pub struct WriteBatch {
     failed: Option<std::io::Error>,
 }
 
+#[derive(Debug)]
 enum Part {
     Small([u8; BHS_LEN + 4], usize),
     Tail([u8; 8], usize),
@@ -604,6 +639,7 @@ static RETIRED_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// when no such slice is left, and otherwise moves to a new one, keeping a handle on the old
 /// until its last slice is dropped. At most [`RETIRED_MAX`] such buffers per connection and
 /// [`RETIRED_BYTES_MAX`] in the process are held that way; past that, data is copied.
+#[derive(Debug)]
 pub struct RecvBuf<R> {
     inner: R,
     /// The bytes received and not yet consumed.
@@ -968,6 +1004,60 @@ mod tests {
             rest.len() <= 256 << 10 && rest[..] == data[1 << 20..(1 << 20) + rest.len()],
             "after the cut: {} bytes, not all the file's",
             rest.len()
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// The receive straight into a file's pages: nothing past the write's end, "wait" when
+    /// nothing is there, only whole blocks of what the socket holds (all that was asked when
+    /// it is all there), the end of the stream, and EFAULT with the bytes left in the socket
+    /// when the file was cut short. A real file on tmpfs and a socket pair.
+    #[test]
+    fn recv_in_place_takes_whole_blocks_and_says_why_not() {
+        use ironsan_backend::BlockDevice;
+        use std::io::{ErrorKind, Read, Write};
+        use std::os::fd::AsFd;
+        let (path, file) = shm_file("recv-in-place", 1 << 20);
+        let base = 64 << 10;
+        let w = file
+            .write_in_place(base, 8192)
+            .expect("a tmpfs file takes bytes in place")
+            .in_grains_of(512);
+        let (mut tx, mut rx) = std::os::unix::net::UnixStream::pair().unwrap();
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 13 % 251) as u8).collect();
+        let err = recv_in_place(&w, rx.as_fd(), 8000, 512).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "past the write's end");
+        let err = recv_in_place(&w, rx.as_fd(), 0, 4096).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::WouldBlock, "nothing there");
+        // 700 bytes: one whole block goes in; less than a block is left for memory.
+        tx.write_all(&data[..700]).unwrap();
+        assert_eq!(recv_in_place(&w, rx.as_fd(), 0, 4096).unwrap(), 512);
+        assert_eq!(recv_in_place(&w, rx.as_fd(), 512, 4096).unwrap(), 0);
+        // All that is asked is there: all of it, whole blocks or not.
+        tx.write_all(&data[700..4196]).unwrap();
+        assert_eq!(recv_in_place(&w, rx.as_fd(), 512, 3584).unwrap(), 3584);
+        assert_eq!(recv_in_place(&w, rx.as_fd(), 4096, 100).unwrap(), 100);
+        let on_file = std::fs::read(&path).unwrap();
+        assert!(on_file[base as usize..base as usize + 4196] == data[..4196]);
+        // The file cut short under the write: EFAULT, and the bytes stay in the socket.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(base + 4096)
+            .unwrap();
+        tx.write_all(&data[4608..5120]).unwrap();
+        let err = recv_in_place(&w, rx.as_fd(), 4608, 512).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EFAULT), "{err}");
+        let mut left = [0u8; 512];
+        rx.read_exact(&mut left).unwrap();
+        assert!(left[..] == data[4608..5120]);
+        drop(tx);
+        let err = recv_in_place(&w, rx.as_fd(), 4608, 512).unwrap_err();
+        assert_eq!(
+            err.kind(),
+            ErrorKind::UnexpectedEof,
+            "the end of the stream"
         );
         let _ = std::fs::remove_file(&path);
     }

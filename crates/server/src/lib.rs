@@ -195,7 +195,7 @@ pub(crate) struct LiveTarget {
 }
 
 impl LiveTarget {
-    pub fn new(def: &TargetDef) -> Self {
+    pub(crate) fn new(def: &TargetDef) -> Self {
         LiveTarget {
             name: def.name.clone(),
             alias: def.alias.clone(),
@@ -206,20 +206,20 @@ impl LiveTarget {
     }
 
     /// The MaxConnections this target offers (`None`: the server's default).
-    pub fn max_connections(&self) -> Option<u16> {
+    pub(crate) fn max_connections(&self) -> Option<u16> {
         match self.max_connections.load(Ordering::Relaxed) {
             0 => None,
             n => Some(n),
         }
     }
 
-    pub fn set_max_connections(&self, n: Option<u16>) {
+    pub(crate) fn set_max_connections(&self, n: Option<u16>) {
         self.max_connections
             .store(n.unwrap_or(0), Ordering::Relaxed);
     }
 
     /// The counters of a LUN (made on first use).
-    pub fn lun_metrics(&self, lun: u64) -> Arc<metrics::LunMetrics> {
+    pub(crate) fn lun_metrics(&self, lun: u64) -> Arc<metrics::LunMetrics> {
         Arc::clone(
             self.metrics
                 .lock()
@@ -230,7 +230,7 @@ impl LiveTarget {
     }
 
     /// The counters of every current LUN and of every LUN that ever served a command.
-    pub fn all_lun_metrics(&self) -> Vec<(u64, Arc<metrics::LunMetrics>)> {
+    pub(crate) fn all_lun_metrics(&self) -> Vec<(u64, Arc<metrics::LunMetrics>)> {
         let luns: Vec<u64> = self.scsi().luns().map(|(n, _)| n).collect();
         let mut m = self.metrics.lock().unwrap_or_else(|p| p.into_inner());
         for n in luns {
@@ -240,13 +240,13 @@ impl LiveTarget {
     }
 
     /// The current LUN map (one short read lock and an `Arc` clone).
-    pub fn scsi(&self) -> Arc<ironsan_scsi::Target> {
+    pub(crate) fn scsi(&self) -> Arc<ironsan_scsi::Target> {
         Arc::clone(&self.scsi.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Change the LUN map: `f` edits a copy, which replaces the current one. Writers are
     /// serialised by the write lock.
-    pub fn update_luns<R>(&self, f: impl FnOnce(&mut ironsan_scsi::Target) -> R) -> R {
+    pub(crate) fn update_luns<R>(&self, f: impl FnOnce(&mut ironsan_scsi::Target) -> R) -> R {
         let mut slot = self.scsi.write().unwrap_or_else(|p| p.into_inner());
         let mut next = ironsan_scsi::Target::clone(&slot);
         let r = f(&mut next);
@@ -270,7 +270,7 @@ pub(crate) struct Runtime {
 
 impl Runtime {
     /// The access rules of a target (open if none are configured).
-    pub fn access(&self, target: &str) -> &Access {
+    pub(crate) fn access(&self, target: &str) -> &Access {
         static OPEN: std::sync::OnceLock<Access> = std::sync::OnceLock::new();
         self.access
             .get(target)
@@ -278,7 +278,7 @@ impl Runtime {
     }
 
     /// Whether the portal group `tag` serves `target`.
-    pub fn served_on(&self, target: &str, tag: u16) -> bool {
+    pub(crate) fn served_on(&self, target: &str, tag: u16) -> bool {
         self.portal_groups
             .get(target)
             .is_none_or(|tags| tags.contains(&tag))
@@ -308,13 +308,13 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// The current run-time configuration.
-    pub fn runtime(&self) -> Arc<Runtime> {
+    pub(crate) fn runtime(&self) -> Arc<Runtime> {
         Arc::clone(&self.runtime.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Change the run-time configuration: `f` edits a copy that replaces the current one
     /// unless it fails. Writers are serialised.
-    pub fn update_runtime<R>(
+    pub(crate) fn update_runtime<R>(
         &self,
         f: impl FnOnce(&mut Runtime) -> Result<R, String>,
     ) -> Result<R, String> {
@@ -330,7 +330,7 @@ impl Shared {
     /// Keep each target's default ALUA layout (one target port group per portal group that
     /// serves it) in step with the portals and the target's `portal_groups`. Targets whose
     /// groups were configured keep them.
-    pub fn refresh_alua(&self) {
+    pub(crate) fn refresh_alua(&self) {
         // One refresh at a time: two racing could leave the older port list in place.
         static REFRESH: Mutex<()> = Mutex::new(());
         let _one = lock(&REFRESH);
@@ -344,7 +344,7 @@ impl Shared {
         }
     }
 
-    pub fn alloc_tsih(&self) -> u16 {
+    pub(crate) fn alloc_tsih(&self) -> u16 {
         loop {
             let t = self.next_tsih.fetch_add(1, Ordering::Relaxed);
             if t != 0 {
@@ -358,6 +358,19 @@ impl Shared {
 pub struct Server {
     shared: Arc<Shared>,
     shutdown_tx: watch::Sender<bool>,
+}
+
+/// The configured portals and the connections open now (no lock taken).
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("listen", &self.shared.cfg.listen)
+            .field(
+                "connections",
+                &self.shared.connections.load(Ordering::Relaxed),
+            )
+            .finish_non_exhaustive()
+    }
 }
 
 impl Server {

@@ -32,11 +32,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The session-wide protocol core, as this server instantiates it.
-pub type Core = ironsan_proto::session::Session<Running, ConnInfo, BuildHasherDefault<IntHasher>>;
+pub(crate) type Core =
+    ironsan_proto::session::Session<Running, ConnInfo, BuildHasherDefault<IntHasher>>;
 
 /// What the server keeps per task to abort it.
 #[derive(Debug)]
-pub struct Running {
+pub(crate) struct Running {
     /// The command's tokio task, if it has one (a command completing inline never has).
     pub abort: Option<tokio::task::AbortHandle>,
     /// While the command is polled inline by its connection's reader (before it has a task),
@@ -53,13 +54,13 @@ pub struct Running {
 /// put under the slot's lock; an abort from any task empties it, which drops the write and
 /// its range, and no byte is put after that.
 #[derive(Debug)]
-pub struct PlacedSlot {
+pub(crate) struct PlacedSlot {
     grain: usize,
     write: Mutex<Option<ironsan_scsi::PlacedWrite>>,
 }
 
 impl PlacedSlot {
-    pub fn new(p: ironsan_scsi::PlacedWrite) -> Self {
+    pub(crate) fn new(p: ironsan_scsi::PlacedWrite) -> Self {
         PlacedSlot {
             grain: p.target().grain(),
             write: Mutex::new(Some(p)),
@@ -67,7 +68,7 @@ impl PlacedSlot {
     }
 
     /// The write, unless an abort took it.
-    pub fn take(&self) -> Option<ironsan_scsi::PlacedWrite> {
+    pub(crate) fn take(&self) -> Option<ironsan_scsi::PlacedWrite> {
         lock(&self.write).take()
     }
 }
@@ -89,7 +90,7 @@ impl crate::io::PlaceTarget for PlacedSlot {
 
 /// Why the target closes a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Close {
+pub(crate) enum Close {
     /// Its session ended (reinstated, reset away, recovered), it was logged out from another
     /// connection or reinstated, or an admin closed it.
     ByTarget,
@@ -100,7 +101,7 @@ pub enum Close {
 /// How other threads reach a connection's reader: events due on it (a held command released
 /// by another connection), and whether its reader has stopped.
 #[derive(Debug, Default)]
-pub struct ConnSignals {
+pub(crate) struct ConnSignals {
     events: AtomicBool,
     wake: Notify,
     stopped: AtomicBool,
@@ -109,25 +110,25 @@ pub struct ConnSignals {
 
 impl ConnSignals {
     /// Tell the reader its session queue has events.
-    pub fn wake(&self) {
+    pub(crate) fn wake(&self) {
         self.events.store(true, Ordering::Release);
         self.wake.notify_one();
     }
     /// Whether events were signalled since the last call (clears it).
-    pub fn take_events(&self) -> bool {
+    pub(crate) fn take_events(&self) -> bool {
         self.events.swap(false, Ordering::AcqRel)
     }
     /// Wait for [`ConnSignals::wake`].
-    pub async fn woken(&self) {
+    pub(crate) async fn woken(&self) {
         self.wake.notified().await
     }
     /// The reader has stopped: it reads and admits nothing more.
-    pub fn mark_stopped(&self) {
+    pub(crate) fn mark_stopped(&self) {
         self.stopped.store(true, Ordering::Release);
         self.stop.notify_waiters();
     }
     /// Wait until the reader has stopped, at most `limit`; `false` if it still runs.
-    pub async fn stopped(&self, limit: std::time::Duration) -> bool {
+    pub(crate) async fn stopped(&self, limit: std::time::Duration) -> bool {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             let n = self.stop.notified();
@@ -145,7 +146,7 @@ impl ConnSignals {
 
 /// One connection as the session sees it.
 #[derive(Debug, Clone)]
-pub struct ConnInfo {
+pub(crate) struct ConnInfo {
     pub cid: u16,
     pub peer: SocketAddr,
     pub local: SocketAddr,
@@ -165,14 +166,14 @@ pub struct ConnInfo {
 }
 
 impl ConnInfo {
-    pub fn close(&self, why: Close) {
+    pub(crate) fn close(&self, why: Close) {
         let _ = self.close.send(Some(why));
     }
 }
 
 /// An iSCSI session.
 #[derive(Debug)]
-pub struct Session {
+pub(crate) struct Session {
     pub tsih: Tsih,
     pub isid: Isid,
     pub initiator_name: String,
@@ -195,7 +196,7 @@ pub struct Session {
 
 impl Session {
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
+    pub(crate) fn new(
         tsih: Tsih,
         isid: Isid,
         initiator_name: String,
@@ -226,7 +227,7 @@ impl Session {
 
     /// Run `f` on the protocol core under its lock, then publish ExpCmdSN/MaxCmdSN. `f` must
     /// not wait for anything.
-    pub fn with_core<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {
+    pub(crate) fn with_core<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {
         let mut core = lock(&self.core);
         let r = f(&mut core);
         let (exp, max) = core.window_sn();
@@ -238,7 +239,7 @@ impl Session {
     }
 
     /// (ExpCmdSN, MaxCmdSN) to stamp on outgoing PDUs, the same on every connection.
-    pub fn window_sn(&self) -> (CmdSn, CmdSn) {
+    pub(crate) fn window_sn(&self) -> (CmdSn, CmdSn) {
         let w = self.window.load(Ordering::Acquire);
         (CmdSn((w >> 32) as u32), CmdSn(w as u32))
     }
@@ -246,7 +247,7 @@ impl Session {
     /// Add a logged-in connection (see [`Core::join`]). On a connection reinstatement the old
     /// connection is told to close and its tasks are aborted here; the caller waits for its
     /// reader to stop ([`ConnSignals::stopped`]) before answering the login.
-    pub fn join(
+    pub(crate) fn join(
         &self,
         cid: Cid,
         info: ConnInfo,
@@ -263,7 +264,7 @@ impl Session {
     /// The connection `id` has stopped reading; `failed` unless it ended by a logout or was
     /// closed by the target. Returns `true` when the session ended with it: every task is then
     /// aborted and the other connections are told to close.
-    pub fn leave(&self, id: ConnId, failed: bool) -> bool {
+    pub(crate) fn leave(&self, id: ConnId, failed: bool) -> bool {
         let left = self.with_core(|c| c.leave(id, failed));
         match left.session_ended {
             Some(others) => {
@@ -283,7 +284,7 @@ impl Session {
     /// Tasks of a connection that went away while the session goes on: aborted, and each LU
     /// they were on raises SOME COMMANDS CLEARED BY ISCSI PROTOCOL EVENT for this nexus (RFC
     /// 7143 §11.14.5).
-    pub fn terminated_by_iscsi_event(&self, tasks: Terminated<Running>) {
+    pub(crate) fn terminated_by_iscsi_event(&self, tasks: Terminated<Running>) {
         let mut luns: Vec<u64> = tasks.iter().map(|(_, t)| t.lun).collect();
         luns.sort_unstable();
         luns.dedup();
@@ -302,25 +303,25 @@ impl Session {
 
     /// End the session (reinstated or reset away): abort every task, admit and join nothing
     /// from now on. Returns how many tasks were aborted. The caller closes the connections.
-    pub fn end(&self) -> usize {
+    pub(crate) fn end(&self) -> usize {
         let tasks = self.with_core(|c| c.end());
         self.abort_tasks(tasks)
     }
 
     /// A connection's full-feature reader begins (it may admit commands until it stops).
-    pub fn reader_started(&self) {
+    pub(crate) fn reader_started(&self) {
         self.readers.fetch_add(1, Ordering::SeqCst);
     }
 
     /// A connection's full-feature reader has stopped: it reads and admits nothing more.
-    pub fn reader_stopped(&self) {
+    pub(crate) fn reader_stopped(&self) {
         self.readers.fetch_sub(1, Ordering::SeqCst);
         self.reader_stopped.notify_waiters();
     }
 
     /// Wait until no reader of this session runs (after [`Session::close_conns`]), at most
     /// `limit`; `false` if one still does.
-    pub async fn readers_stopped(&self, limit: std::time::Duration) -> bool {
+    pub(crate) async fn readers_stopped(&self, limit: std::time::Duration) -> bool {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             let notified = self.reader_stopped.notified();
@@ -337,17 +338,17 @@ impl Session {
 
     /// Look at the connections under the session's lock (a connection cannot leave, and so
     /// cannot close its socket, while `f` runs).
-    pub fn with_conns<R>(&self, f: impl FnOnce(&[ConnSlot<ConnInfo>]) -> R) -> R {
+    pub(crate) fn with_conns<R>(&self, f: impl FnOnce(&[ConnSlot<ConnInfo>]) -> R) -> R {
         f(lock(&self.core).conns())
     }
 
     #[cfg(test)]
-    pub fn conn_count(&self) -> usize {
+    pub(crate) fn conn_count(&self) -> usize {
         lock(&self.core).conns().len()
     }
 
     /// Ask every connection (or the one with `cid`) to close.
-    pub fn close_conns(&self, cid: Option<u16>) {
+    pub(crate) fn close_conns(&self, cid: Option<u16>) {
         self.with_conns(|conns| {
             for c in conns {
                 if cid.is_none_or(|id| id == c.cid.0) {
@@ -360,7 +361,11 @@ impl Session {
     /// Abort the session's tasks that match `pred`; returns how many. With `tell` the
     /// initiator asked for it (its connections drop what they keep for the tasks); without,
     /// another initiator did.
-    pub fn abort_where(&self, tell: bool, pred: impl FnMut(&Itt, &Task<Running>) -> bool) -> usize {
+    pub(crate) fn abort_where(
+        &self,
+        tell: bool,
+        pred: impl FnMut(&Itt, &Task<Running>) -> bool,
+    ) -> usize {
         let tasks = self.with_core(|c| c.abort_where(tell, pred));
         self.abort_tasks(tasks)
     }
@@ -372,7 +377,7 @@ impl Session {
     /// the task's future, and until it is dropped reads of that LU wait, so no read issued
     /// after the response can miss a write the aborted task leaves in the device
     /// (docs/INTEGRITY.md, "Reads and orphaned writes").
-    pub fn abort_tasks(&self, tasks: Terminated<Running>) -> usize {
+    pub(crate) fn abort_tasks(&self, tasks: Terminated<Running>) -> usize {
         if tasks.is_empty() {
             return 0;
         }
@@ -407,7 +412,7 @@ impl Session {
         n
     }
 
-    pub fn info(&self) -> SessionInfo {
+    pub(crate) fn info(&self) -> SessionInfo {
         let (first, connections) = self.with_conns(|conns| {
             (
                 conns.first().map(|c| c.payload.params).unwrap_or_default(),
@@ -447,28 +452,28 @@ pub struct SessionInfo {
 
 /// All sessions of the server, by TSIH.
 #[derive(Debug, Default)]
-pub struct Registry {
+pub(crate) struct Registry {
     by_tsih: HashMap<u16, Arc<Session>>,
 }
 
 impl Registry {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.by_tsih.len()
     }
     /// Every session, by TSIH.
-    pub fn all(&self) -> Vec<Arc<Session>> {
+    pub(crate) fn all(&self) -> Vec<Arc<Session>> {
         let mut v: Vec<_> = self.by_tsih.values().cloned().collect();
         v.sort_by_key(|s| s.tsih.0);
         v
     }
-    pub fn get(&self, tsih: Tsih) -> Option<Arc<Session>> {
+    pub(crate) fn get(&self, tsih: Tsih) -> Option<Arc<Session>> {
         self.by_tsih.get(&tsih.0).cloned()
     }
-    pub fn insert(&mut self, s: Arc<Session>) {
+    pub(crate) fn insert(&mut self, s: Arc<Session>) {
         self.by_tsih.insert(s.tsih.0, s);
     }
     /// Remove the session if it is still the registered one for its TSIH.
-    pub fn remove(&mut self, s: &Arc<Session>) {
+    pub(crate) fn remove(&mut self, s: &Arc<Session>) {
         if self
             .by_tsih
             .get(&s.tsih.0)
@@ -480,7 +485,7 @@ impl Registry {
     /// End a session the target takes away (reinstated, or a TARGET COLD RESET): its tasks
     /// are aborted, its connections told to close, it leaves the registry and its nexus is
     /// forgotten by the LUs (reservations, unit attentions).
-    pub fn retire(&mut self, s: &Arc<Session>) {
+    pub(crate) fn retire(&mut self, s: &Arc<Session>) {
         s.end();
         s.close_conns(None);
         self.remove(s);
@@ -490,7 +495,7 @@ impl Registry {
     }
     /// The session with the same initiator name, ISID and target (RFC 7143 §6.3.5: a new
     /// leading login with TSIH 0 for an existing session reinstates it).
-    pub fn find_same_nexus(
+    pub(crate) fn find_same_nexus(
         &self,
         initiator: &str,
         isid: Isid,
@@ -506,21 +511,21 @@ impl Registry {
             .cloned()
     }
     /// How many sessions `initiator` has.
-    pub fn count_initiator(&self, initiator: &str) -> usize {
+    pub(crate) fn count_initiator(&self, initiator: &str) -> usize {
         self.by_tsih
             .values()
             .filter(|s| s.initiator_name == initiator)
             .count()
     }
     /// Every session logged in to `target`.
-    pub fn of_target(&self, target: &str) -> Vec<Arc<Session>> {
+    pub(crate) fn of_target(&self, target: &str) -> Vec<Arc<Session>> {
         self.by_tsih
             .values()
             .filter(|s| s.target.as_ref().is_some_and(|t| t.name == target))
             .cloned()
             .collect()
     }
-    pub fn info(&self) -> Vec<SessionInfo> {
+    pub(crate) fn info(&self) -> Vec<SessionInfo> {
         let mut v: Vec<_> = self.by_tsih.values().map(|s| s.info()).collect();
         v.sort_by_key(|s| s.tsih);
         v

@@ -1,11 +1,14 @@
 //! The server crate's only `unsafe`: getsockopt(TCP_INFO) for the admin view, the two
 //! sends of zero-copy Data-In (`sendmsg` with MSG_MORE for the headers before a file range,
-//! `sendfile` for the range), and the monotonic clock as nanoseconds for the per-command
-//! stage stamps. Kept thin: one call each, no pointers kept.
+//! `sendfile` for the range), the receive of Data-Out straight into a file's mapped pages
+//! (`recv`, with `ioctl(FIONREAD)` and a one-byte peek to decide how much), and the monotonic
+//! clock as nanoseconds for the per-command stage stamps. Kept thin: one call each, no
+//! pointers kept.
 
 #![allow(unsafe_code)]
 
-use std::os::fd::{AsRawFd, RawFd};
+use ironsan_backend::MappedDest;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 
 fn check(ret: isize) -> std::io::Result<usize> {
     if ret < 0 {
@@ -19,7 +22,7 @@ fn check(ret: isize) -> std::io::Result<usize> {
 /// a plain integer, so the five stamps of every command and their differences cost integer
 /// arithmetic (`Instant`'s checked subtraction was about 3 % of a 4K read's instructions).
 #[inline]
-pub fn monotonic_ns() -> u64 {
+pub(crate) fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -38,7 +41,7 @@ pub fn monotonic_ns() -> u64 {
 /// the kernel reads: our buffers, or a file's shared mapping that nothing in user space reads
 /// (`Mapping::iovec`); a page of it past the file's end makes the call fail with EFAULT, or
 /// stop short after the bytes before it.
-pub fn send_iovecs(fd: RawFd, iov: &[libc::iovec], more: bool) -> std::io::Result<usize> {
+pub(crate) fn send_iovecs(fd: RawFd, iov: &[libc::iovec], more: bool) -> std::io::Result<usize> {
     let count = iov.len().min(libc::UIO_MAXIOV as usize);
     // SAFETY: all-zero is a valid `msghdr` (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -63,7 +66,7 @@ pub fn send_iovecs(fd: RawFd, iov: &[libc::iovec], more: bool) -> std::io::Resul
 /// `sendfile(sock, file, offset, count)` on a non-blocking socket: bytes of `file` from
 /// `offset` go to the socket from the page cache; returns how many (0: the file ends before
 /// `offset`).
-pub fn sendfile(
+pub(crate) fn sendfile(
     sock: RawFd,
     file: &std::fs::File,
     offset: u64,
@@ -77,16 +80,67 @@ pub fn sendfile(
     check(ret)
 }
 
+/// `recv(src, MSG_DONTWAIT)` of at most `dest.len()` bytes straight into `dest`: the kernel
+/// copies from the socket into the mapped file's pages, with no buffer in between.
+/// `WouldBlock` when nothing is there; `Ok(0)` at end of stream; EFAULT when the file no
+/// longer reaches that far (cut short behind our back).
+pub(crate) fn recv_into(src: BorrowedFd<'_>, dest: MappedDest<'_>) -> std::io::Result<usize> {
+    // SAFETY: `dest` names `dest.len()` bytes inside a live shared mapping of a file, which it
+    // borrows (so keeps mapped) for the call: a `MappedDest` is only made by the backend's
+    // `Mapping::dest`, for a range it checked lies inside the mapping. No Rust reference to
+    // that memory exists (it is written only by system calls like this one), so no aliasing
+    // rule is involved; a page past the end of a file cut short makes the call fail with
+    // EFAULT. `src` is a borrowed open descriptor.
+    let ret = unsafe {
+        libc::recv(
+            src.as_raw_fd(),
+            dest.as_ptr().cast::<libc::c_void>(),
+            dest.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    check(ret)
+}
+
+/// Bytes waiting in a socket's receive queue (`ioctl(FIONREAD)`).
+pub(crate) fn bytes_readable(src: BorrowedFd<'_>) -> std::io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int through the pointer, which points at `n`, alive and
+    // exclusively borrowed for the call; `src` is a borrowed open descriptor.
+    let ret = unsafe { libc::ioctl(src.as_raw_fd(), libc::FIONREAD, &mut n as *mut libc::c_int) };
+    if ret < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// `recv(MSG_PEEK | MSG_DONTWAIT)` of one byte: `true` when a byte is waiting, `false` at end
+/// of stream, `WouldBlock` when nothing is, or the socket's error.
+pub(crate) fn peek_byte(src: BorrowedFd<'_>) -> std::io::Result<bool> {
+    let mut b = 0u8;
+    // SAFETY: the kernel writes at most one byte, into `b`, alive and exclusively borrowed for
+    // the call; `src` is a borrowed open descriptor.
+    let ret = unsafe {
+        libc::recv(
+            src.as_raw_fd(),
+            (&mut b as *mut u8).cast::<libc::c_void>(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    check(ret).map(|n| n > 0)
+}
+
 /// shutdown(fd, SHUT_RDWR): end both directions of a connection whose socket stays open
 /// (its reader then sees end of file). Errors (already closed) are of no interest.
-pub fn shutdown(fd: RawFd) {
+pub(crate) fn shutdown(fd: RawFd) {
     // SAFETY: no memory is passed; a bad or closed fd only makes the call fail.
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
 }
 
 /// getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION): the socket's congestion control ("cubic",
 /// "bbr", ...).
-pub fn tcp_congestion(fd: RawFd) -> std::io::Result<String> {
+pub(crate) fn tcp_congestion(fd: RawFd) -> std::io::Result<String> {
     let mut name = [0u8; 32];
     let mut len = name.len() as libc::socklen_t;
     // SAFETY: the pointer and length describe `name`, which lives across the call; the kernel
@@ -110,7 +164,7 @@ pub fn tcp_congestion(fd: RawFd) -> std::io::Result<String> {
 
 /// What `ironsan ctl sessions` shows of a connection's TCP state (Linux `struct tcp_info`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TcpInfo {
+pub(crate) struct TcpInfo {
     /// Smoothed round-trip time, microseconds.
     pub rtt_us: u32,
     /// Round-trip time variance, microseconds.
@@ -130,7 +184,7 @@ pub struct TcpInfo {
 /// getsockopt(fd, SOL_TCP, TCP_INFO). `fd` must be a TCP socket the caller keeps open for the
 /// duration of the call (the admin view holds the session's connection list lock, and a
 /// connection leaves that list before its socket is closed).
-pub fn tcp_info(fd: RawFd) -> std::io::Result<TcpInfo> {
+pub(crate) fn tcp_info(fd: RawFd) -> std::io::Result<TcpInfo> {
     // SAFETY: `tcp_info` is a plain C struct of integers; all-zero bytes are a valid value.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;

@@ -15,26 +15,26 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::mpsc;
 
-pub use ironsan_proto::pdu::SnMode;
+pub(crate) use ironsan_proto::pdu::SnMode;
 
 /// One PDU for the writer. Its data segment is in memory, or (a read's Data-In with no data
 /// digest) a range of a file LUN's backing file that the batch sends with `sendfile`.
 #[derive(Debug)]
-pub struct OutPdu {
+pub(crate) struct OutPdu {
     pub header: Header,
     pub data: DataIn,
     pub mode: SnMode,
 }
 
 impl OutPdu {
-    pub fn status(header: Header, data: Bytes) -> Self {
+    pub(crate) fn status(header: Header, data: Bytes) -> Self {
         OutPdu {
             header,
             data: DataIn::Memory(data),
             mode: SnMode::Status,
         }
     }
-    pub fn current(header: Header, data: Bytes) -> Self {
+    pub(crate) fn current(header: Header, data: Bytes) -> Self {
         OutPdu {
             header,
             data: DataIn::Memory(data),
@@ -45,7 +45,7 @@ impl OutPdu {
 
 /// Messages to the writer, processed in order.
 #[derive(Debug)]
-pub enum Out {
+pub(crate) enum Out {
     /// PDUs sent back to back (e.g. a read's Data-In and its status).
     Pdus(Vec<OutPdu>),
     /// A SCSI command's response (Data-In and/or status), optionally holding part of the
@@ -72,7 +72,7 @@ pub enum Out {
 
 impl Out {
     /// Bytes of data segments carried (to size batches).
-    pub fn data_len(&self) -> usize {
+    pub(crate) fn data_len(&self) -> usize {
         match self {
             Out::Pdus(pdus) | Out::Command { pdus, .. } => pdus.iter().map(|p| p.data.len()).sum(),
             Out::Batch(v) => v.iter().map(Out::data_len).sum(),
@@ -208,7 +208,7 @@ fn lock(m: &Mutex<Core>) -> MutexGuard<'_, Core> {
 /// writer is idle (nothing unwritten, nobody holding the core): no channel, no wake-up, no
 /// task switch. Otherwise, and for everything else (responses of commands that became
 /// tasks, pings, login), the writer task does it; it alone waits for the socket.
-pub struct Writer {
+pub(crate) struct Writer {
     core: Mutex<Core>,
     sock: OwnedWriteHalf,
     pub stats: Arc<TxStats>,
@@ -223,7 +223,7 @@ impl std::fmt::Debug for Writer {
 }
 
 impl Writer {
-    pub fn new(sock: OwnedWriteHalf, stats: Arc<TxStats>) -> Arc<Writer> {
+    pub(crate) fn new(sock: OwnedWriteHalf, stats: Arc<TxStats>) -> Arc<Writer> {
         Arc::new(Writer {
             core: Mutex::new(Core {
                 stat_sn: StatSnCounter(StatSn(0)),
@@ -243,7 +243,11 @@ impl Writer {
     /// Write `batch` (responses and PDUs only) from the calling task if the writer is idle.
     /// `Ok(None)`: written, or started and left to the writer task, which `kick` must then
     /// wake; `Err(batch)`: the writer is busy, send it through the channel.
-    pub fn try_direct(&self, queue: &Queue, batch: Vec<Out>) -> Result<DirectOutcome, Vec<Out>> {
+    pub(crate) fn try_direct(
+        &self,
+        queue: &Queue,
+        batch: Vec<Out>,
+    ) -> Result<DirectOutcome, Vec<Out>> {
         // A connection ahead of its session's others sends through the writer task, which
         // waits for its turn.
         if self.pacer.get().is_some_and(|p| p.ahead()) {
@@ -288,13 +292,13 @@ impl Writer {
 /// the writer task, so a direct write never overtakes them (a TMF or Logout response must
 /// follow the responses queued before it).
 #[derive(Debug, Clone)]
-pub struct Queue {
+pub(crate) struct Queue {
     tx: mpsc::Sender<Out>,
     pending: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Queue {
-    pub fn new(capacity: usize) -> (Queue, mpsc::Receiver<Out>) {
+    pub(crate) fn new(capacity: usize) -> (Queue, mpsc::Receiver<Out>) {
         let (tx, rx) = mpsc::channel(capacity);
         (
             Queue {
@@ -307,12 +311,12 @@ impl Queue {
 
     /// The count of queued messages not yet encoded, for [`run`] (which must not hold a
     /// sender: the queue closes when the connection's senders are gone).
-    pub fn pending(&self) -> Arc<std::sync::atomic::AtomicUsize> {
+    pub(crate) fn pending(&self) -> Arc<std::sync::atomic::AtomicUsize> {
         Arc::clone(&self.pending)
     }
 
     /// Queue `msg` for the writer task (waits while the queue is full).
-    pub async fn send(&self, msg: Out) -> Result<(), mpsc::error::SendError<Out>> {
+    pub(crate) async fn send(&self, msg: Out) -> Result<(), mpsc::error::SendError<Out>> {
         use std::sync::atomic::Ordering::SeqCst;
         self.pending.fetch_add(1, SeqCst);
         let r = self.tx.send(msg).await;
@@ -325,7 +329,7 @@ impl Queue {
 
 /// What became of a direct write.
 #[derive(Debug, PartialEq, Eq)]
-pub enum DirectOutcome {
+pub(crate) enum DirectOutcome {
     /// All on the socket.
     Written,
     /// Partly written: send [`Out::Kick`] so the writer task finishes it.
@@ -337,7 +341,7 @@ pub enum DirectOutcome {
 const BATCH_TURN: usize = 16 * 1024;
 
 /// Run the writer task until the queue closes, a `Close` arrives, or the socket fails.
-pub async fn run(
+pub(crate) async fn run(
     w: Arc<Writer>,
     rx: mpsc::Receiver<Out>,
     pending: Arc<std::sync::atomic::AtomicUsize>,

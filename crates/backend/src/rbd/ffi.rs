@@ -35,9 +35,9 @@ type DiffCb = extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
 /// `rbd_lock_mode_t`: RBD_LOCK_MODE_EXCLUSIVE.
 const LOCK_MODE_EXCLUSIVE: c_int = 0;
 /// `RBD_FEATURE_EXCLUSIVE_LOCK` (`rbd/features.h`).
-pub const FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
+pub(super) const FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
 /// `RBD_WRITE_ZEROES_FLAG_THICK_PROVISION`: zeros written (allocated), not a deallocation.
-pub const ZEROES_THICK: c_int = 1;
+pub(super) const ZEROES_THICK: c_int = 1;
 
 /// `rbd_config_option_t`.
 #[repr(C)]
@@ -173,7 +173,7 @@ fn load() -> Result<Api, String> {
 
 /// A negative errno from librados/librbd, as a positive errno.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Errno(pub i32);
+pub(super) struct Errno(pub i32);
 
 impl Errno {
     fn check(ret: c_int) -> Result<c_int, Errno> {
@@ -196,7 +196,7 @@ fn cstr(s: &str) -> Result<CString, Errno> {
 }
 
 /// A connected cluster handle (`rados_t`).
-pub struct Cluster {
+pub(super) struct Cluster {
     api: &'static Api,
     h: RadosT,
 }
@@ -209,7 +209,7 @@ unsafe impl Sync for Cluster {}
 
 /// Where a connection attempt failed (the caller words the message).
 #[derive(Debug)]
-pub enum ConnectError {
+pub(super) enum ConnectError {
     Library(String),
     Create(Errno),
     ReadConf(Errno),
@@ -221,7 +221,7 @@ impl Cluster {
     /// `rados_create2` as `client.ID`, `rados_conf_read_file(conf)` (`None`: librados' own
     /// search: $CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf), every
     /// `settings` pair, then `rados_connect` (blocking: bounded by `client_mount_timeout`).
-    pub fn connect(
+    pub(super) fn connect(
         conf: Option<&str>,
         id: &str,
         settings: &[(&str, &str)],
@@ -258,7 +258,7 @@ impl Cluster {
 
     /// This client's address as the cluster sees it (`IP:PORT/NONCE`), the form lock
     /// owners and blocklist entries use.
-    pub fn addr(&self) -> Result<String, Errno> {
+    pub(super) fn addr(&self) -> Result<String, Errno> {
         let mut p: *mut c_char = std::ptr::null_mut();
         // SAFETY: connected handle; `p` is a valid out-pointer that librados sets to a
         // `strdup`ed string on success.
@@ -275,7 +275,7 @@ impl Cluster {
     }
 
     /// An I/O context on `pool` (in `namespace`, if any).
-    pub fn pool(
+    pub(super) fn pool(
         self: &std::sync::Arc<Self>,
         pool: &str,
         namespace: Option<&str>,
@@ -307,7 +307,7 @@ impl Drop for Cluster {
 }
 
 /// A pool's I/O context (`rados_ioctx_t`).
-pub struct IoCtx {
+pub(super) struct IoCtx {
     api: &'static Api,
     h: IoCtxT,
     _cluster: std::sync::Arc<Cluster>,
@@ -326,7 +326,7 @@ impl Drop for IoCtx {
 }
 
 /// An open image (`rbd_image_t`). Closing it (`Drop`) waits for its operations in flight.
-pub struct Image {
+pub(super) struct Image {
     api: &'static Api,
     h: ImageT,
     _io: std::sync::Arc<IoCtx>,
@@ -350,7 +350,11 @@ impl Drop for Image {
 
 impl Image {
     /// `rbd_open` (or `rbd_open_read_only`) of `name`'s head. Blocking.
-    pub fn open(io: &std::sync::Arc<IoCtx>, name: &str, read_only: bool) -> Result<Image, Errno> {
+    pub(super) fn open(
+        io: &std::sync::Arc<IoCtx>,
+        name: &str,
+        read_only: bool,
+    ) -> Result<Image, Errno> {
         let api = io.api;
         let cname = cstr(name)?;
         let mut h: ImageT = std::ptr::null_mut();
@@ -371,12 +375,12 @@ impl Image {
     }
 
     /// Operations submitted to librbd and not yet completed.
-    pub fn in_flight(&self) -> u64 {
+    pub(super) fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Relaxed)
     }
 
     /// The image's size in bytes.
-    pub fn size(&self) -> Result<u64, Errno> {
+    pub(super) fn size(&self) -> Result<u64, Errno> {
         let mut n = 0u64;
         // SAFETY: open image; `n` a valid out-pointer.
         Errno::check(unsafe { (self.api.rbd_get_size)(self.h, &mut n) })?;
@@ -384,7 +388,7 @@ impl Image {
     }
 
     /// The image's feature bits (`RBD_FEATURE_*`).
-    pub fn features(&self) -> Result<u64, Errno> {
+    pub(super) fn features(&self) -> Result<u64, Errno> {
         let mut n = 0u64;
         // SAFETY: open image; `n` a valid out-pointer.
         Errno::check(unsafe { (self.api.rbd_get_features)(self.h, &mut n) })?;
@@ -392,14 +396,14 @@ impl Image {
     }
 
     /// `rbd_resize` (blocking: it updates the image header in the cluster).
-    pub fn resize(&self, size: u64) -> Result<(), Errno> {
+    pub(super) fn resize(&self, size: u64) -> Result<(), Errno> {
         // SAFETY: open image.
         Errno::check(unsafe { (self.api.rbd_resize)(self.h, size) }).map(|_| ())
     }
 
     /// The effective value of the librbd option `key` for this image (after pool and image
     /// overrides).
-    pub fn config(&self, key: &str) -> Result<Option<String>, Errno> {
+    pub(super) fn config(&self, key: &str) -> Result<Option<String>, Errno> {
         let mut max: c_int = 0;
         // SAFETY: open image; with a NULL array and `max` 0 librbd only reports the number
         // of options needed (-ERANGE).
@@ -443,7 +447,7 @@ impl Image {
     }
 
     /// The current owners of the image's exclusive lock (empty: none).
-    pub fn lock_owners(&self) -> Result<Vec<String>, Errno> {
+    pub(super) fn lock_owners(&self) -> Result<Vec<String>, Errno> {
         let mut mode: c_int = 0;
         let mut owners: [*mut c_char; 16] = [std::ptr::null_mut(); 16];
         let mut n = owners.len();
@@ -470,7 +474,7 @@ impl Image {
 
     /// Break `owner`'s exclusive lock; librbd blocklists the owner first
     /// (`rbd_blocklist_on_break_lock`, on by default), so it can write no more. Blocking.
-    pub fn lock_break(&self, owner: &str) -> Result<(), Errno> {
+    pub(super) fn lock_break(&self, owner: &str) -> Result<(), Errno> {
         let o = cstr(owner)?;
         // SAFETY: open image; `o` NUL-terminated and outlives the call.
         Errno::check(unsafe { (self.api.rbd_lock_break)(self.h, LOCK_MODE_EXCLUSIVE, o.as_ptr()) })
@@ -479,7 +483,7 @@ impl Image {
 
     /// Take the exclusive lock and keep it (no transparent hand-over to other clients).
     /// Blocking.
-    pub fn lock_acquire(&self) -> Result<(), Errno> {
+    pub(super) fn lock_acquire(&self) -> Result<(), Errno> {
         // SAFETY: open image.
         Errno::check(unsafe { (self.api.rbd_lock_acquire)(self.h, LOCK_MODE_EXCLUSIVE) })
             .map(|_| ())
@@ -487,7 +491,7 @@ impl Image {
 
     /// The allocated extents of `[off, off + len)` as `(offset, len, exists)` in order, from
     /// the image's own allocation data (its parent's included). Blocking.
-    pub fn allocation(&self, off: u64, len: u64) -> Result<Vec<(u64, u64, bool)>, Errno> {
+    pub(super) fn allocation(&self, off: u64, len: u64) -> Result<Vec<(u64, u64, bool)>, Errno> {
         extern "C" fn cb(off: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int {
             // SAFETY: `arg` is the `&mut Vec` passed below, alive and not otherwise borrowed
             // while `rbd_diff_iterate2` runs (it calls back on the calling thread).
@@ -515,7 +519,7 @@ impl Image {
 
     /// Call `notify` on a librbd thread whenever the image's header changes (a resize by
     /// another client, a lock hand-over, ...). It must not block or call into librbd.
-    pub fn watch(
+    pub(super) fn watch(
         self: &std::sync::Arc<Self>,
         notify: Box<dyn Fn() + Send + Sync>,
     ) -> Result<Watch, Errno> {
@@ -581,7 +585,7 @@ impl Image {
     }
 
     /// Read `len` bytes at `off`.
-    pub fn read(&self, off: u64, len: usize) -> Pending {
+    pub(super) fn read(&self, off: u64, len: usize) -> Pending {
         let mut op = Op::new();
         op.read = BytesMut::with_capacity(len);
         op.iov = libc::iovec {
@@ -598,7 +602,7 @@ impl Image {
 
     /// Write `data` at `off`; `keep` is dropped only when the write can no longer change
     /// the image.
-    pub fn write(&self, off: u64, data: Bytes, keep: Option<crate::Keep>) -> Pending {
+    pub(super) fn write(&self, off: u64, data: Bytes, keep: Option<crate::Keep>) -> Pending {
         let mut op = Op::new();
         op.iov = libc::iovec {
             iov_base: data.as_ptr() as *mut c_void,
@@ -616,7 +620,7 @@ impl Image {
 
     /// Zero `len` bytes at `off`: `flags` 0 deallocates where it can (reads return zeros),
     /// [`ZEROES_THICK`] writes zeros.
-    pub fn write_zeroes(
+    pub(super) fn write_zeroes(
         &self,
         off: u64,
         len: usize,
@@ -633,7 +637,7 @@ impl Image {
     }
 
     /// Make every completed write durable (a no-op without the librbd cache).
-    pub fn flush(&self) -> Pending {
+    pub(super) fn flush(&self) -> Pending {
         let (api, h) = (self.api, self.h);
         self.run(Op::new(), |c, _| {
             // SAFETY: open image, valid completion.
@@ -643,7 +647,7 @@ impl Image {
 
     /// Compare the image at `off` with `cmp` and write `data` (same length) only if they
     /// are equal, atomically in the cluster. A miscompare completes with `-EILSEQ`.
-    pub fn compare_and_write(
+    pub(super) fn compare_and_write(
         &self,
         off: u64,
         cmp: Bytes,
@@ -676,7 +680,7 @@ impl Image {
 }
 
 /// A registered header watch; removed on drop (blocking: waits for a callback in progress).
-pub struct Watch {
+pub(super) struct Watch {
     image: std::sync::Arc<Image>,
     handle: u64,
     ctx: *mut Box<dyn Fn() + Send + Sync>,
@@ -699,7 +703,7 @@ impl Drop for Watch {
 }
 
 /// What one operation owns while librbd works on it.
-pub struct Op {
+pub(super) struct Op {
     done: Option<oneshot::Sender<(isize, Box<Op>)>>,
     iov: libc::iovec,
     /// A read's destination (capacity = length; the length set once filled).
@@ -743,7 +747,7 @@ impl Op {
 
     /// A finished read's data: the `ret` bytes librbd returned, zero-filled to the length
     /// asked for.
-    pub fn take_read(&mut self, ret: isize) -> Bytes {
+    pub(super) fn take_read(&mut self, ret: isize) -> Bytes {
         let want = self.iov.iov_len;
         let got = usize::try_from(ret)
             .unwrap_or(0)
@@ -781,14 +785,14 @@ extern "C" fn on_complete(c: CompletionT, arg: *mut c_void) {
 }
 
 /// An operation in flight, or one that could not be submitted.
-pub enum Pending {
+pub(super) enum Pending {
     Waiting(oneshot::Receiver<(isize, Box<Op>)>),
     Failed(Errno, Box<Op>),
 }
 
 impl Pending {
     /// Wait for the result: librbd's return value (negative: an errno) and the op.
-    pub async fn wait(self) -> (isize, Box<Op>) {
+    pub(super) async fn wait(self) -> (isize, Box<Op>) {
         match self {
             Pending::Waiting(rx) => match rx.await {
                 Ok(x) => x,

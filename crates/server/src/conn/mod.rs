@@ -214,7 +214,7 @@ struct Connection {
 }
 
 /// Serve one accepted TCP connection until it closes.
-pub async fn run(
+pub(crate) async fn run(
     stream: TcpStream,
     peer: SocketAddr,
     tag: u16,

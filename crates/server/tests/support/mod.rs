@@ -14,10 +14,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// The target name most tests use.
-pub const TARGET: &str = "iqn.2026-11.org.ironsan:test";
+pub(crate) const TARGET: &str = "iqn.2026-11.org.ironsan:test";
 
 /// A target called `name` with LUN 0 on `backend` (NAA designator `naa`), portal group 1.
-pub fn target_on(name: &str, backend: Arc<dyn BlockDevice>, naa: u64) -> TargetDef {
+pub(crate) fn target_on(name: &str, backend: Arc<dyn BlockDevice>, naa: u64) -> TargetDef {
     let mut scsi = ironsan_scsi::Target::new();
     let lu = LogicalUnit::new(
         backend,
@@ -37,7 +37,7 @@ pub fn target_on(name: &str, backend: Arc<dyn BlockDevice>, naa: u64) -> TargetD
 }
 
 /// A target called `name` with LUN 0 on a 64 MiB RAM disk.
-pub fn ram_target(name: &str) -> TargetDef {
+pub(crate) fn ram_target(name: &str) -> TargetDef {
     target_on(
         name,
         Arc::new(RamBackend::new(64 << 20)),
@@ -46,7 +46,7 @@ pub fn ram_target(name: &str) -> TargetDef {
 }
 
 /// Run a bound server in the background; it stops when the sender is dropped.
-pub fn run_in_background(server: Server) -> tokio::sync::oneshot::Sender<()> {
+pub(crate) fn run_in_background(server: Server) -> tokio::sync::oneshot::Sender<()> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(server.run(async {
         let _ = rx.await;
@@ -55,14 +55,14 @@ pub fn run_in_background(server: Server) -> tokio::sync::oneshot::Sender<()> {
 }
 
 /// Bind a server with `cfg` and run it in the background; it stops when the sender is dropped.
-pub async fn serve(cfg: ServerConfig) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+pub(crate) async fn serve(cfg: ServerConfig) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
     let server = Server::bind(cfg).await.unwrap();
     let addr = server.local_addrs()[0];
     (addr, run_in_background(server))
 }
 
 /// A server with one RAM target ([`TARGET`]) on 127.0.0.1:0, after `f` adjusted the config.
-pub async fn start_with(
+pub(crate) async fn start_with(
     f: impl FnOnce(&mut ServerConfig),
 ) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
     let mut cfg = ServerConfig::new(
@@ -74,12 +74,12 @@ pub async fn start_with(
 }
 
 /// [`start_with`] with the default config.
-pub async fn start() -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+pub(crate) async fn start() -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
     start_with(|_| {}).await
 }
 
 /// `len` bytes of a pattern that differs per `seed`.
-pub fn pattern(len: usize, seed: u8) -> Bytes {
+pub(crate) fn pattern(len: usize, seed: u8) -> Bytes {
     Bytes::from(
         (0..len)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -88,7 +88,7 @@ pub fn pattern(len: usize, seed: u8) -> Bytes {
 }
 
 /// Login options for `target` as `initiator`, with `isid` as the last byte of the ISID.
-pub fn login_opts(target: &str, initiator: &str, isid: u8) -> LoginOptions {
+pub(crate) fn login_opts(target: &str, initiator: &str, isid: u8) -> LoginOptions {
     let mut o = LoginOptions::new(Some(target));
     o.initiator_name = initiator.into();
     o.isid.0[5] = isid;
@@ -96,7 +96,7 @@ pub fn login_opts(target: &str, initiator: &str, isid: u8) -> LoginOptions {
 }
 
 /// Run `ironsan ctl ARGV` against the control socket at `path` (off the async threads).
-pub async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
+pub(crate) async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
     let path = path.to_owned();
     let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
     tokio::task::spawn_blocking(move || admin::call(&path, &argv).map_err(|e| e.to_string()))
@@ -105,7 +105,7 @@ pub async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
 }
 
 /// (ITT, status) of every final status in `pdus` (SCSI Response, or Data-In with status).
-pub fn completions(pdus: &[ironsan_proto::pdu::Pdu]) -> Vec<(ironsan_proto::pdu::Itt, u8)> {
+pub(crate) fn completions(pdus: &[ironsan_proto::pdu::Pdu]) -> Vec<(ironsan_proto::pdu::Itt, u8)> {
     use ironsan_proto::pdu::Header;
     pdus.iter()
         .filter_map(|p| match &p.header {
@@ -117,7 +117,7 @@ pub fn completions(pdus: &[ironsan_proto::pdu::Pdu]) -> Vec<(ironsan_proto::pdu:
 }
 
 /// Collect PDUs for `dur` (or until the connection closes).
-pub async fn drain(
+pub(crate) async fn drain(
     c: &mut ironsan_initiator::Client,
     dur: std::time::Duration,
 ) -> Vec<ironsan_proto::pdu::Pdu> {
@@ -131,7 +131,7 @@ pub async fn drain(
 
 /// Wait (up to 30 s) until a background I/O task has completed 10 more commands than `before`
 /// by its counter `done`; fail at once, with its error, if the task ended.
-pub async fn wait_for_progress<T, E: std::fmt::Debug>(
+pub(crate) async fn wait_for_progress<T, E: std::fmt::Debug>(
     done: &std::sync::atomic::AtomicU64,
     before: u64,
     io: &mut tokio::task::JoinHandle<Result<T, E>>,
@@ -157,7 +157,7 @@ pub async fn wait_for_progress<T, E: std::fmt::Debug>(
 
 /// Wait (up to 10 s) until the number of I/Os stuck in a fault backend satisfies `want`;
 /// `what` says what is awaited in the failure message.
-pub async fn wait_stuck_until(
+pub(crate) async fn wait_stuck_until(
     ctl: &ironsan_backend::FaultControl,
     want: impl Fn(usize) -> bool,
     what: &str,
