@@ -4,9 +4,9 @@ use super::*;
 
 /// Shortest CHAP secret accepted (RFC 3720 §8.2.1 asks for at least 96 bits; Windows and
 /// several initiators require 12 bytes).
-pub const MIN_SECRET_LEN: usize = 12;
+pub(crate) const MIN_SECRET_LEN: usize = 12;
 /// Longest CHAP secret accepted (what open-iscsi and libiscsi can store).
-pub const MAX_SECRET_LEN: usize = 255;
+pub(crate) const MAX_SECRET_LEN: usize = 255;
 
 pub(crate) fn check_chap_user(user: &str) -> Result<(), String> {
     if user.is_empty() || user.len() > 255 || user.chars().any(|c| c.is_control()) {
@@ -56,7 +56,7 @@ pub(crate) fn read_secret_env(var: &str) -> Result<Vec<u8>, String> {
 /// Parse a credential flag: `USER:SECRET`, where SECRET is `@PATH` (read from a file),
 /// `env:VAR` (from the environment) or the secret itself. With `secret_file`, the whole value
 /// is the user name (which may then contain ':').
-pub fn parse_credential(
+pub(crate) fn parse_credential(
     flag: &str,
     value: &str,
     secret_file: Option<&Path>,
@@ -87,7 +87,7 @@ pub fn parse_credential(
 
 /// Access-control flags for the flag-defined target and for discovery.
 #[derive(Debug, Default, Clone)]
-pub struct AuthFlags {
+pub(crate) struct AuthFlags {
     pub chap: Option<String>,
     pub mutual_chap: Option<String>,
     pub chap_secret_file: Option<PathBuf>,
@@ -123,7 +123,7 @@ impl AuthFlags {
     }
 
     /// (target access, discovery access)
-    pub fn plan(&self) -> Result<(Access, Access), String> {
+    pub(crate) fn plan(&self) -> Result<(Access, Access), String> {
         if self.chap_secret_file.is_some() && self.chap.is_none() {
             return Err("--chap-secret-file: needs --chap USER".into());
         }

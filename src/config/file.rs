@@ -277,14 +277,14 @@ fn line_of(text: &str, offset: usize) -> usize {
 }
 
 /// Load and validate a TOML config file.
-pub fn load_file(path: &Path) -> Result<Plan, ConfigError> {
+pub(crate) fn load_file(path: &Path) -> Result<Plan, ConfigError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| ConfigError::from(format!("{}: {e}", path.display())))?;
     parse_file(&text, path)
 }
 
 /// Validate config `text` read from `path`.
-pub fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
+pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
     let located = |line: usize, message: String| ConfigError {
         at: Some((path.to_path_buf(), line)),
         message,

@@ -3,7 +3,7 @@
 use super::*;
 
 /// The plan from command-line flags.
-pub fn from_flags(
+pub(crate) fn from_flags(
     listen: &[String],
     target: Option<&str>,
     luns: &[String],

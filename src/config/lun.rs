@@ -5,7 +5,7 @@ use super::*;
 
 /// Which backend a LUN uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Backing {
+pub(crate) enum Backing {
     Null {
         size: u64,
     },
@@ -22,7 +22,7 @@ pub enum Backing {
 
 /// An RBD LUN's image and how to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RbdSpec {
+pub(crate) struct RbdSpec {
     pub pool: String,
     pub namespace: Option<String>,
     pub image: String,
@@ -35,11 +35,11 @@ pub struct RbdSpec {
 }
 
 /// Default cephx client of RBD LUNs.
-pub const RBD_DEFAULT_ID: &str = "admin";
+pub(crate) const RBD_DEFAULT_ID: &str = "admin";
 
 impl RbdSpec {
     /// `POOL/IMAGE` or `POOL/NAMESPACE/IMAGE`.
-    pub fn image_spec(&self) -> String {
+    pub(crate) fn image_spec(&self) -> String {
         match &self.namespace {
             Some(ns) => format!("{}/{ns}/{}", self.pool, self.image),
             None => format!("{}/{}", self.pool, self.image),
@@ -49,7 +49,7 @@ impl RbdSpec {
 
 /// One LUN, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LunPlan {
+pub(crate) struct LunPlan {
     pub backing: Backing,
     pub direct: bool,
     pub write_cache: bool,
@@ -71,7 +71,7 @@ pub struct LunPlan {
 
 impl LunPlan {
     /// A LUN with the given backing and default options.
-    pub fn new(backing: Backing) -> Self {
+    pub(crate) fn new(backing: Backing) -> Self {
         LunPlan {
             backing,
             direct: false,
@@ -91,7 +91,7 @@ impl LunPlan {
 /// `bs=N` (logical block size), `pbs=N` (reported physical block size), `serial=S`,
 /// `naa=0xHEX16` (see [`parse_naa`]), `fault=RULE` (once per rule; see docs/INTEGRITY.md),
 /// `fault-seed=N`, and for `rbd:` LUNs `conf=PATH`, `id=NAME` and `timeout=SECS`.
-pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
+pub(crate) fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
     let mut parts = value.split(',');
     let spec = parts.next().unwrap_or_default();
     let mut plan = LunPlan::new(parse_lun_spec(spec, data_dir)?);
@@ -164,7 +164,7 @@ pub fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
 /// Parse an 8-byte NAA designator: 16 hex digits, optionally after `0x`, whose first digit
 /// is an 8-byte NAA format: 2 (IEEE extended), 3 (locally assigned) or 5 (IEEE registered).
 /// NAA 6h (IEEE registered extended) needs 16 bytes and is not accepted.
-pub fn parse_naa(v: &str) -> Result<u64, String> {
+pub(crate) fn parse_naa(v: &str) -> Result<u64, String> {
     let hex = v
         .strip_prefix("0x")
         .or_else(|| v.strip_prefix("0X"))
@@ -185,7 +185,7 @@ pub fn parse_naa(v: &str) -> Result<u64, String> {
 
 /// A unit serial number (VPD 80h): 1 to 64 printable ASCII characters without spaces or
 /// commas (a `--lun` spec separates its options with commas).
-pub fn check_serial(v: &str) -> Result<String, String> {
+pub(crate) fn check_serial(v: &str) -> Result<String, String> {
     if v.is_empty() || v.len() > 64 || !v.bytes().all(|b| b.is_ascii_graphic() && b != b',') {
         return Err(format!(
             "serial '{}' must be 1 to 64 printable ASCII characters without spaces or commas",
@@ -197,7 +197,7 @@ pub fn check_serial(v: &str) -> Result<String, String> {
 
 /// Parse a `--lun` SPEC: `null:SIZE`, `ram:SIZE`, `file:PATH` or `file:PATH:SIZE`. Relative
 /// paths are taken relative to `data_dir`.
-pub fn parse_lun_spec(spec: &str, data_dir: &Path) -> Result<Backing, String> {
+pub(crate) fn parse_lun_spec(spec: &str, data_dir: &Path) -> Result<Backing, String> {
     let (kind, rest) = spec.split_once(':').ok_or_else(|| {
         format!("'{spec}': expected KIND:..., e.g. ram:1G, null:16T, file:PATH[:SIZE]")
     })?;

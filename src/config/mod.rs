@@ -52,8 +52,8 @@
 //! ```
 
 use ironsan_backend::parse_size;
-pub use ironsan_server::limits::parse_on_off;
-pub use ironsan_server::Limits;
+pub(crate) use ironsan_server::limits::parse_on_off;
+pub(crate) use ironsan_server::Limits;
 use ironsan_server::{Access, AclRule, ChapAccount, PortalGroup};
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -61,12 +61,12 @@ use std::path::{Path, PathBuf};
 use toml::Spanned;
 
 /// Default target name of the embedded default.
-pub const DEFAULT_TARGET: &str = "iqn.2026-11.org.ironsan:default";
+pub(crate) const DEFAULT_TARGET: &str = "iqn.2026-11.org.ironsan:default";
 /// Default portal.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:3260";
+pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:3260";
 /// A configuration error: what is wrong and, for a file, where (`FILE:LINE: message`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
+pub(crate) struct ConfigError {
     /// The file and its 1-based line, for errors in a file.
     pub at: Option<(PathBuf, usize)>,
     pub message: String,
@@ -96,14 +96,14 @@ mod lun;
 #[cfg(test)]
 mod tests;
 
-pub use auth::*;
-pub use file::*;
-pub use flags::*;
-pub use lun::*;
+pub(crate) use auth::*;
+pub(crate) use file::*;
+pub(crate) use flags::*;
+pub(crate) use lun::*;
 
 /// One target, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TargetPlan {
+pub(crate) struct TargetPlan {
     pub name: String,
     pub alias: Option<String>,
     pub luns: Vec<LunPlan>,
@@ -122,12 +122,12 @@ pub struct TargetPlan {
 /// Most connections per session a target may offer: each is a reader and a writer task with
 /// their buffers, so the session-wide count stays small; `[limits] max_connections` bounds
 /// the server's total.
-pub const MAX_CONNECTIONS_PER_SESSION: u16 = 64;
+pub(crate) const MAX_CONNECTIONS_PER_SESSION: u16 = 64;
 
 #[cfg(test)]
 impl Plan {
     /// Every portal address of every group.
-    pub fn listen(&self) -> Vec<SocketAddr> {
+    pub(crate) fn listen(&self) -> Vec<SocketAddr> {
         self.portal_groups
             .iter()
             .flat_map(|g| g.listen.iter().copied())
@@ -137,7 +137,7 @@ impl Plan {
 
 /// Everything `serve` needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
+pub(crate) struct Plan {
     /// Portal groups; `listen = [...]` (or `--listen`) is the group with tag 1.
     pub portal_groups: Vec<PortalGroup>,
     pub data_dir: PathBuf,
@@ -153,7 +153,7 @@ pub struct Plan {
 }
 
 /// Check an iSCSI name (RFC 7143 §4.2.7): `iqn.`, `eui.` or `naa.` form, at most 223 bytes.
-pub fn check_iscsi_name(name: &str) -> Result<(), String> {
+pub(crate) fn check_iscsi_name(name: &str) -> Result<(), String> {
     if name.len() > 223 {
         return Err(format!("iSCSI name '{name}' is longer than 223 bytes"));
     }
@@ -171,11 +171,11 @@ pub fn check_iscsi_name(name: &str) -> Result<(), String> {
 
 /// The configuration file `ironsan serve` reads when neither `--config` nor
 /// `$IRONSAN_CONFIG` names one and no target flags are given.
-pub const DEFAULT_CONFIG_PATH: &str = "/etc/ironsan/ironsan.toml";
+pub(crate) const DEFAULT_CONFIG_PATH: &str = "/etc/ironsan/ironsan.toml";
 
 /// Where `ironsan serve` takes its targets from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Source {
+pub(crate) enum Source {
     /// `--config FILE`.
     Flag(PathBuf),
     /// `$IRONSAN_CONFIG`.
@@ -188,7 +188,7 @@ pub enum Source {
 
 impl Source {
     /// The configuration file, if one is used.
-    pub fn path(&self) -> Option<&Path> {
+    pub(crate) fn path(&self) -> Option<&Path> {
         match self {
             Source::Flag(p) | Source::Env(p) | Source::Default(p) => Some(p),
             Source::Flags => None,
@@ -199,7 +199,7 @@ impl Source {
 /// Decide where the configuration comes from: `--config` first; then `$IRONSAN_CONFIG`
 /// (an error together with target flags such as `--listen` or `--lun`, as `--config` is);
 /// then the target flags; then `default` if it exists; else the embedded default.
-pub fn config_source(
+pub(crate) fn config_source(
     flag: Option<&Path>,
     env: Option<&std::ffi::OsStr>,
     target_flags: bool,

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 /// The `--lun` spec equivalent to `l` (what `save` writes and `luns` shows).
-pub fn lun_spec(l: &LunPlan) -> String {
+pub(crate) fn lun_spec(l: &LunPlan) -> String {
     let mut s = match &l.backing {
         Backing::Null { size } => format!("null:{size}"),
         Backing::Ram { size } => format!("ram:{size}"),
@@ -67,7 +67,7 @@ pub fn lun_spec(l: &LunPlan) -> String {
 }
 
 /// The binary's hooks: LUN specs, `apply`, `save`.
-pub struct BinHooks {
+pub(crate) struct BinHooks {
     /// The plan serve runs (listen, data_dir, limits and the CHAP sources are kept from it).
     plan: Mutex<Plan>,
     /// The configuration file serve started with, if any.
@@ -75,7 +75,7 @@ pub struct BinHooks {
 }
 
 impl BinHooks {
-    pub fn new(plan: Plan, config: Option<PathBuf>) -> Self {
+    pub(crate) fn new(plan: Plan, config: Option<PathBuf>) -> Self {
         BinHooks {
             plan: Mutex::new(plan),
             config,
@@ -91,7 +91,7 @@ impl BinHooks {
     }
 
     /// Reconcile the running state to `file`: returns the changes (made unless `dry_run`).
-    pub fn apply(
+    pub(crate) fn apply(
         &self,
         control: &Control,
         file: &Path,
@@ -366,7 +366,7 @@ impl BinHooks {
     }
 
     /// The running state as a configuration file.
-    pub fn save_text(&self, control: &Control) -> Result<String, String> {
+    pub(crate) fn save_text(&self, control: &Control) -> Result<String, String> {
         let plan = self.plan.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let mut out = String::from("# Written by `ironsan ctl save`.\n");
         let q = |s: &str| toml::Value::String(s.to_string()).to_string();

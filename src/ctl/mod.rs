@@ -13,7 +13,7 @@
 mod hooks;
 mod render;
 
-pub use hooks::{lun_spec, BinHooks};
+pub(crate) use hooks::{lun_spec, BinHooks};
 
 use clap::{Args, Subcommand};
 use ironsan_server::admin::{self, CallError};
@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Exit status when the control socket cannot be reached.
-pub const EXIT_UNREACHABLE: u8 = 3;
+pub(crate) const EXIT_UNREACHABLE: u8 = 3;
 
 #[derive(Args, Debug)]
 #[command(
@@ -40,7 +40,7 @@ EXAMPLES:
   ironsan ctl alua set iqn.2026-11.org.example:t1 2 standby --transition 5
   ironsan ctl save                          write the running state to the --config file"
 )]
-pub struct CtlArgs {
+pub(crate) struct CtlArgs {
     /// The control socket of `ironsan serve`. Default: /run/ironsan/control.sock as root,
     /// else $XDG_RUNTIME_DIR/ironsan/control.sock or ./ironsan-data/control.sock.
     #[arg(long, value_name = "PATH", env = "IRONSAN_CONTROL", global = true)]
@@ -321,7 +321,7 @@ impl CtlCmd {
 }
 
 /// Run `ironsan ctl`: errors are printed on one line and mapped to the exit status above.
-pub fn run(args: CtlArgs) -> ExitCode {
+pub(crate) fn run(args: CtlArgs) -> ExitCode {
     let path = args.control.unwrap_or_else(admin::default_socket_path);
     let argv = args.cmd.argv();
     match admin::call(&path, &argv) {
