@@ -122,8 +122,8 @@ fn rig() -> &'static Rig {
                     vec!["127.0.0.1:0".parse().expect("addr")],
                     vec![target(&backends(mode.name()))],
                 );
-                cfg.zero_copy_reads = mode;
-                cfg.login_timeout = WAIT;
+                cfg.limits.zero_copy_reads = mode;
+                cfg.limits.login_timeout = WAIT;
                 let server = Server::bind(cfg).await.expect("bind");
                 addrs.push(server.local_addrs()[0]);
                 tokio::spawn(server.run(std::future::pending::<()>()));
