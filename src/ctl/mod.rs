@@ -378,69 +378,50 @@ mod tests {
         assert!(a.json);
         assert_eq!(a.control, Some(PathBuf::from("/tmp/s")));
         assert_eq!(a.cmd.argv(), ["luns", "iqn.x:t"]);
-        assert_eq!(
-            argv(&["lun", "add", "iqn.x:t", "ram:1G", "3"]),
-            ["lun", "add", "iqn.x:t", "ram:1G", "3"]
-        );
-        assert_eq!(
-            argv(&["lun", "resize", "iqn.x:t", "0", "20G"]),
-            ["lun", "resize", "iqn.x:t", "0", "20G"]
-        );
-        assert_eq!(
-            argv(&["portal", "add", "--tag", "2", "127.0.0.1:3261"]),
-            ["portal", "add", "127.0.0.1:3261", "--tag", "2"]
-        );
-        assert_eq!(
-            argv(&["portal", "add", "127.0.0.1:3261"]),
-            ["portal", "add", "127.0.0.1:3261", "--tag", "1"]
-        );
-        assert_eq!(
-            argv(&["target", "add", "iqn.x:u", "--alias", "disk u"]),
-            ["target", "add", "iqn.x:u", "--alias", "disk u"]
-        );
-        assert_eq!(
-            argv(&["target", "remove", "--force", "iqn.x:u"]),
-            ["target", "remove", "iqn.x:u", "--force"]
-        );
-        assert_eq!(argv(&["alua"]), ["alua"]);
-        assert_eq!(argv(&["alua", "iqn.x:t"]), ["alua", "iqn.x:t"]);
-        assert_eq!(
-            argv(&[
+        // Already in the protocol's order: the argv is the command line.
+        for line in [
+            &["lun", "add", "iqn.x:t", "ram:1G", "3"][..],
+            &["lun", "resize", "iqn.x:t", "0", "20G"],
+            &["target", "add", "iqn.x:u", "--alias", "disk u"],
+            &["alua"],
+            &["alua", "iqn.x:t"],
+            &[
                 "alua",
                 "set",
                 "iqn.x:t",
                 "2",
                 "standby",
                 "--transition",
-                "5"
-            ]),
-            [
-                "alua",
-                "set",
-                "iqn.x:t",
-                "2",
-                "standby",
-                "--transition",
-                "5"
-            ]
-        );
-        assert_eq!(
-            argv(&["alua", "prefer", "iqn.x:t", "1", "on"]),
-            ["alua", "prefer", "iqn.x:t", "1", "on"]
-        );
-        assert_eq!(
-            argv(&["apply", "--dry-run", "/etc/x.toml"]),
-            ["apply", "/etc/x.toml", "--dry-run"]
-        );
-        assert_eq!(argv(&["save"]), ["save"]);
-        assert_eq!(
-            argv(&["show", "target", "iqn.x:t"]),
-            ["show", "target", "iqn.x:t"]
-        );
-        assert_eq!(
-            argv(&["acl", "remove", "discovery", "*"]),
-            ["acl", "remove", "discovery", "*"]
-        );
+                "5",
+            ],
+            &["alua", "prefer", "iqn.x:t", "1", "on"],
+            &["save"],
+            &["show", "target", "iqn.x:t"],
+            &["acl", "remove", "discovery", "*"],
+        ] {
+            assert_eq!(argv(line), line);
+        }
+        // Options come after the positional arguments; defaults are spelled out.
+        for (line, want) in [
+            (
+                &["portal", "add", "--tag", "2", "127.0.0.1:3261"][..],
+                &["portal", "add", "127.0.0.1:3261", "--tag", "2"][..],
+            ),
+            (
+                &["portal", "add", "127.0.0.1:3261"],
+                &["portal", "add", "127.0.0.1:3261", "--tag", "1"],
+            ),
+            (
+                &["target", "remove", "--force", "iqn.x:u"],
+                &["target", "remove", "iqn.x:u", "--force"],
+            ),
+            (
+                &["apply", "--dry-run", "/etc/x.toml"],
+                &["apply", "/etc/x.toml", "--dry-run"],
+            ),
+        ] {
+            assert_eq!(argv(line), want);
+        }
     }
 
     #[test]
