@@ -201,6 +201,7 @@ fn build_lu(
                 write_cache: l.write_cache,
                 timeout: std::time::Duration::from_secs(r.timeout_secs),
                 state_dir: Some(lu_state_dir(data_dir, target, n)),
+                shared: r.shared,
             };
             Arc::new(
                 ironsan_backend::RbdBackend::open(&opts)
@@ -242,6 +243,8 @@ fn build_lu(
         naa,
         // Persistent reservations with APTPL are saved here (SPC-4 §5.13).
         state_dir: Some(lu_state_dir(data_dir, target, n)),
+        // An image several nodes serve: nothing atomic only within this process is offered.
+        shared: matches!(&l.backing, Backing::Rbd(r) if r.shared),
         ..Default::default()
     };
     let lu = Arc::new(LogicalUnit::new(Arc::clone(&backend), cfg));

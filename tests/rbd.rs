@@ -780,3 +780,278 @@ fn an_osd_outage_fails_commands_in_bounded_time_and_io_resumes() {
     });
     s.assert_alive();
 }
+
+/// The primitives several gateways share state with (`ironsan_backend::rbd::shared`), on the
+/// real cluster: compare-and-set on a version (a stale writer loses, concurrent updates all
+/// land), watch/notify with acknowledgements and payloads, a watcher that does not answer
+/// reported as timed out, and fencing: once blocklisted, that client's writes fail.
+#[test]
+fn shared_objects_compare_and_set_watch_notify_and_fence() {
+    use ironsan_backend::rbd::shared::SharedPool;
+    use std::sync::{mpsc, Arc};
+    let Some(c) = Cluster::shared() else {
+        return;
+    };
+    let conf = c.conf().display().to_string();
+    let open = || Arc::new(SharedPool::connect(Some(&conf), "admin", "rbd").expect("connect"));
+    let (a, b, mute) = (open(), open(), open());
+    let oid = format!("ironsan-shared-test-{}", std::process::id());
+
+    // Compare-and-set.
+    assert_eq!(a.replace(&oid, None, b"one").unwrap(), Some(1));
+    assert_eq!(
+        b.replace(&oid, None, b"again").unwrap(),
+        None,
+        "exists already"
+    );
+    let r = b.read(&oid).unwrap().expect("the object");
+    assert_eq!((r.data.as_slice(), r.version), (&b"one"[..], 1));
+    assert_eq!(b.replace(&oid, Some(1), b"two").unwrap(), Some(2));
+    assert_eq!(
+        a.replace(&oid, Some(1), b"stale").unwrap(),
+        None,
+        "a stale writer loses"
+    );
+    assert_eq!(a.read(&oid).unwrap().unwrap().data, b"two");
+    assert!(a.read("ironsan-no-such-object").unwrap().is_none());
+
+    // Concurrent read-modify-write from two clients: every increment lands.
+    let counter = format!("{oid}-counter");
+    let bump = |p: Arc<SharedPool>, counter: String| {
+        std::thread::spawn(move || {
+            for _ in 0..25 {
+                p.update(&counter, 1000, |cur| {
+                    let n: u64 = cur
+                        .and_then(|d| std::str::from_utf8(d).ok()?.parse().ok())
+                        .unwrap_or(0);
+                    Some((n + 1).to_string().into_bytes())
+                })
+                .unwrap();
+            }
+        })
+    };
+    let (t1, t2) = (
+        bump(a.clone(), counter.clone()),
+        bump(b.clone(), counter.clone()),
+    );
+    t1.join().unwrap();
+    t2.join().unwrap();
+    let r = a.read(&counter).unwrap().unwrap();
+    assert_eq!(r.data, b"50", "version {}", r.version);
+    assert_eq!(r.version, 50);
+
+    // Watch/notify: b answers with a payload of its own; `mute` never answers.
+    let b2 = b.clone();
+    let oid2 = oid.clone();
+    let (seen_tx, seen_rx) = mpsc::channel();
+    let wb = b
+        .watch(
+            &oid,
+            move |n| {
+                let mut reply = b"b:".to_vec();
+                reply.extend_from_slice(&n.data);
+                let _ = b2.ack(&oid2, &n, &reply);
+                let _ = seen_tx.send(n.notifier);
+            },
+            |_| {},
+        )
+        .unwrap();
+    let wm = mute.watch(&oid, |_| {}, |_| {}).unwrap();
+    let reply = a
+        .notify(&oid, b"hello", Duration::from_secs(3))
+        .expect("notify");
+    assert_eq!(
+        reply.acks,
+        vec![(b.instance_id(), wb.cookie(), b"b:hello".to_vec())],
+        "{reply:?}"
+    );
+    assert_eq!(
+        reply.timeouts,
+        vec![(mute.instance_id(), wm.cookie())],
+        "{reply:?}"
+    );
+    assert_eq!(
+        seen_rx.recv_timeout(Duration::from_secs(5)),
+        Ok(a.instance_id())
+    );
+    drop(wm);
+
+    // Fencing: once `mute` is blocklisted, its writes are refused.
+    a.blocklist(&mute.address().unwrap(), Duration::from_secs(600))
+        .expect("blocklist");
+    let (tx, rx) = mpsc::channel();
+    let m = mute.clone();
+    let o = oid.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(m.replace(&o, Some(2), b"from a fenced node"));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("a fenced client's write returns");
+    assert!(r.is_err(), "a blocklisted client wrote: {r:?}");
+    assert_eq!(a.read(&oid).unwrap().unwrap().data, b"two");
+    drop(wb);
+}
+
+/// Two ironsan processes serve one image with `shared` (active/active, no exclusive lock): a
+/// write acknowledged through either is what a read through the other returns, in both
+/// directions and interleaved; COMPARE AND WRITE is atomic across them (a counter two
+/// initiators increment through different gateways ends at the number of GOOD
+/// compare-and-writes); persistent reservations are not offered (one node could not enforce
+/// them on the other); an image with the exclusive-lock feature, or `shared` with `wce`, is
+/// refused at start with what to do.
+#[test]
+fn two_gateways_serve_one_shared_image_active_active() {
+    let Some(c) = Cluster::shared() else { return };
+    c.rbd(&[
+        "create",
+        "--size",
+        "64M",
+        "--image-feature",
+        "layering",
+        "rbd/aa",
+    ]);
+    let spec = c.spec("aa", ",shared");
+    let a = Server::start(&["--lun", &spec]);
+    let b = Server::start(&["--lun", &spec]);
+    rt().block_on(async {
+        let (mut ca, mut cb) = (login(&a).await, login(&b).await);
+        for i in 0..24u64 {
+            let (w, r) = if i % 2 == 0 {
+                (&mut ca, &mut cb)
+            } else {
+                (&mut cb, &mut ca)
+            };
+            let data = Bytes::from(pattern(8192, 100 + i));
+            let lba = (i % 6) * 16; // the same blocks rewritten through both gateways
+            let res = w.write16(0, lba, data.clone(), 512, false).await.unwrap();
+            assert_eq!(res.status, 0, "write {i}: {:?}", sense_of(&res));
+            let got = r.read16(0, lba, 16, 512).await.unwrap();
+            assert_eq!(got.status, 0, "read {i}: {:?}", sense_of(&got));
+            assert!(
+                got.data == data,
+                "write {i} through one gateway, read through the other: different data"
+            );
+        }
+
+        // No persistent reservations on a shared LU, through either gateway.
+        let mut prout = [0u8; 10];
+        prout[0] = 0x5F;
+        prout[8] = 24;
+        let mut params = vec![0u8; 24];
+        params[8..16].copy_from_slice(&0x1234u64.to_be_bytes()); // SERVICE ACTION KEY
+        for cl in [&mut ca, &mut cb] {
+            let r = cl
+                .command(0, &prout, Some(Bytes::from(params.clone())), 0)
+                .await
+                .unwrap();
+            assert_eq!(
+                sense_of(&r),
+                Some((0x5, 0x20, 0x00)),
+                "PR OUT on a shared LU"
+            );
+            let prin = [0x5E, 0, 0, 0, 0, 0, 0, 0, 64, 0];
+            let r = cl.command(0, &prin, None, 64).await.unwrap();
+            assert_eq!(
+                sense_of(&r),
+                Some((0x5, 0x20, 0x00)),
+                "PR IN on a shared LU"
+            );
+        }
+    });
+
+    // A counter in block 2048, incremented by COMPARE AND WRITE through both gateways.
+    let counter = |n: u64| {
+        let mut b = vec![0u8; 512];
+        b[..8].copy_from_slice(&n.to_be_bytes());
+        b
+    };
+    rt().block_on(async {
+        let mut c0 = login(&a).await;
+        let r = c0
+            .write16(0, 2048, Bytes::from(counter(0)), 512, false)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 0);
+    });
+    let bump = |s: &Server| {
+        let (addr, target) = (s.addr(), s.target.clone());
+        std::thread::spawn(move || {
+            rt().block_on(async move {
+                let mut cl = Client::login(addr, &LoginOptions::new(Some(&target)))
+                    .await
+                    .expect("login");
+                let (mut good, mut miscompares) = (0u64, 0u64);
+                while good < 40 {
+                    let r = cl.read16(0, 2048, 1, 512).await.unwrap();
+                    assert_eq!(r.status, 0);
+                    let n = u64::from_be_bytes(r.data[..8].try_into().unwrap());
+                    let mut cdb = [0u8; 16];
+                    cdb[0] = 0x89;
+                    cdb[2..10].copy_from_slice(&2048u64.to_be_bytes());
+                    cdb[13] = 1;
+                    let mut buf = counter(n);
+                    buf.extend_from_slice(&counter(n + 1));
+                    let r = cl
+                        .command(0, &cdb, Some(Bytes::from(buf)), 0)
+                        .await
+                        .unwrap();
+                    match (r.status, sense_of(&r)) {
+                        (0, _) => good += 1,
+                        (_, Some((0xE, 0x1D, 0x00))) => miscompares += 1,
+                        other => panic!("COMPARE AND WRITE: {other:?}"),
+                    }
+                }
+                (good, miscompares)
+            })
+        })
+    };
+    let (ta, tb) = (bump(&a), bump(&b));
+    let ((ga, ma), (gb, mb)) = (ta.join().unwrap(), tb.join().unwrap());
+    let final_value = rt().block_on(async {
+        let mut cl = login(&b).await;
+        let r = cl.read16(0, 2048, 1, 512).await.unwrap();
+        u64::from_be_bytes(r.data[..8].try_into().unwrap())
+    });
+    assert_eq!(
+        final_value,
+        ga + gb,
+        "counter {final_value} after {ga} + {gb} GOOD compare-and-writes ({ma} + {mb} miscompares)"
+    );
+    drop((a, b));
+
+    // What `shared` refuses, at start.
+    c.create("aa-locked", 16 * MIB); // default features: exclusive-lock, object-map, fast-diff
+    let bad = [
+        (
+            c.spec("aa-locked", ",shared"),
+            "rbd feature disable rbd/aa-locked fast-diff object-map exclusive-lock",
+        ),
+        (
+            c.spec("aa", ",shared,wce"),
+            "shared and wce exclude each other",
+        ),
+    ];
+    for (spec, want) in bad {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().display().to_string();
+        let out = run_unchecked(
+            bin(),
+            &[
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{}", free_port()),
+                "--data-dir",
+                &data,
+                "--control",
+                "none",
+                "--lun",
+                &spec,
+            ],
+            Duration::from_secs(60),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{spec}: {err}");
+        assert!(err.contains(want), "{spec}: wanted '{want}' in: {err}");
+    }
+}

@@ -32,6 +32,9 @@ pub(crate) struct RbdSpec {
     pub id: String,
     /// `timeout=SECS`: how long one operation may wait for the cluster.
     pub timeout_secs: u64,
+    /// `shared`: served by several ironsan nodes at once (no exclusive lock, no gateway
+    /// cache, no persistent reservations).
+    pub shared: bool,
 }
 
 /// Default cephx client of RBD LUNs.
@@ -90,7 +93,7 @@ impl LunPlan {
 /// Parse a full `--lun` value: `SPEC[,OPTION]...` where OPTION is `ro`, `direct`, `wce`,
 /// `bs=N` (logical block size), `pbs=N` (reported physical block size), `serial=S`,
 /// `naa=0xHEX16` (see [`parse_naa`]), `fault=RULE` (once per rule; see docs/INTEGRITY.md),
-/// `fault-seed=N`, and for `rbd:` LUNs `conf=PATH`, `id=NAME` and `timeout=SECS`.
+/// `fault-seed=N`, and for `rbd:` LUNs `conf=PATH`, `id=NAME`, `timeout=SECS` and `shared`.
 pub(crate) fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String> {
     let mut parts = value.split(',');
     let spec = parts.next().unwrap_or_default();
@@ -127,6 +130,12 @@ pub(crate) fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String>
                     .parse()
                     .map_err(|_| format!("'{value}': fault-seed={v} is not a number"))?
             }
+            None if opt == "shared" => {
+                let Backing::Rbd(r) = &mut plan.backing else {
+                    return Err(format!("'{value}': shared applies to rbd: LUNs only"));
+                };
+                r.shared = true;
+            }
             Some((k @ ("conf" | "id" | "timeout"), v)) => {
                 let Backing::Rbd(r) = &mut plan.backing else {
                     return Err(format!("'{value}': {k}= applies to rbd: LUNs only"));
@@ -150,7 +159,7 @@ pub(crate) fn parse_lun(value: &str, data_dir: &Path) -> Result<LunPlan, String>
             }
             _ => {
                 return Err(format!(
-                    "'{value}': unknown LUN option '{opt}' (ro, direct, wce, bs=N, pbs=N, serial=S, naa=0xHEX, fault=RULE, fault-seed=N; rbd: conf=PATH, id=NAME, timeout=SECS)"
+                    "'{value}': unknown LUN option '{opt}' (ro, direct, wce, bs=N, pbs=N, serial=S, naa=0xHEX, fault=RULE, fault-seed=N; rbd: conf=PATH, id=NAME, timeout=SECS, shared)"
                 ))
             }
         }
@@ -257,6 +266,7 @@ pub(crate) fn parse_rbd(rest: &str) -> Result<Backing, String> {
         conf: None,
         id: RBD_DEFAULT_ID.to_string(),
         timeout_secs: ironsan_backend::rbd::DEFAULT_TIMEOUT.as_secs(),
+        shared: false,
     }))
 }
 

@@ -671,3 +671,33 @@ fn credential_flags_take_secrets_inline_from_files_or_the_environment() {
     let e = from_flags(&[], None, &[], Path::new("d"), false, false, &flags).unwrap_err();
     assert!(e.starts_with("--acl "), "{e}");
 }
+
+#[test]
+fn rbd_specs_and_their_options_read_back_as_written() {
+    let d = Path::new("/data");
+    let l = parse_lun(
+        "rbd:rbd/vm1,conf=/etc/ceph/c.conf,id=client.iscsi,timeout=7,shared",
+        d,
+    )
+    .unwrap();
+    let Backing::Rbd(r) = &l.backing else {
+        panic!("{l:?}");
+    };
+    assert_eq!(
+        (r.image_spec(), r.id.as_str(), r.timeout_secs, r.shared),
+        ("rbd/vm1".to_string(), "iscsi", 7, true)
+    );
+    assert_eq!(r.conf.as_deref(), Some(Path::new("/etc/ceph/c.conf")));
+    let spec = crate::ctl::lun_spec(&l);
+    assert_eq!(
+        spec,
+        "rbd:rbd/vm1,conf=/etc/ceph/c.conf,id=iscsi,timeout=7,shared"
+    );
+    assert_eq!(parse_lun(&spec, d).unwrap(), l);
+    let plain = parse_lun("rbd:pool/ns/img", d).unwrap();
+    assert!(
+        matches!(&plain.backing, Backing::Rbd(r) if !r.shared && r.namespace.as_deref() == Some("ns"))
+    );
+    let e = parse_lun("ram:1G,shared", d).unwrap_err();
+    assert!(e.contains("shared applies to rbd: LUNs only"), "{e}");
+}

@@ -32,6 +32,9 @@ pub(crate) fn lun_spec(l: &LunPlan) -> String {
             if r.timeout_secs != ironsan_backend::rbd::DEFAULT_TIMEOUT.as_secs() {
                 s.push_str(&format!(",timeout={}", r.timeout_secs));
             }
+            if r.shared {
+                s.push_str(",shared");
+            }
             s
         }
     };

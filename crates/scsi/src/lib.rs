@@ -509,9 +509,12 @@ impl Target {
             RELEASE_6 | RELEASE_10 => spc::release(lu, nexus, cdb),
             MAINTENANCE_IN => match cdb.u8(1) & 0x1F {
                 MI_REPORT_TARGET_PGS => alua::report_target_port_groups(&self.alua, cdb),
-                _ => spc::report_supported_opcodes(cdb),
+                _ => spc::report_supported_opcodes(cdb, !lu.config().shared),
             },
             MAINTENANCE_OUT => self.set_target_port_groups(nexus, cdb, &cmd.data_out),
+            PERSISTENT_RESERVE_IN | PERSISTENT_RESERVE_OUT | ORWRITE_16 if lu.config().shared => {
+                Err(SenseReason::InvalidOpcode)
+            }
             PERSISTENT_RESERVE_IN => pr::persistent_reserve_in(lu, cdb),
             PERSISTENT_RESERVE_OUT => {
                 let port_exists = |p: u16| self.alua.group_of(p).is_some();

@@ -51,6 +51,17 @@ pub struct LuConfig {
     /// by [`LogicalUnit::new`]. `None` (the default): APTPL=1 is refused with INVALID FIELD
     /// IN PARAMETER LIST and REPORT CAPABILITIES reports PTPL_C=0.
     pub state_dir: Option<PathBuf>,
+    /// The backing store is written by other, independent nodes too (an RBD image served
+    /// with `shared` by several gateways), so nothing that is atomic or enforced only inside
+    /// this process is offered:
+    /// - PERSISTENT RESERVE IN/OUT are not supported (INVALID COMMAND OPERATION CODE; REPORT
+    ///   SUPPORTED OPERATION CODES leaves them out): a reservation made through one node
+    ///   would not hold on the others;
+    /// - COMPARE AND WRITE only where the backing store compares and writes atomically itself
+    ///   (`BlockDevice::can_compare_and_write`), else INVALID FIELD IN CDB; Block Limits
+    ///   reports that length;
+    /// - ORWRITE (a read-modify-write under a range lock of this process) is not supported.
+    pub shared: bool,
 }
 
 impl Default for LuConfig {
@@ -66,6 +77,7 @@ impl Default for LuConfig {
             product: "ironsan LU".into(),
             revision: "0001".into(),
             state_dir: None,
+            shared: false,
         }
     }
 }

@@ -533,7 +533,7 @@ pub(crate) fn block_limits_vpd(lu: &LogicalUnit) -> Vec<u8> {
     let mut p = vec![0u8; 0x3C];
     // Offsets below are page offsets minus the 4-byte header.
     p[0] = 0x01; // WSNZ: WRITE SAME with NUMBER OF LOGICAL BLOCKS 0 is not supported
-    p[1] = MAX_COMPARE_AND_WRITE_BLOCKS;
+    p[1] = max_compare_and_write_blocks(lu);
     let gran = u16::try_from(optimal_granularity(lu)).unwrap_or(u16::MAX);
     p[2..4].copy_from_slice(&gran.to_be_bytes());
     p[4..8].copy_from_slice(&lu.max_transfer_blocks().to_be_bytes());
@@ -754,6 +754,16 @@ pub(crate) async fn unmap(
 /// SBC-3 COMPARE AND WRITE: atomic against every other writer of the range (they all
 /// take the LU's write range lock). The Data-Out buffer is the verify data followed by the
 /// write data; a miscompare reports the offset of the first differing byte.
+/// The longest COMPARE AND WRITE (in blocks): [`MAX_COMPARE_AND_WRITE_BLOCKS`], or for a
+/// shared LU what the backing store compares and writes atomically in one block (0: none).
+fn max_compare_and_write_blocks(lu: &LogicalUnit) -> u8 {
+    if !lu.config().shared {
+        return MAX_COMPARE_AND_WRITE_BLOCKS;
+    }
+    let bs = lu.config().block_size as usize;
+    u8::from(lu.backend().can_compare_and_write(0, bs))
+}
+
 pub(crate) async fn compare_and_write(
     lu: &LogicalUnit,
     cdb: Cdb<'_>,
@@ -762,7 +772,7 @@ pub(crate) async fn compare_and_write(
     check_no_protection(cdb)?;
     check_writable(lu)?;
     let r = block_range(cdb);
-    if r.blocks > u32::from(MAX_COMPARE_AND_WRITE_BLOCKS) {
+    if r.blocks > u32::from(max_compare_and_write_blocks(lu)) {
         return Err(SenseReason::cdb_byte(r.len_byte));
     }
     check_range(lu, r.lba, u64::from(r.blocks))?;
@@ -800,6 +810,11 @@ pub(crate) async fn compare_and_write(
             Some(offset) => Err(SenseReason::Miscompare { offset }),
             None => Ok(Bytes::new()),
         };
+    }
+    if lu.config().shared {
+        // Comparing and writing under this process's range lock is not atomic against the
+        // other nodes writing the same store.
+        return Err(SenseReason::cdb_byte(r.len_byte));
     }
     let current = read_blocks(lu, r.lba, r.blocks).await?;
     if let Some(offset) = first_difference(&current, &data_out[..len]) {

@@ -454,8 +454,9 @@ fn timeouts_descriptor(out: &mut Vec<u8>) {
     out.extend_from_slice(&[0; 10]);
 }
 
-/// MAINTENANCE IN / REPORT SUPPORTED OPERATION CODES (SPC-4).
-pub(crate) fn report_supported_opcodes(cdb: Cdb<'_>) -> Result<Bytes, SenseReason> {
+/// MAINTENANCE IN / REPORT SUPPORTED OPERATION CODES (SPC-4); `local`: the LU is not
+/// `LuConfig::shared`, so PERSISTENT RESERVE IN/OUT and ORWRITE are offered.
+pub(crate) fn report_supported_opcodes(cdb: Cdb<'_>, local: bool) -> Result<Bytes, SenseReason> {
     if cdb.u8(1) & 0x1F != MI_REPORT_SUPPORTED_OPCODES {
         return Err(SenseReason::cdb_bit(1, 4));
     }
@@ -464,12 +465,24 @@ pub(crate) fn report_supported_opcodes(cdb: Cdb<'_>) -> Result<Bytes, SenseReaso
     let req_op = cdb.u8(3);
     let req_sa = cdb.u16(4);
     let alloc = cdb.u32(6) as usize;
-    let has_sa = |op: u8| SUPPORTED.iter().any(|e| e.op == op && e.sa.is_some());
+    let only_local = |op: u8| {
+        matches!(
+            op,
+            PERSISTENT_RESERVE_IN | PERSISTENT_RESERVE_OUT | ORWRITE_16
+        )
+    };
+    let offered = |e: &&OpEntry| local || !only_local(e.op);
+    let has_sa = |op: u8| {
+        SUPPORTED
+            .iter()
+            .filter(offered)
+            .any(|e| e.op == op && e.sa.is_some())
+    };
     let mut d = Vec::new();
     match options {
         0b000 => {
             d.extend_from_slice(&[0; 4]);
-            for e in SUPPORTED {
+            for e in SUPPORTED.iter().filter(offered) {
                 d.push(e.op);
                 d.push(0);
                 d.extend_from_slice(&u16::from(e.sa.unwrap_or(0)).to_be_bytes());
@@ -495,10 +508,11 @@ pub(crate) fn report_supported_opcodes(cdb: Cdb<'_>) -> Result<Bytes, SenseReaso
             if options == 0b001 && has_sa(req_op) {
                 return Err(SenseReason::cdb_byte(3));
             }
-            if options == 0b010 && !has_sa(req_op) && crate::is_supported(req_op) {
+            let supported = crate::is_supported(req_op) && (local || !only_local(req_op));
+            if options == 0b010 && !has_sa(req_op) && supported {
                 return Err(SenseReason::cdb_byte(3));
             }
-            let entry = SUPPORTED.iter().find(|e| {
+            let entry = SUPPORTED.iter().filter(offered).find(|e| {
                 e.op == req_op
                     && match (with_sa, e.sa) {
                         (true, Some(sa)) => u16::from(sa) == req_sa,

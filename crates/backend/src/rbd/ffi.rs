@@ -31,11 +31,43 @@ type CompletionT = *mut c_void;
 type CompleteCb = extern "C" fn(CompletionT, *mut c_void);
 type UpdateCb = extern "C" fn(*mut c_void);
 type DiffCb = extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
+type WriteOpT = *mut c_void;
+/// `rados_watchcb2_t`: (arg, notify_id, watch cookie, notifier's instance id, data, len).
+type WatchCb = extern "C" fn(*mut c_void, u64, u64, u64, *mut c_void, usize);
+/// `rados_watcherrcb_t`: (arg, watch cookie, negative errno).
+type WatchErrCb = extern "C" fn(*mut c_void, u64, c_int);
+
+/// `LIBRADOS_CMPXATTR_OP_EQ`.
+const CMPXATTR_EQ: u8 = 1;
+
+/// `struct notify_ack_t` (librados.h): a watcher that acknowledged a notify.
+#[repr(C)]
+struct NotifyAck {
+    notifier_id: u64,
+    cookie: u64,
+    payload: *mut c_char,
+    payload_len: u64,
+}
+
+/// `struct notify_timeout_t` (librados.h): a watcher that did not acknowledge in time.
+#[repr(C)]
+struct NotifyTimeout {
+    notifier_id: u64,
+    cookie: u64,
+}
 
 /// `rbd_lock_mode_t`: RBD_LOCK_MODE_EXCLUSIVE.
 const LOCK_MODE_EXCLUSIVE: c_int = 0;
 /// `RBD_FEATURE_EXCLUSIVE_LOCK` (`rbd/features.h`).
 pub(super) const FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
+/// The exclusive lock and the features that need it (`rbd/features.h`), in the order
+/// `rbd feature disable` wants them removed.
+pub(super) const FEATURES_NEEDING_LOCK: [(u64, &str); 4] = [
+    (1 << 6, "journaling"),
+    (1 << 4, "fast-diff"),
+    (1 << 3, "object-map"),
+    (FEATURE_EXCLUSIVE_LOCK, "exclusive-lock"),
+];
 /// `RBD_WRITE_ZEROES_FLAG_THICK_PROVISION`: zeros written (allocated), not a deallocation.
 pub(super) const ZEROES_THICK: c_int = 1;
 
@@ -58,6 +90,52 @@ struct Api {
     rados_ioctx_create: unsafe extern "C" fn(RadosT, *const c_char, *mut IoCtxT) -> c_int,
     rados_ioctx_destroy: unsafe extern "C" fn(IoCtxT),
     rados_ioctx_set_namespace: unsafe extern "C" fn(IoCtxT, *const c_char),
+    rados_get_instance_id: unsafe extern "C" fn(RadosT) -> u64,
+    rados_blocklist_add: unsafe extern "C" fn(RadosT, *mut c_char, u32) -> c_int,
+    rados_stat: unsafe extern "C" fn(IoCtxT, *const c_char, *mut u64, *mut libc::time_t) -> c_int,
+    rados_read: unsafe extern "C" fn(IoCtxT, *const c_char, *mut c_char, usize, u64) -> c_int,
+    rados_getxattr:
+        unsafe extern "C" fn(IoCtxT, *const c_char, *const c_char, *mut c_char, usize) -> c_int,
+    rados_create_write_op: unsafe extern "C" fn() -> WriteOpT,
+    rados_release_write_op: unsafe extern "C" fn(WriteOpT),
+    rados_write_op_create: unsafe extern "C" fn(WriteOpT, c_int, *const c_char),
+    rados_write_op_cmpxattr:
+        unsafe extern "C" fn(WriteOpT, *const c_char, u8, *const c_char, usize),
+    rados_write_op_setxattr: unsafe extern "C" fn(WriteOpT, *const c_char, *const c_char, usize),
+    rados_write_op_write_full: unsafe extern "C" fn(WriteOpT, *const c_char, usize),
+    rados_write_op_operate:
+        unsafe extern "C" fn(WriteOpT, IoCtxT, *const c_char, *mut libc::time_t, c_int) -> c_int,
+    rados_watch2: unsafe extern "C" fn(
+        IoCtxT,
+        *const c_char,
+        *mut u64,
+        WatchCb,
+        WatchErrCb,
+        *mut c_void,
+    ) -> c_int,
+    rados_unwatch2: unsafe extern "C" fn(IoCtxT, u64) -> c_int,
+    rados_watch_flush: unsafe extern "C" fn(RadosT) -> c_int,
+    rados_notify2: unsafe extern "C" fn(
+        IoCtxT,
+        *const c_char,
+        *const c_char,
+        c_int,
+        u64,
+        *mut *mut c_char,
+        *mut usize,
+    ) -> c_int,
+    rados_notify_ack:
+        unsafe extern "C" fn(IoCtxT, *const c_char, u64, u64, *const c_char, c_int) -> c_int,
+    rados_decode_notify_response: unsafe extern "C" fn(
+        *mut c_char,
+        usize,
+        *mut *mut NotifyAck,
+        *mut usize,
+        *mut *mut NotifyTimeout,
+        *mut usize,
+    ) -> c_int,
+    rados_free_notify_response: unsafe extern "C" fn(*mut NotifyAck, usize, *mut NotifyTimeout),
+    rados_buffer_free: unsafe extern "C" fn(*mut c_char),
     rbd_open: unsafe extern "C" fn(IoCtxT, *const c_char, *mut ImageT, *const c_char) -> c_int,
     rbd_open_read_only:
         unsafe extern "C" fn(IoCtxT, *const c_char, *mut ImageT, *const c_char) -> c_int,
@@ -145,6 +223,26 @@ fn load() -> Result<Api, String> {
         rados_ioctx_create: sym!(rados, rados_ioctx_create),
         rados_ioctx_destroy: sym!(rados, rados_ioctx_destroy),
         rados_ioctx_set_namespace: sym!(rados, rados_ioctx_set_namespace),
+        rados_get_instance_id: sym!(rados, rados_get_instance_id),
+        rados_blocklist_add: sym!(rados, rados_blocklist_add),
+        rados_stat: sym!(rados, rados_stat),
+        rados_read: sym!(rados, rados_read),
+        rados_getxattr: sym!(rados, rados_getxattr),
+        rados_create_write_op: sym!(rados, rados_create_write_op),
+        rados_release_write_op: sym!(rados, rados_release_write_op),
+        rados_write_op_create: sym!(rados, rados_write_op_create),
+        rados_write_op_cmpxattr: sym!(rados, rados_write_op_cmpxattr),
+        rados_write_op_setxattr: sym!(rados, rados_write_op_setxattr),
+        rados_write_op_write_full: sym!(rados, rados_write_op_write_full),
+        rados_write_op_operate: sym!(rados, rados_write_op_operate),
+        rados_watch2: sym!(rados, rados_watch2),
+        rados_unwatch2: sym!(rados, rados_unwatch2),
+        rados_watch_flush: sym!(rados, rados_watch_flush),
+        rados_notify2: sym!(rados, rados_notify2),
+        rados_notify_ack: sym!(rados, rados_notify_ack),
+        rados_decode_notify_response: sym!(rados, rados_decode_notify_response),
+        rados_free_notify_response: sym!(rados, rados_free_notify_response),
+        rados_buffer_free: sym!(rados, rados_buffer_free),
         rbd_open: sym!(rbd, rbd_open),
         rbd_open_read_only: sym!(rbd, rbd_open_read_only),
         rbd_close: sym!(rbd, rbd_close),
@@ -322,6 +420,367 @@ impl Drop for IoCtx {
     fn drop(&mut self) {
         // SAFETY: created by `rados_ioctx_create`; images opened on it hold an `Arc` of it.
         unsafe { (self.api.rados_ioctx_destroy)(self.h) };
+    }
+}
+
+// ----- shared objects: versioned data, watch/notify, fencing (several gateways) --------------
+
+/// The xattr holding a shared object's version: 20 decimal digits, so that librados' string
+/// comparison (`rados_write_op_cmpxattr`) compares versions exactly.
+const VERSION_XATTR: &str = "ironsan.version";
+
+fn version_text(v: u64) -> String {
+    format!("{v:020}")
+}
+
+impl Cluster {
+    /// This client's instance id: the `notifier_id` other watchers see in its notifies, and
+    /// the id in its acknowledgements.
+    pub(super) fn instance_id(&self) -> u64 {
+        // SAFETY: connected handle; a plain getter.
+        unsafe { (self.api.rados_get_instance_id)(self.h) }
+    }
+
+    /// Blocklist the client at `addr` (`IP:PORT/NONCE`, as [`Cluster::addr`] gives it) for
+    /// `expire_secs` seconds (0: the cluster's default). Returns once the monitors have
+    /// committed it; OSDs then refuse that client's operations.
+    pub(super) fn blocklist_add(&self, addr: &str, expire_secs: u32) -> Result<(), Errno> {
+        let a = cstr(addr)?;
+        // SAFETY: connected handle; librados reads the NUL-terminated address (the pointer is
+        // `char *` in the header but not written to) during the call only.
+        Errno::check(unsafe {
+            (self.api.rados_blocklist_add)(self.h, a.as_ptr().cast_mut(), expire_secs)
+        })
+        .map(|_| ())
+    }
+}
+
+/// The reply to [`IoCtx::notify`]: who acknowledged (instance id, watch cookie, payload) and
+/// who did not within the timeout (instance id, watch cookie).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct NotifyReply {
+    pub acks: Vec<(u64, u64, Vec<u8>)>,
+    pub timeouts: Vec<(u64, u64)>,
+}
+
+/// One notification a watch received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    pub notify_id: u64,
+    pub cookie: u64,
+    pub notifier: u64,
+    pub data: Vec<u8>,
+}
+
+/// What a watch calls: on each notification, and when the watch breaks (a negative errno:
+/// the connection to the OSD was lost long enough that notifies may have been missed).
+pub(super) struct WatchHandlers {
+    pub on_notify: Box<dyn Fn(Notification) + Send + Sync>,
+    pub on_error: Box<dyn Fn(i32) + Send + Sync>,
+}
+
+/// A registered watch on an object; dropping it unregisters it and waits until no callback runs.
+pub(super) struct ObjectWatch {
+    io: std::sync::Arc<IoCtx>,
+    cookie: u64,
+    handlers: *mut WatchHandlers,
+}
+
+// SAFETY: the handlers are `Send + Sync`; the raw pointer is only freed in `Drop`, after
+// librados has stopped calling back (unwatch, then flush).
+unsafe impl Send for ObjectWatch {}
+// SAFETY: as above; `&Watch` gives access to nothing but the cookie.
+unsafe impl Sync for ObjectWatch {}
+
+impl ObjectWatch {
+    /// The watch's cookie (what notifications and acknowledgements name it by).
+    pub(super) fn cookie(&self) -> u64 {
+        self.cookie
+    }
+}
+
+extern "C" fn watch_cb(
+    arg: *mut c_void,
+    notify_id: u64,
+    cookie: u64,
+    notifier: u64,
+    data: *mut c_void,
+    len: usize,
+) {
+    let data = if data.is_null() || len == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: librados passes `len` readable bytes at `data` for the duration of the call.
+        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }.to_vec()
+    };
+    // SAFETY: `arg` is the `WatchHandlers` registered with this watch; it is freed only after
+    // the watch is unregistered and librados' callbacks are flushed.
+    let h = unsafe { &*arg.cast::<WatchHandlers>() };
+    let n = Notification {
+        notify_id,
+        cookie,
+        notifier,
+        data,
+    };
+    // A panic must not unwind into librados.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (h.on_notify)(n)));
+}
+
+extern "C" fn watch_err_cb(arg: *mut c_void, _cookie: u64, err: c_int) {
+    // SAFETY: as in `watch_cb`.
+    let h = unsafe { &*arg.cast::<WatchHandlers>() };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (h.on_error)(err)));
+}
+
+impl Drop for ObjectWatch {
+    fn drop(&mut self) {
+        // SAFETY: the cookie came from `rados_watch2` on this I/O context. After unwatch,
+        // `rados_watch_flush` waits for callbacks already queued, so none runs once it returns.
+        unsafe {
+            (self.io.api.rados_unwatch2)(self.io.h, self.cookie);
+            (self.io.api.rados_watch_flush)(self.io._cluster.h);
+        }
+        // SAFETY: made by `Box::into_raw` in `IoCtx::watch`; no callback can use it any more.
+        drop(unsafe { Box::from_raw(self.handlers) });
+    }
+}
+
+impl IoCtx {
+    /// The data and version of the shared object `oid` (`None`: it does not exist).
+    pub(super) fn read_versioned(&self, oid: &str) -> Result<Option<(Vec<u8>, u64)>, Errno> {
+        let o = cstr(oid)?;
+        let mut size = 0u64;
+        // SAFETY: valid I/O context; `o` NUL-terminated; `size` a valid out-pointer; mtime
+        // not wanted (NULL is allowed).
+        match Errno::check(unsafe {
+            (self.api.rados_stat)(self.h, o.as_ptr(), &mut size, std::ptr::null_mut())
+        }) {
+            Err(Errno(libc::ENOENT)) => return Ok(None),
+            Err(e) => return Err(e),
+            Ok(_) => {}
+        }
+        let len = usize::try_from(size).map_err(|_| Errno(libc::EFBIG))?;
+        let mut buf = vec![0u8; len];
+        let n = if len == 0 {
+            0
+        } else {
+            // SAFETY: `buf` has `len` writable bytes; librados writes at most `len`.
+            Errno::check(unsafe {
+                (self.api.rados_read)(self.h, o.as_ptr(), buf.as_mut_ptr().cast(), len, 0)
+            })?
+        };
+        buf.truncate(usize::try_from(n).unwrap_or(0));
+        let name = cstr(VERSION_XATTR)?;
+        let mut v = [0u8; 32];
+        // SAFETY: `v` has 32 writable bytes, the length given.
+        let vn = match Errno::check(unsafe {
+            (self.api.rados_getxattr)(
+                self.h,
+                o.as_ptr(),
+                name.as_ptr(),
+                v.as_mut_ptr().cast(),
+                v.len(),
+            )
+        }) {
+            Ok(n) => usize::try_from(n).unwrap_or(0),
+            // An object made by someone else, without a version: version 0.
+            Err(Errno(libc::ENODATA)) => 0,
+            Err(e) => return Err(e),
+        };
+        let version = std::str::from_utf8(&v[..vn.min(v.len())])
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        Ok(Some((buf, version)))
+    }
+
+    /// Replace the data of `oid` atomically if its version is still `expect` (`None`: the
+    /// object must not exist yet), making it version `expect + 1` (1 for a new object).
+    /// `Ok(None)`: someone changed it first (re-read and retry); `Ok(Some(v))`: written as
+    /// version `v`. The compare, the data and the version go in one RADOS write operation.
+    pub(super) fn replace_versioned(
+        &self,
+        oid: &str,
+        expect: Option<u64>,
+        data: &[u8],
+    ) -> Result<Option<u64>, Errno> {
+        let o = cstr(oid)?;
+        let name = cstr(VERSION_XATTR)?;
+        let next = expect.map_or(1, |v| v + 1);
+        let (old, new) = (version_text(expect.unwrap_or(0)), version_text(next));
+        // SAFETY: creates an empty operation, released below on every path.
+        let op = unsafe { (self.api.rados_create_write_op)() };
+        if op.is_null() {
+            return Err(Errno(libc::ENOMEM));
+        }
+        // SAFETY: `op` is a live operation; every buffer (`name`, `old`, `new`, `data`, `o`)
+        // outlives `rados_write_op_operate`, which runs the operation synchronously; the
+        // operation is released exactly once afterwards.
+        let ret = unsafe {
+            match expect {
+                None => (self.api.rados_write_op_create)(op, 1, std::ptr::null()),
+                Some(_) => (self.api.rados_write_op_cmpxattr)(
+                    op,
+                    name.as_ptr(),
+                    CMPXATTR_EQ,
+                    old.as_ptr().cast(),
+                    old.len(),
+                ),
+            }
+            (self.api.rados_write_op_setxattr)(op, name.as_ptr(), new.as_ptr().cast(), new.len());
+            (self.api.rados_write_op_write_full)(op, data.as_ptr().cast(), data.len());
+            let r =
+                (self.api.rados_write_op_operate)(op, self.h, o.as_ptr(), std::ptr::null_mut(), 0);
+            (self.api.rados_release_write_op)(op);
+            r
+        };
+        match Errno::check(ret) {
+            Ok(_) => Ok(Some(next)),
+            // cmpxattr mismatch, or an exclusive create of an existing object.
+            Err(Errno(libc::ECANCELED)) | Err(Errno(libc::EEXIST)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Watch `oid` (it must exist): `handlers` are called on librados' threads for every
+    /// notification (answer with [`IoCtx::notify_ack`]) and when the watch breaks.
+    pub(super) fn watch(
+        self: &std::sync::Arc<Self>,
+        oid: &str,
+        handlers: WatchHandlers,
+    ) -> Result<ObjectWatch, Errno> {
+        let o = cstr(oid)?;
+        let arg = Box::into_raw(Box::new(handlers));
+        let mut cookie = 0u64;
+        // SAFETY: valid I/O context; `o` NUL-terminated; `arg` stays valid until the `Watch`
+        // is dropped (unwatch + flush first), or is freed below if the watch failed.
+        let r = Errno::check(unsafe {
+            (self.api.rados_watch2)(
+                self.h,
+                o.as_ptr(),
+                &mut cookie,
+                watch_cb,
+                watch_err_cb,
+                arg.cast(),
+            )
+        });
+        if let Err(e) = r {
+            // SAFETY: the watch was not registered; `arg` is ours alone.
+            drop(unsafe { Box::from_raw(arg) });
+            return Err(e);
+        }
+        Ok(ObjectWatch {
+            io: std::sync::Arc::clone(self),
+            cookie,
+            handlers: arg,
+        })
+    }
+
+    /// Acknowledge notification `notify_id` received by the watch `cookie` on `oid`, with a
+    /// payload the notifier receives.
+    pub(super) fn notify_ack(
+        &self,
+        oid: &str,
+        notify_id: u64,
+        cookie: u64,
+        payload: &[u8],
+    ) -> Result<(), Errno> {
+        let o = cstr(oid)?;
+        let len = c_int::try_from(payload.len()).map_err(|_| Errno(libc::E2BIG))?;
+        // SAFETY: valid I/O context; buffers outlive the call (librados copies the payload).
+        Errno::check(unsafe {
+            (self.api.rados_notify_ack)(
+                self.h,
+                o.as_ptr(),
+                notify_id,
+                cookie,
+                payload.as_ptr().cast(),
+                len,
+            )
+        })
+        .map(|_| ())
+    }
+
+    /// Notify every watcher of `oid` with `payload` and wait up to `timeout` for their
+    /// acknowledgements. Blocking. Watchers that did not answer are in `timeouts` (the call
+    /// itself then reports ETIMEDOUT, which is not an error here).
+    pub(super) fn notify(
+        &self,
+        oid: &str,
+        payload: &[u8],
+        timeout: std::time::Duration,
+    ) -> Result<NotifyReply, Errno> {
+        let o = cstr(oid)?;
+        let len = c_int::try_from(payload.len()).map_err(|_| Errno(libc::E2BIG))?;
+        let ms = u64::try_from(timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let mut reply: *mut c_char = std::ptr::null_mut();
+        let mut reply_len = 0usize;
+        // SAFETY: valid I/O context; the payload outlives the call; `reply`/`reply_len` are
+        // valid out-pointers (librados allocates the reply, freed below with
+        // `rados_buffer_free`).
+        let ret = unsafe {
+            (self.api.rados_notify2)(
+                self.h,
+                o.as_ptr(),
+                payload.as_ptr().cast(),
+                len,
+                ms,
+                &mut reply,
+                &mut reply_len,
+            )
+        };
+        match Errno::check(ret) {
+            Ok(_) | Err(Errno(libc::ETIMEDOUT)) => {}
+            Err(e) => {
+                if !reply.is_null() {
+                    // SAFETY: allocated by librados for this call; freed once.
+                    unsafe { (self.api.rados_buffer_free)(reply) };
+                }
+                return Err(e);
+            }
+        }
+        if reply.is_null() {
+            return Ok(NotifyReply::default());
+        }
+        let mut acks: *mut NotifyAck = std::ptr::null_mut();
+        let mut nacks = 0usize;
+        let mut tos: *mut NotifyTimeout = std::ptr::null_mut();
+        let mut ntos = 0usize;
+        // SAFETY: `reply`/`reply_len` are the buffer librados returned; the out-pointers are
+        // valid; the decoded arrays are freed below with `rados_free_notify_response`.
+        let dec = Errno::check(unsafe {
+            (self.api.rados_decode_notify_response)(
+                reply, reply_len, &mut acks, &mut nacks, &mut tos, &mut ntos,
+            )
+        });
+        let mut out = NotifyReply::default();
+        if dec.is_ok() {
+            for i in 0..nacks {
+                // SAFETY: `acks` points to `nacks` entries decoded by librados.
+                let a = unsafe { &*acks.add(i) };
+                let plen = usize::try_from(a.payload_len).unwrap_or(0);
+                let payload = if a.payload.is_null() || plen == 0 {
+                    Vec::new()
+                } else {
+                    // SAFETY: each ack's payload has `payload_len` bytes, owned by the
+                    // decoded response until it is freed below.
+                    unsafe { std::slice::from_raw_parts(a.payload.cast::<u8>(), plen) }.to_vec()
+                };
+                out.acks.push((a.notifier_id, a.cookie, payload));
+            }
+            for i in 0..ntos {
+                // SAFETY: `tos` points to `ntos` entries decoded by librados.
+                let t = unsafe { &*tos.add(i) };
+                out.timeouts.push((t.notifier_id, t.cookie));
+            }
+            // SAFETY: the arrays came from `rados_decode_notify_response`; freed once.
+            unsafe { (self.api.rados_free_notify_response)(acks, nacks, tos) };
+        }
+        // SAFETY: allocated by librados for this call; freed once, after decoding.
+        unsafe { (self.api.rados_buffer_free)(reply) };
+        dec.map(|_| out)
     }
 }
 

@@ -24,6 +24,7 @@
 //!   loses it when librbd's own timeout expires.
 
 mod ffi;
+pub mod shared;
 
 use crate::{BackendError, BlockDevice, Capabilities, IoFuture, Keep, WriteMode};
 use bytes::Bytes;
@@ -52,6 +53,10 @@ pub struct RbdOptions {
     pub timeout: Duration,
     /// The LU's state directory: the lock owner of the previous instance is recorded there.
     pub state_dir: Option<PathBuf>,
+    /// Served by several ironsan nodes at once (active/active): no exclusive lock is taken,
+    /// and an image with the exclusive-lock feature is refused (its lock would move to every
+    /// node that writes); librbd's cache must stay off (`write_cache` is refused).
+    pub shared: bool,
 }
 
 impl RbdOptions {
@@ -159,7 +164,9 @@ impl RbdBackend {
             _ => format!("{who}: cannot open the image: {e}"),
         })?;
         let image = Arc::new(image);
-        if !o.read_only {
+        if o.shared {
+            check_shareable(&who, o, &image)?;
+        } else if !o.read_only {
             take_lock(&who, &cluster, &image, o.state_dir.as_deref())?;
         }
         let size = image
@@ -336,6 +343,32 @@ fn lock_state_dir(dir: &std::path::Path, who: &str) -> Result<std::fs::File, Str
             Err(format!("{who}: locking {}: {e}", path.display()))
         }
     }
+}
+
+/// An image several nodes may write at once: without the exclusive-lock feature (and the
+/// features that need it), and without librbd's cache on.
+fn check_shareable(who: &str, o: &RbdOptions, image: &ffi::Image) -> Result<(), String> {
+    if o.write_cache {
+        return Err(format!(
+            "{who}: shared and wce exclude each other: a gateway cache would serve stale data to the other nodes"
+        ));
+    }
+    let features = image
+        .features()
+        .map_err(|e| format!("{who}: cannot read the image features: {e}"))?;
+    let needs_lock: Vec<&str> = ffi::FEATURES_NEEDING_LOCK
+        .iter()
+        .filter(|(bit, _)| features & bit != 0)
+        .map(|(_, name)| *name)
+        .collect();
+    if !needs_lock.is_empty() {
+        return Err(format!(
+            "{who}: shared needs an image without the exclusive-lock feature (its lock would move to every node that writes, stalling I/O); turn it off with `rbd feature disable {} {}`",
+            o.spec(),
+            needs_lock.join(" ")
+        ));
+    }
+    Ok(())
 }
 
 /// Take the image's exclusive lock (if it has the feature) for this client, breaking it first

@@ -51,6 +51,7 @@ fn cfg(bs: u32) -> LuConfig {
         product: "RAMDISK".into(),
         revision: "0.1".into(),
         state_dir: None,
+        shared: false,
     }
 }
 

@@ -329,3 +329,52 @@ async fn prevent_medium_removal_blocks_eject() {
     good(&run(&t, &[0x1B, 0, 0, 0, 0x02, 0]).await);
     invalid_cdb_field(&run(&t, &[0x1E, 0, 0, 0, 0x02, 0]).await, 4, Some(1));
 }
+
+/// An LU whose store other nodes write too (`LuConfig::shared`) offers nothing that is only
+/// atomic or enforced inside this process: no persistent reservations, no ORWRITE, and
+/// COMPARE AND WRITE only as long as the backing store does it atomically (RamBackend: not
+/// at all, so Block Limits reports 0 and every length is refused).
+#[tokio::test]
+async fn a_shared_lu_offers_no_process_local_reservations_or_read_modify_writes() {
+    let t = target_over(
+        Arc::new(RamBackend::new(1 << 20)),
+        LuConfig {
+            shared: true,
+            ..cfg(512)
+        },
+    );
+    let r = run_data(&t, &prout(0, 0), &prout_params(0, 0x1234, false)).await;
+    assert_eq!(sense(&r), (0x5, 0x20, 0x00));
+    let r = run(&t, &[0x5E, 0, 0, 0, 0, 0, 0, 0, 64, 0]).await;
+    assert_eq!(sense(&r), (0x5, 0x20, 0x00));
+    let r = run_data(&t, &cdb16(0x8B, 0, 1), &[0u8; 512]).await;
+    assert_eq!(sense(&r), (0x5, 0x20, 0x00), "ORWRITE");
+    let caw = {
+        let mut c = cdb16(0x89, 0, 0);
+        c[13] = 1;
+        c
+    };
+    let r = run_data(&t, &caw, &[0u8; 1024]).await;
+    assert_eq!(
+        sense(&r),
+        (0x5, 0x24, 0x00),
+        "COMPARE AND WRITE, not atomic here"
+    );
+    let vpd = run(&t, &inquiry(true, 0xB0, 255)).await;
+    assert_eq!(good(&vpd)[5], 0, "MAXIMUM COMPARE AND WRITE LENGTH");
+    // REPORT SUPPORTED OPERATION CODES leaves them out, and says so when asked for one.
+    let all = run(&t, &rsoc(0, 0, 0, 65535)).await;
+    let list = good(&all)[4..].to_vec();
+    let ops: Vec<u8> = list.chunks(8).map(|d| d[0]).collect();
+    for op in [0x5E, 0x5F, 0x8B] {
+        assert!(!ops.contains(&op), "{op:#x} listed: {ops:02x?}");
+    }
+    assert!(ops.contains(&0x89) && ops.contains(&0x8A), "{ops:02x?}");
+    let one = run(&t, &rsoc(2, 0x5F, 0, 64)).await;
+    assert_eq!(good(&one)[1] & 0x07, 0b001, "PR OUT: not supported");
+    // The same LU not shared: all of them.
+    let t = ram_target();
+    let all = run(&t, &rsoc(0, 0, 0, 65535)).await;
+    let ops: Vec<u8> = good(&all)[4..].chunks(8).map(|d| d[0]).collect();
+    assert!(ops.contains(&0x5F) && ops.contains(&0x8B));
+}
