@@ -546,34 +546,13 @@ impl Drop for ObjectWatch {
 }
 
 impl IoCtx {
-    /// The data and version of the shared object `oid` (`None`: it does not exist).
-    pub(super) fn read_versioned(&self, oid: &str) -> Result<Option<(Vec<u8>, u64)>, Errno> {
-        let o = cstr(oid)?;
-        let mut size = 0u64;
-        // SAFETY: valid I/O context; `o` NUL-terminated; `size` a valid out-pointer; mtime
-        // not wanted (NULL is allowed).
-        match Errno::check(unsafe {
-            (self.api.rados_stat)(self.h, o.as_ptr(), &mut size, std::ptr::null_mut())
-        }) {
-            Err(Errno(libc::ENOENT)) => return Ok(None),
-            Err(e) => return Err(e),
-            Ok(_) => {}
-        }
-        let len = usize::try_from(size).map_err(|_| Errno(libc::EFBIG))?;
-        let mut buf = vec![0u8; len];
-        let n = if len == 0 {
-            0
-        } else {
-            // SAFETY: `buf` has `len` writable bytes; librados writes at most `len`.
-            Errno::check(unsafe {
-                (self.api.rados_read)(self.h, o.as_ptr(), buf.as_mut_ptr().cast(), len, 0)
-            })?
-        };
-        buf.truncate(usize::try_from(n).unwrap_or(0));
+    /// The version of `oid` (`None`: no such object; 0: an object without a version).
+    fn version_of(&self, o: &CStr) -> Result<Option<u64>, Errno> {
         let name = cstr(VERSION_XATTR)?;
         let mut v = [0u8; 32];
-        // SAFETY: `v` has 32 writable bytes, the length given.
-        let vn = match Errno::check(unsafe {
+        // SAFETY: valid I/O context; `o` and `name` NUL-terminated; `v` has 32 writable bytes,
+        // the length given.
+        let n = match Errno::check(unsafe {
             (self.api.rados_getxattr)(
                 self.h,
                 o.as_ptr(),
@@ -583,15 +562,51 @@ impl IoCtx {
             )
         }) {
             Ok(n) => usize::try_from(n).unwrap_or(0),
-            // An object made by someone else, without a version: version 0.
-            Err(Errno(libc::ENODATA)) => 0,
+            Err(Errno(libc::ENOENT)) => return Ok(None),
+            Err(Errno(libc::ENODATA)) => return Ok(Some(0)),
             Err(e) => return Err(e),
         };
-        let version = std::str::from_utf8(&v[..vn.min(v.len())])
-            .ok()
-            .and_then(|t| t.trim().parse::<u64>().ok())
-            .unwrap_or(0);
-        Ok(Some((buf, version)))
+        Ok(Some(
+            std::str::from_utf8(&v[..n.min(v.len())])
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+                .unwrap_or(0),
+        ))
+    }
+
+    /// The data and version of the shared object `oid` (`None`: it does not exist). The
+    /// version is read before and after the data, and the read repeated until they agree:
+    /// RADOS applies each write operation whole, and versions only grow, so equal versions
+    /// mean no write came in between and the data is that version's.
+    pub(super) fn read_versioned(&self, oid: &str) -> Result<Option<(Vec<u8>, u64)>, Errno> {
+        let o = cstr(oid)?;
+        loop {
+            let Some(before) = self.version_of(&o)? else {
+                return Ok(None);
+            };
+            let mut size = 0u64;
+            // SAFETY: valid I/O context; `o` NUL-terminated; `size` a valid out-pointer;
+            // mtime not wanted (NULL is allowed).
+            match Errno::check(unsafe {
+                (self.api.rados_stat)(self.h, o.as_ptr(), &mut size, std::ptr::null_mut())
+            }) {
+                Err(Errno(libc::ENOENT)) => return Ok(None),
+                Err(e) => return Err(e),
+                Ok(_) => {}
+            }
+            let len = usize::try_from(size).map_err(|_| Errno(libc::EFBIG))?;
+            // One byte more than the size: a longer object (rewritten meanwhile) shows as a
+            // full buffer, and the versions below then differ anyway.
+            let mut buf = vec![0u8; len + 1];
+            // SAFETY: `buf` has `len + 1` writable bytes; librados writes at most that many.
+            let n = Errno::check(unsafe {
+                (self.api.rados_read)(self.h, o.as_ptr(), buf.as_mut_ptr().cast(), len + 1, 0)
+            })?;
+            buf.truncate(usize::try_from(n).unwrap_or(0));
+            if self.version_of(&o)? == Some(before) {
+                return Ok(Some((buf, before)));
+            }
+        }
     }
 
     /// Replace the data of `oid` atomically if its version is still `expect` (`None`: the
