@@ -4,30 +4,8 @@
 
 mod common;
 use common::*;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
-
-/// GET `path` from `addr`: (status code, body).
-fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).unwrap();
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let code = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {head:?}"));
-    (code, body.to_string())
-}
 
 /// serve with a RAM LUN, the metrics listener on a free port, and a libiscsi session reading
 /// from it until dropped.
@@ -46,7 +24,7 @@ fn metrics_pass_promtool_check_metrics_under_load() {
         return;
     }
     let (_s, maddr, _perf) = serve_with_session();
-    let (code, body) = get(maddr, "/metrics");
+    let (code, body) = http_get(maddr, "/metrics");
     assert_eq!(code, 200, "{body}");
     for family in [
         "ironsan_commands_total{",
@@ -85,14 +63,14 @@ fn status_page_shows_a_live_session_in_chromium_without_console_errors() {
         return;
     }
     let (s, maddr, _perf) = serve_with_session();
-    let (code, api) = get(maddr, "/api/status");
+    let (code, api) = http_get(maddr, "/api/status");
     assert_eq!(code, 200, "{api}");
     let v: serde_json::Value = serde_json::from_str(&api).unwrap();
     let initiator = v["sessions"][0]["initiator"]
         .as_str()
         .unwrap_or_else(|| panic!("no session in /api/status: {api}"))
         .to_string();
-    assert_eq!(get(maddr, "/nothing-here").0, 404);
+    assert_eq!(http_get(maddr, "/nothing-here").0, 404);
 
     let dir = tempfile::tempdir().unwrap();
     let profile = dir.path().join("profile");
@@ -178,7 +156,7 @@ fn grafana_dashboard_uses_only_metrics_that_exist() {
 
     // Metric and label names, against a scrape with a session doing I/O.
     let (_s, maddr, _perf) = serve_with_session();
-    let (_, body) = get(maddr, "/metrics");
+    let (_, body) = http_get(maddr, "/metrics");
     let mut labels: std::collections::HashMap<String, std::collections::HashSet<String>> =
         Default::default();
     // Families declared with no series now (e.g. backend operations in flight, which only RBD

@@ -218,7 +218,8 @@ fn data_crosses_between_iscsi_and_the_rbd_tools() {
         "{luns}"
     );
     assert_eq!(l0["in_flight"].as_u64(), Some(0), "{luns}");
-    let text = http_get(&metrics, "/metrics");
+    let (code, text) = http_get(metrics.parse().unwrap(), "/metrics");
+    assert_eq!(code, 200, "{text}");
     assert!(
         text.contains(&format!(
             "ironsan_lun_info{{target=\"{}\",lun=\"0\",backend=\"rbd\",device=\"rbd:rbd/xfer\"}} 1",
@@ -231,17 +232,6 @@ fn data_crosses_between_iscsi_and_the_rbd_tools() {
             && text.contains("backend=\"rbd\"} 0"),
         "{text}"
     );
-}
-
-/// The body of an HTTP GET (HTTP/1.0, read to the end).
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut c = std::net::TcpStream::connect(addr).expect("metrics listener");
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(c, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    c.read_to_string(&mut out).unwrap();
-    out
 }
 
 /// Many commands in flight on an RBD LUN, every block verified: sequential 64 KiB writes,

@@ -1031,3 +1031,25 @@ pub(crate) fn qemu_img_convert(from: &str, to: &str, into_existing: bool) -> Out
     args.extend(["-f", "raw", "-O", "raw", from, to]);
     run("qemu-img", &args)
 }
+
+/// GET `path` from `addr` over HTTP/1.1 (`Connection: close`): (status code, body).
+pub(crate) fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("HTTP listener");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).unwrap();
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let code = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"));
+    (code, body.to_string())
+}

@@ -174,7 +174,7 @@ impl FaultRule {
                     "stuck" => Effect::Stuck,
                     "hang" => Effect::Hang,
                     _ => match e.strip_prefix("delay=") {
-                        Some(d) => Effect::Delay(parse_duration(d).ok_or_else(|| {
+                        Some(d) => Effect::Delay(crate::parse_duration(d).ok_or_else(|| {
                             err("delay wants a duration such as 500us, 50ms or 2s")
                         })?),
                         None => return Err(err(&format!("unknown effect '{e}'"))),
@@ -183,20 +183,6 @@ impl FaultRule {
         }
         Ok(rule)
     }
-}
-
-fn parse_duration(s: &str) -> Option<Duration> {
-    let (n, unit) = if let Some(n) = s.strip_suffix("us") {
-        (n, 1u64)
-    } else if let Some(n) = s.strip_suffix("ms") {
-        (n, 1_000)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1_000_000)
-    } else {
-        return None;
-    };
-    let n: u64 = n.parse().ok()?;
-    Some(Duration::from_micros(n.checked_mul(unit)?))
 }
 
 /// Run-time handle on a [`FaultBackend`]: release stuck I/O, switch faults off and on, read

@@ -549,6 +549,24 @@ pub fn push_extent(out: &mut Vec<(u64, u64, bool)>, offset: u64, len: u64, mappe
     out.push((offset, len, mapped));
 }
 
+/// Parse a duration: a number with `us`, `ms`, `s`, `m` or `h` (`"10s"`, `"1500ms"`, `"2m"`,
+/// `"250us"`). `None` on garbage, a missing unit or overflow.
+pub fn parse_duration(v: &str) -> Option<std::time::Duration> {
+    let v = v.trim();
+    let split = v.find(|c: char| !c.is_ascii_digit())?;
+    let (n, unit) = v.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let us = match unit.trim() {
+        "us" => n,
+        "ms" => n.checked_mul(1_000)?,
+        "s" => n.checked_mul(1_000_000)?,
+        "m" => n.checked_mul(60_000_000)?,
+        "h" => n.checked_mul(3_600_000_000)?,
+        _ => return None,
+    };
+    Some(std::time::Duration::from_micros(us))
+}
+
 /// Parse a size such as `1G`, `512M`, `16T`, `4096` (bytes) or `100K`.
 /// Binary multiples (K = 1024). Returns `None` on garbage or overflow.
 pub fn parse_size(s: &str) -> Option<u64> {

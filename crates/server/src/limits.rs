@@ -272,31 +272,19 @@ pub fn size_text(n: u64) -> String {
     n.to_string()
 }
 
-/// A duration as the configuration file writes it (`10s`, `2500ms`).
+/// A duration as the configuration file writes it (`10s`, `2500ms`, `250us`).
 pub fn duration_text(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms.is_multiple_of(1000) {
-        format!("{}s", ms / 1000)
+    let us = d.as_micros();
+    if us.is_multiple_of(1_000_000) {
+        format!("{}s", us / 1_000_000)
+    } else if us.is_multiple_of(1000) {
+        format!("{}ms", us / 1000)
     } else {
-        format!("{ms}ms")
+        format!("{us}us")
     }
 }
 
-/// A duration: a number with `ms`, `s`, `m` or `h` (`"10s"`, `"1500ms"`, `"2m"`).
-pub fn parse_duration(v: &str) -> Option<Duration> {
-    let v = v.trim();
-    let split = v.find(|c: char| !c.is_ascii_digit())?;
-    let (n, unit) = v.split_at(split);
-    let n: u64 = n.parse().ok()?;
-    let ms = match unit.trim() {
-        "ms" => n,
-        "s" => n.checked_mul(1000)?,
-        "m" => n.checked_mul(60_000)?,
-        "h" => n.checked_mul(3_600_000)?,
-        _ => return None,
-    };
-    Some(Duration::from_millis(ms))
-}
+pub use ironsan_backend::parse_duration;
 
 /// "on" or "off".
 pub fn parse_on_off(v: &str) -> Result<bool, String> {

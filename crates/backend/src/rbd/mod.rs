@@ -133,7 +133,7 @@ impl RbdBackend {
             ("rbd_blocklist_on_break_lock", "true"),
         ];
         let cluster = ffi::Cluster::connect(conf.as_deref(), &o.id, &settings)
-            .map_err(|e| connect_error(&who, o, e))?;
+            .map_err(|e| connect_error(&who, o.conf.as_deref(), &o.id, e))?;
         let cluster = Arc::new(cluster);
         let io = cluster
             .pool(&o.pool, o.namespace.as_deref())
@@ -426,15 +426,20 @@ fn take_lock(
     Ok(())
 }
 
-fn connect_error(who: &str, o: &RbdOptions, e: ffi::ConnectError) -> String {
-    let conf = o
-        .conf
-        .as_ref()
+/// What a failed connection to the cluster says, for `who` connecting with `conf` as
+/// `client.ID`.
+fn connect_error(
+    who: &str,
+    conf_path: Option<&std::path::Path>,
+    id: &str,
+    e: ffi::ConnectError,
+) -> String {
+    let conf = conf_path
         .map(|p| p.display().to_string())
         .unwrap_or_else(|| "the default ceph.conf".into());
     match e {
         ffi::ConnectError::Library(m) => format!("{who}: {m}"),
-        ffi::ConnectError::ReadConf(ffi::Errno(libc::ENOENT)) => match &o.conf {
+        ffi::ConnectError::ReadConf(ffi::Errno(libc::ENOENT)) => match conf_path {
             Some(p) => format!("{who}: conf={}: no such file", p.display()),
             None => format!(
                 "{who}: no Ceph configuration found ($CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf); give conf=PATH"
@@ -448,12 +453,10 @@ fn connect_error(who: &str, o: &RbdOptions, e: ffi::ConnectError) -> String {
                 "{who}: cluster unreachable: no monitor of {conf} answered within {CONNECT_TIMEOUT_SECS} s"
             ),
             libc::EACCES | libc::EPERM => format!(
-                "{who}: permission denied: the monitors refused client.{} (check its key in the keyring of {conf})",
-                o.id
+                "{who}: permission denied: the monitors refused client.{id} (check its key in the keyring of {conf})"
             ),
             libc::ENOENT => format!(
-                "{who}: no key for client.{} (no keyring found for it; see `keyring` in {conf})",
-                o.id
+                "{who}: no key for client.{id} (no keyring found for it; see `keyring` in {conf})"
             ),
             _ => format!("{who}: cannot connect to the cluster of {conf}: {e}"),
         },

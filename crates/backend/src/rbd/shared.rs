@@ -63,15 +63,12 @@ impl SharedPool {
     /// Connect as `client.ID` with `conf` (`None`: librados' own search) and open `pool`.
     pub fn connect(conf: Option<&str>, id: &str, pool: &str) -> Result<SharedPool, String> {
         let cluster = Cluster::connect(conf, id, &[]).map(Arc::new).map_err(|e| {
-            let why = match e {
-                ffi::ConnectError::Library(m) => m,
-                ffi::ConnectError::Create(e) | ffi::ConnectError::Connect(e) => e.to_string(),
-                ffi::ConnectError::ReadConf(e) => {
-                    format!("reading {}: {e}", conf.unwrap_or("the default ceph.conf"))
-                }
-                ffi::ConnectError::Set(k, e) => format!("setting {k}: {e}"),
-            };
-            format!("connecting to the Ceph cluster as client.{id}: {why}")
+            super::connect_error(
+                &format!("pool {pool}"),
+                conf.map(std::path::Path::new),
+                id,
+                e,
+            )
         })?;
         let io = cluster
             .pool(pool, None)
