@@ -512,9 +512,7 @@ impl Target {
                 _ => spc::report_supported_opcodes(cdb, !lu.config().shared),
             },
             MAINTENANCE_OUT => self.set_target_port_groups(nexus, cdb, &cmd.data_out),
-            PERSISTENT_RESERVE_IN | PERSISTENT_RESERVE_OUT | ORWRITE_16 if lu.config().shared => {
-                Err(SenseReason::InvalidOpcode)
-            }
+            op if lu.config().shared && spc::only_local(op) => Err(SenseReason::InvalidOpcode),
             PERSISTENT_RESERVE_IN => pr::persistent_reserve_in(lu, cdb),
             PERSISTENT_RESERVE_OUT => {
                 let port_exists = |p: u16| self.alua.group_of(p).is_some();

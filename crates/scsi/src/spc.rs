@@ -454,6 +454,16 @@ fn timeouts_descriptor(out: &mut Vec<u8>) {
     out.extend_from_slice(&[0; 10]);
 }
 
+/// Commands only atomic or enforced inside this process, which an `LuConfig::shared` LU does
+/// not offer: persistent reservations and ORWRITE (a read-modify-write under this process's
+/// range lock).
+pub(crate) fn only_local(op: u8) -> bool {
+    matches!(
+        op,
+        PERSISTENT_RESERVE_IN | PERSISTENT_RESERVE_OUT | ORWRITE_16
+    )
+}
+
 /// MAINTENANCE IN / REPORT SUPPORTED OPERATION CODES (SPC-4); `local`: the LU is not
 /// `LuConfig::shared`, so PERSISTENT RESERVE IN/OUT and ORWRITE are offered.
 pub(crate) fn report_supported_opcodes(cdb: Cdb<'_>, local: bool) -> Result<Bytes, SenseReason> {
