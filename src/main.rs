@@ -65,6 +65,11 @@ struct ServeArgs {
     /// under --data-dir).
     #[arg(long = "lun", value_name = "SPEC")]
     luns: Vec<String>,
+    /// Serve as node N of a cluster of gateways sharing the targets and RBD images
+    /// (docs/OPERATIONS.md): node=N,pool=POOL[,conf=PATH][,id=NAME][,name=NAME]
+    /// [,heartbeat=2s][,notify_timeout=5s]. The --listen portals are then portal group N.
+    #[arg(long, value_name = "node=N,pool=POOL[,...]", value_parser = config::parse_cluster_flag)]
+    cluster: Option<ironsan_server::cluster::ClusterConfig>,
     /// Directory for backing files (created if missing).
     #[arg(long, value_name = "DIR", default_value = "./ironsan-data")]
     data_dir: PathBuf,
@@ -157,6 +162,11 @@ struct ServeArgs {
     connection_fairness: Option<bool>,
 }
 
+/// This node's cluster connection, when it is one (`[cluster]`): shared RBD LUNs, also those
+/// added later by `ctl`, use its RADOS client and keep their reservations in the cluster.
+pub(crate) static CLUSTER: std::sync::OnceLock<Arc<ironsan_server::cluster::ClusterNode>> =
+    std::sync::OnceLock::new();
+
 /// The file LUNs' I/O engine, fixed at start-up (LUNs added later by `ctl` use it too).
 static IO_ENGINE: std::sync::OnceLock<ironsan_backend::IoEngine> = std::sync::OnceLock::new();
 
@@ -202,6 +212,9 @@ fn build_lu(
                 timeout: std::time::Duration::from_secs(r.timeout_secs),
                 state_dir: Some(lu_state_dir(data_dir, target, n)),
                 shared: r.shared,
+                // A cluster node serves its shared images through its one RADOS client, so
+                // fencing that client's address fences its writes.
+                client: CLUSTER.get().filter(|_| r.shared).map(|c| c.client()),
             };
             Arc::new(
                 ironsan_backend::RbdBackend::open(&opts)
@@ -243,8 +256,13 @@ fn build_lu(
         naa,
         // Persistent reservations with APTPL are saved here (SPC-4 §5.13).
         state_dir: Some(lu_state_dir(data_dir, target, n)),
-        // An image several nodes serve: nothing atomic only within this process is offered.
+        // An image several nodes serve: nothing atomic only within this process is offered;
+        // on a cluster node its reservations live in the cluster.
         shared: matches!(&l.backing, Backing::Rbd(r) if r.shared),
+        cluster: CLUSTER
+            .get()
+            .filter(|_| matches!(&l.backing, Backing::Rbd(r) if r.shared))
+            .map(|c| c.lun_store(target, n as u64)),
         ..Default::default()
     };
     let lu = Arc::new(LogicalUnit::new(Arc::clone(&backend), cfg));
@@ -316,6 +334,7 @@ impl ServeArgs {
         !self.listen.is_empty()
             || self.target.is_some()
             || !self.luns.is_empty()
+            || self.cluster.is_some()
             || self.chap.is_some()
             || self.chap_secret_file.is_some()
             || self.mutual_chap.is_some()
@@ -377,6 +396,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 discovery_acl: args.discovery_acl.clone(),
             },
         )
+        .map(|p| match args.cluster.clone() {
+            Some(c) => config::on_cluster(p, c),
+            None => p,
+        })
         .map_err(anyhow::Error::msg)?,
     };
     if let Some(us) = args.busy_poll_us {
@@ -404,6 +427,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
         .check()
         .map_err(|e| anyhow::anyhow!("[limits] or flags: {e}"))?;
     let _ = IO_ENGINE.set(plan.limits.io_engine);
+    if let Some(c) = &plan.cluster {
+        let cfg = c.clone();
+        let node =
+            tokio::task::spawn_blocking(move || ironsan_server::cluster::ClusterNode::connect(cfg))
+                .await?
+                .map_err(anyhow::Error::msg)?;
+        let _ = CLUSTER.set(node);
+    }
     let mut targets = Vec::new();
     let mut summary = Vec::new();
     let mut access = std::collections::HashMap::new();
@@ -454,6 +485,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
     cfg.access = access;
     let server = Server::bind(cfg).await?;
     let control = server.control();
+    // A cluster node registers and catches up on the shared state (reservations, the other
+    // nodes) before it accepts a connection.
+    if let Some(node) = CLUSTER.get() {
+        let (joining, c) = (Arc::clone(node), control.clone());
+        tokio::task::spawn_blocking(move || joining.join(c))
+            .await?
+            .map_err(anyhow::Error::msg)?;
+        summary.push(format!(
+            "  cluster node {n} (pool {}): target port group {n}",
+            plan.cluster.as_ref().map_or("", |c| c.pool.as_str()),
+            n = node.node()
+        ));
+    }
     for t in &plan.targets {
         for (n, l) in t.luns.iter().enumerate() {
             control.set_lun_origin(&t.name, n as u64, Some(ctl::lun_spec(l)));

@@ -14,6 +14,7 @@ mod crash_harness;
 use bytes::Bytes;
 use common::*;
 use ironsan_initiator::{read16_cdb, write16_cdb, Client, LoginOptions};
+use ironsan_proto::pdu::Header;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -1044,4 +1045,443 @@ fn two_gateways_serve_one_shared_image_active_active() {
         assert_eq!(out.status.code(), Some(1), "{spec}: {err}");
         assert!(err.contains(want), "{spec}: wanted '{want}' in: {err}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A cluster of nodes (`--cluster`): one target, reservations and membership through RADOS.
+// ---------------------------------------------------------------------------------------------
+
+/// `--cluster` for node `n` on the test cluster (fast heartbeat, short notify timeout).
+fn cluster_flag(c: &Cluster, n: u16) -> String {
+    format!(
+        "node={n},pool=rbd,conf={},name=gw{n},heartbeat=500ms,notify_timeout=3s",
+        c.conf().display()
+    )
+}
+
+/// `ironsan ctl cluster --json` of the node with control socket `sock`.
+fn cluster_view(sock: &Path) -> serde_json::Value {
+    let out = run_stdout(
+        bin(),
+        &[
+            "ctl",
+            "--control",
+            &sock.display().to_string(),
+            "--json",
+            "cluster",
+        ],
+    );
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("ctl cluster: {e}: {out}"))
+}
+
+/// Wait (at most `limit`) until `ok` holds for node `sock`'s view of the cluster.
+fn wait_view(sock: &Path, limit: Duration, ok: impl Fn(&serde_json::Value) -> bool) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let v = cluster_view(sock);
+        if ok(&v) {
+            return t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < limit,
+            "cluster view never as expected: {v:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The state a node has in a `ctl cluster` view of target 0.
+fn node_state(v: &serde_json::Value, n: u64) -> String {
+    v["targets"][0]["nodes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|x| x["node"] == n))
+        .and_then(|x| x["state"].as_str())
+        .unwrap_or("absent")
+        .to_string()
+}
+
+/// A command, repeated while it meets a unit attention (reported once each).
+async fn past_uas(
+    cl: &mut Client,
+    cdb: &[u8],
+    data: Option<Bytes>,
+    alloc: u32,
+) -> ironsan_initiator::CommandResult {
+    for _ in 0..8 {
+        let r = cl.command(1, cdb, data.clone(), alloc).await.unwrap();
+        if sense_of(&r).map(|s| s.0) != Some(0x6) {
+            return r;
+        }
+    }
+    panic!("unit attentions without end");
+}
+
+/// REPORT TARGET PORT GROUPS: (group, access state code, relative ports) per group.
+async fn port_groups(cl: &mut Client) -> Vec<(u16, u8, Vec<u16>)> {
+    let cdb = [0xA3, 0x0A, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0];
+    let r = past_uas(cl, &cdb, None, 1024).await;
+    assert_eq!(r.status, 0, "RTPG: {:?}", sense_of(&r));
+    let d = &r.data;
+    let mut out = Vec::new();
+    let mut o = 4;
+    while o + 8 <= d.len() {
+        let n = d[o + 7] as usize;
+        let ports = (0..n)
+            .filter_map(|i| d.get(o + 8 + i * 4 + 2..o + 8 + i * 4 + 4))
+            .map(|p| u16::from_be_bytes([p[0], p[1]]))
+            .collect();
+        out.push((u16::from_be_bytes([d[o + 2], d[o + 3]]), d[o] & 0x0F, ports));
+        o += 8 + n * 4;
+    }
+    out
+}
+
+/// PERSISTENT RESERVE OUT on LUN 1.
+async fn prout(
+    cl: &mut Client,
+    sa: u8,
+    ptype: u8,
+    key: u64,
+    sark: u64,
+) -> ironsan_initiator::CommandResult {
+    let mut cdb = [0u8; 10];
+    cdb[0] = 0x5F;
+    cdb[1] = sa;
+    cdb[2] = ptype;
+    cdb[8] = 24;
+    let mut p = vec![0u8; 24];
+    p[..8].copy_from_slice(&key.to_be_bytes());
+    p[8..16].copy_from_slice(&sark.to_be_bytes());
+    past_uas(cl, &cdb, Some(Bytes::from(p)), 0).await
+}
+
+/// PERSISTENT RESERVE IN READ KEYS on LUN 1: (PRGENERATION, keys).
+async fn read_keys(cl: &mut Client) -> (u32, Vec<u64>) {
+    let cdb = [0x5E, 0, 0, 0, 0, 0, 0, 1, 0, 0];
+    let r = past_uas(cl, &cdb, None, 256).await;
+    assert_eq!(r.status, 0, "READ KEYS: {:?}", sense_of(&r));
+    let d = &r.data;
+    let gen = u32::from_be_bytes([d[0], d[1], d[2], d[3]]);
+    let len = u32::from_be_bytes([d[4], d[5], d[6], d[7]]) as usize;
+    let keys = d[8..8 + len]
+        .chunks(8)
+        .map(|k| u64::from_be_bytes(k.try_into().unwrap()))
+        .collect();
+    (gen, keys)
+}
+
+async fn login_as(s: &Server, initiator: &str) -> Client {
+    let mut o = LoginOptions::new(Some(&s.target));
+    o.initiator_name = initiator.into();
+    Client::login(s.addr(), &o).await.expect("login")
+}
+
+const RESERVATION_CONFLICT: u8 = 0x18;
+/// The reservation keys of the cluster test's initiators two and three.
+const K2: u64 = 0x2222;
+const K3: u64 = 0x3333;
+
+/// Two nodes of one cluster serve one target: libiscsi's persistent-reservation and
+/// multipath suites pass with their two I_T nexuses on different nodes; REPORT TARGET PORT
+/// GROUPS from either node lists both nodes' groups; a reservation made through one node is
+/// enforced by the other from the first command after it completed; PREEMPT AND ABORT
+/// through one node aborts the preempted initiator's write in flight on the other (the write
+/// never lands); a node killed shows unavailable, a reservation change still completes
+/// (the dead node is fenced), and the node restarted catches up and is active again.
+#[test]
+fn a_cluster_of_two_nodes_shares_reservations_and_membership() {
+    let Some(c) = Cluster::shared() else { return };
+    for img in ["cl0", "cl1"] {
+        c.rbd(&[
+            "create",
+            "--size",
+            "64M",
+            "--image-feature",
+            "layering",
+            &format!("rbd/{img}"),
+        ]);
+    }
+    let target = "iqn.2026-11.org.ironsan:cluster-pr";
+    let socks = tempfile::tempdir().unwrap();
+    let sock = |n: u16| socks.path().join(format!("n{n}.sock"));
+    let lun0 = c.spec("cl0", ",shared");
+    // Node 1 holds writes to LUN 1 for 3 s, so that one is in flight when it is preempted.
+    let lun1_held = c.spec("cl1", ",shared,fault=write@*:delay=3s");
+    let lun1 = c.spec("cl1", ",shared");
+    let start = |n: u16, lun1: &str| {
+        let (flag, ctl) = (cluster_flag(c, n), sock(n).display().to_string());
+        Server::start(&[
+            "--target",
+            target,
+            "--lun",
+            &lun0,
+            "--lun",
+            lun1,
+            "--cluster",
+            &flag,
+            "--control",
+            &ctl,
+        ])
+    };
+    let a = start(1, &lun1_held);
+    let mut b = start(2, &lun1);
+    let both_up = |v: &serde_json::Value| {
+        let s = (node_state(v, 1), node_state(v, 2));
+        (s.0 == "serving" || s.0 == "alive") && (s.1 == "serving" || s.1 == "alive")
+    };
+    wait_view(&sock(1), Duration::from_secs(20), both_up);
+    wait_view(&sock(2), Duration::from_secs(20), both_up);
+
+    if require_tools(&["iscsi-test-cu"]) {
+        let urls = [a.url(0), b.url(0)];
+        let out = run_unchecked(
+            "iscsi-test-cu",
+            &[
+                "--dataloss",
+                "-t",
+                "SCSI.PrinReadKeys,SCSI.PrinServiceactionRange,SCSI.PrinReportCapabilities,\
+                 SCSI.ProutRegister,SCSI.ProutReserve,SCSI.ProutClear,SCSI.ProutPreempt,\
+                 SCSI.MultipathIO",
+                &urls[0],
+                &urls[1],
+            ],
+            Duration::from_secs(600),
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("tests"))
+            .unwrap_or_else(|| panic!("no summary from iscsi-test-cu:\n{text}"));
+        let n: Vec<u64> = line
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert!(n.len() >= 4 && n[0] >= 20 && n[3] == 0, "{line}\n{text}");
+    }
+
+    rt().block_on(async {
+        let mut i1 = login_as(&a, "iqn.2026-11.org.test:one").await;
+        let mut i2 = login_as(&b, "iqn.2026-11.org.test:two").await;
+        // Both nodes report both groups: group N is node N, its port its portal group N.
+        for cl in [&mut i1, &mut i2] {
+            assert_eq!(
+                port_groups(cl).await,
+                vec![(1, 0, vec![1]), (2, 0, vec![2])],
+                "REPORT TARGET PORT GROUPS"
+            );
+        }
+        // Exclusive Access through node 1: node 2 refuses the other initiator's reads from
+        // its first command after the PROUT completed, registered or not.
+        let k1 = 0x1111u64;
+        assert_eq!(
+            prout(&mut i1, 0x00, 0, 0, k1).await.status,
+            0,
+            "REGISTER via node 1"
+        );
+        assert_eq!(
+            prout(&mut i1, 0x01, 0x3, k1, 0).await.status,
+            0,
+            "RESERVE EA via node 1"
+        );
+        let read = read16_cdb(0, 8);
+        assert_eq!(
+            past_uas(&mut i2, &read, None, 4096).await.status,
+            RESERVATION_CONFLICT
+        );
+        assert_eq!(
+            prout(&mut i2, 0x00, 0, 0, K2).await.status,
+            0,
+            "REGISTER via node 2"
+        );
+        assert_eq!(
+            past_uas(&mut i2, &read, None, 4096).await.status,
+            RESERVATION_CONFLICT
+        );
+        let (gen_a, keys_a) = read_keys(&mut i1).await;
+        assert_eq!(
+            read_keys(&mut i2).await,
+            (gen_a, keys_a.clone()),
+            "both nodes agree"
+        );
+        assert_eq!(keys_a.len(), 2);
+
+        // A write by initiator 1, held 3 s in node 1; PREEMPT AND ABORT through node 2 meanwhile.
+        let (itt, _) = i1
+            .send_write16(1, 4096, 4096, 512, Bytes::from(vec![0xAB; 4096]))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            prout(&mut i2, 0x05, 0x1, K2, k1).await.status,
+            0,
+            "PREEMPT AND ABORT via node 2"
+        );
+        // The aborted write never answers (TAS=0) and never lands.
+        let answer = tokio::time::timeout(Duration::from_secs(6), async {
+            loop {
+                match i1.recv().await {
+                    Ok(p) => match p.header {
+                        Header::ScsiResponse(r) if r.itt == itt => return Some(r.status),
+                        _ => {}
+                    },
+                    Err(_) => return None,
+                }
+            }
+        })
+        .await;
+        assert!(
+            matches!(answer, Err(_) | Ok(None)),
+            "the preempted write answered: {answer:?}"
+        );
+        let mut i3 = login_as(&b, "iqn.2026-11.org.test:three").await;
+        let r = past_uas(&mut i3, &read16_cdb(4096, 8), None, 4096).await;
+        assert_eq!(r.status, 0);
+        assert!(r.data.iter().all(|&x| x == 0), "the aborted write landed");
+        // Initiator 1 (through node 1): told its registration went, then refused writes
+        // under the Write Exclusive reservation initiator 2 now holds.
+        let mut i1 = login_as(&a, "iqn.2026-11.org.test:one").await;
+        let r = i1.command(1, &[0, 0, 0, 0, 0, 0], None, 0).await.unwrap();
+        let s = sense_of(&r);
+        assert!(
+            s == Some((0x6, 0x2A, 0x05)) || s == Some((0x6, 0x29, 0x00)) || r.status == 0,
+            "{s:?}"
+        );
+        let w = write16_cdb(0, 1);
+        let r = past_uas(&mut i1, &w, Some(Bytes::from(vec![1u8; 512])), 0).await;
+        assert_eq!(r.status, RESERVATION_CONFLICT, "{:?}", sense_of(&r));
+        assert_eq!(read_keys(&mut i1).await.1, vec![K2]);
+    });
+
+    // Node 2 killed: node 1 reports its group unavailable; a reservation change through
+    // node 1 completes (node 2, which cannot confirm, is fenced first).
+    b.kill9();
+    let seen = wait_view(&sock(1), Duration::from_secs(20), |v| {
+        node_state(v, 2) == "unreachable"
+    });
+    eprintln!("node 2 killed: unreachable in node 1's view after {seen:?}");
+    rt().block_on(async {
+        let mut i4 = login_as(&a, "iqn.2026-11.org.test:four").await;
+        let groups = port_groups(&mut i4).await;
+        assert_eq!(
+            groups,
+            vec![(1, 0, vec![1]), (2, 3, vec![2])],
+            "node 2 unavailable"
+        );
+        let t0 = Instant::now();
+        assert_eq!(
+            prout(&mut i4, 0x00, 0, 0, K3).await.status,
+            0,
+            "REGISTER, node 2 dead"
+        );
+        eprintln!(
+            "a reservation change with node 2 dead took {:?}",
+            t0.elapsed()
+        );
+    });
+    // Node 2 comes back: it has caught up before it serves, and node 1 sees it active.
+    b.start_again();
+    wait_view(&sock(1), Duration::from_secs(20), |v| {
+        node_state(v, 2) == "alive"
+    });
+    rt().block_on(async {
+        let mut i2 = login_as(&b, "iqn.2026-11.org.test:two").await;
+        let mut keys = read_keys(&mut i2).await.1;
+        keys.sort_unstable();
+        assert_eq!(keys, vec![K2, K3], "node 2 caught up on the reservations");
+        let mut i4 = login_as(&a, "iqn.2026-11.org.test:four").await;
+        assert_eq!(
+            port_groups(&mut i4).await,
+            vec![(1, 0, vec![1]), (2, 0, vec![2])],
+            "node 2 active again"
+        );
+    });
+    drop(a);
+}
+
+/// A node cut off from the cluster (its RADOS client blocklisted) stops acknowledging
+/// writes and says so (`ctl cluster`: fenced); the other node goes on serving, and its
+/// reservation changes complete.
+#[test]
+fn a_cluster_node_cut_off_stops_acknowledging_writes() {
+    let Some(c) = Cluster::shared() else { return };
+    for img in ["cut0", "cut1"] {
+        c.rbd(&[
+            "create",
+            "--size",
+            "64M",
+            "--image-feature",
+            "layering",
+            &format!("rbd/{img}"),
+        ]);
+    }
+    let target = "iqn.2026-11.org.ironsan:cluster-cut";
+    let socks = tempfile::tempdir().unwrap();
+    let sock = |n: u16| socks.path().join(format!("n{n}.sock"));
+    let (lun0, lun1) = (c.spec("cut0", ",shared"), c.spec("cut1", ",shared"));
+    let start = |n: u16| {
+        let (flag, ctl) = (cluster_flag(c, n), sock(n).display().to_string());
+        Server::start(&[
+            "--target",
+            target,
+            "--lun",
+            &lun0,
+            "--lun",
+            &lun1,
+            "--cluster",
+            &flag,
+            "--control",
+            &ctl,
+        ])
+    };
+    let (a, b) = (start(1), start(2));
+    wait_view(&sock(1), Duration::from_secs(20), |v| {
+        node_state(v, 2) == "alive"
+    });
+    let addr = cluster_view(&sock(2))["address"]
+        .as_str()
+        .expect("node 2's address")
+        .to_string();
+    let out = c.run("ceph", &["osd", "blocklist", "add", &addr]);
+    assert!(out.status.success(), "{}", show(&out));
+    rt().block_on(async {
+        let mut ib = login(&b).await;
+        let mut ia = login(&a).await;
+        let w = |i: u64| Bytes::from(pattern(4096, i));
+        let t0 = Instant::now();
+        let mut i = 0;
+        let refused = loop {
+            let r = ib.write16(1, 0, w(i), 512, false).await.unwrap();
+            if r.status != 0 && sense_of(&r).map(|s| s.0) != Some(0x6) {
+                break r;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(90),
+                "node 2 kept acknowledging writes"
+            );
+            i += 1;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        eprintln!(
+            "node 2 refused writes {:?} after its blocklisting: {:?}",
+            t0.elapsed(),
+            sense_of(&refused)
+        );
+        // Node 1 goes on, reservations included.
+        for j in 0..5 {
+            let r = ia.write16(1, 8, w(100 + j), 512, false).await.unwrap();
+            assert!(
+                r.status == 0 || sense_of(&r).map(|s| s.0) == Some(0x6),
+                "{:?}",
+                sense_of(&r)
+            );
+        }
+        let r = ia.write16(1, 8, w(200), 512, false).await.unwrap();
+        assert_eq!(r.status, 0, "{:?}", sense_of(&r));
+        assert_eq!(prout(&mut ia, 0x00, 0, 0, 0x77).await.status, 0);
+    });
+    wait_view(&sock(2), Duration::from_secs(60), |v| {
+        v["health"] == "fenced" || v["health"] == "partitioned"
+    });
+    c.run("ceph", &["osd", "blocklist", "rm", &addr]);
+    drop((a, b));
 }

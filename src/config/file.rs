@@ -17,6 +17,7 @@ struct FileConfig {
     limits: Option<Limits>,
     metrics: Option<Spanned<String>>,
     control: Option<Spanned<String>>,
+    cluster: Option<Spanned<cluster::FileCluster>>,
 }
 
 #[derive(Deserialize)]
@@ -69,7 +70,7 @@ struct FileChap {
 }
 
 /// Makes the error for a span of the file.
-type At<'a> = &'a dyn Fn(std::ops::Range<usize>, String) -> ConfigError;
+pub(super) type At<'a> = &'a dyn Fn(std::ops::Range<usize>, String) -> ConfigError;
 
 fn chap_from_file(c: &Spanned<FileChap>, base: &Path, at: At) -> Result<ChapAccount, ConfigError> {
     let f = c.get_ref();
@@ -317,10 +318,20 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
         }
         Ok(out)
     };
+    let cluster = match &cfg.cluster {
+        Some(c) => Some(cluster::cluster_from_file(c, &at)?),
+        None => None,
+    };
+    // `listen` is portal group 1; on a cluster node, its node number (tags are the nodes'
+    // relative target ports, unique in the cluster).
+    let listen_tag = cluster.as_ref().map_or(1, |c| c.node);
     let mut portal_groups = Vec::new();
     let listen = addrs(cfg.listen.as_deref().unwrap_or_default())?;
     if !listen.is_empty() {
-        portal_groups.push(PortalGroup { tag: 1, listen });
+        portal_groups.push(PortalGroup {
+            tag: listen_tag,
+            listen,
+        });
     }
     let mut seen: Vec<SocketAddr> = portal_groups
         .iter()
@@ -332,8 +343,8 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
             .filter(|&t| t != 0)
             .ok_or_else(|| at(g.tag.span(), "portal group tag must be 1 to 65535".into()))?;
         if portal_groups.iter().any(|x: &PortalGroup| x.tag == tag) {
-            let why = if tag == 1 && cfg.listen.is_some() {
-                " (listen = [...] is portal group 1)"
+            let why = if tag == listen_tag && cfg.listen.is_some() {
+                " (listen = [...] is this portal group)"
             } else {
                 ""
             };
@@ -360,7 +371,7 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
     }
     if portal_groups.is_empty() {
         portal_groups.push(PortalGroup {
-            tag: 1,
+            tag: listen_tag,
             listen: vec![DEFAULT_LISTEN
                 .parse()
                 .map_err(|_| "bad default listen address".to_string())?],
@@ -446,6 +457,12 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
         let serving: Vec<u16> = groups
             .clone()
             .unwrap_or_else(|| portal_groups.iter().map(|p| p.tag).collect());
+        if let (Some(g), Some(_)) = (t.alua_group.first(), &cluster) {
+            return Err(at(
+                g.id.span(),
+                "a cluster node's target port groups are the nodes ([cluster]): leave out [[target.alua_group]]".into(),
+            ));
+        }
         let alua = alua_from_file(&t.alua_group, &serving, t.name.get_ref(), &at)?;
         targets.push(TargetPlan {
             name: t.name.into_inner(),
@@ -514,6 +531,7 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
         limits,
         metrics,
         control,
+        cluster,
     })
 }
 

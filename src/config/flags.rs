@@ -65,5 +65,17 @@ pub(crate) fn from_flags(
         limits: Limits::default(),
         metrics: None,
         control: None,
+        cluster: None,
     })
+}
+
+/// A plan from flags made a cluster node's (`--cluster`): its `--listen` portals are portal
+/// group N (the node number), as tags are the nodes' relative target ports, unique in the
+/// cluster.
+pub(crate) fn on_cluster(mut plan: Plan, cluster: ironsan_server::cluster::ClusterConfig) -> Plan {
+    for g in plan.portal_groups.iter_mut().filter(|g| g.tag == 1) {
+        g.tag = cluster.node;
+    }
+    plan.cluster = Some(cluster);
+    plan
 }

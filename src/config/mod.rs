@@ -90,6 +90,7 @@ impl From<String> for ConfigError {
 }
 
 mod auth;
+mod cluster;
 mod file;
 mod flags;
 mod lun;
@@ -97,6 +98,7 @@ mod lun;
 mod tests;
 
 pub(crate) use auth::*;
+pub(crate) use cluster::{cluster_toml, parse_cluster_flag};
 pub(crate) use file::*;
 pub(crate) use flags::*;
 pub(crate) use lun::*;
@@ -138,7 +140,8 @@ impl Plan {
 /// Everything `serve` needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Plan {
-    /// Portal groups; `listen = [...]` (or `--listen`) is the group with tag 1.
+    /// Portal groups; `listen = [...]` (or `--listen`) is the group with tag 1 (in a
+    /// cluster: the node number).
     pub portal_groups: Vec<PortalGroup>,
     pub data_dir: PathBuf,
     pub queue_depth: u32,
@@ -150,6 +153,9 @@ pub(crate) struct Plan {
     pub metrics: Option<SocketAddr>,
     /// Control socket (`control = "PATH"` or `"none"`); the `--control` flag overrides it.
     pub control: Option<PathBuf>,
+    /// This node of a cluster of gateways (`[cluster]`, `--cluster`); then `listen` is portal
+    /// group N (the node number), not 1.
+    pub cluster: Option<ironsan_server::cluster::ClusterConfig>,
 }
 
 /// Check an iSCSI name (RFC 7143 §4.2.7): `iqn.`, `eui.` or `naa.` form, at most 223 bytes.

@@ -701,3 +701,92 @@ fn rbd_specs_and_their_options_read_back_as_written() {
     let e = parse_lun("ram:1G,shared", d).unwrap_err();
     assert!(e.contains("shared applies to rbd: LUNs only"), "{e}");
 }
+
+#[test]
+fn a_cluster_node_from_the_file_and_the_flag() {
+    let text = r#"listen = ["127.0.0.1:3260"]
+[cluster]
+node = 3
+pool = "gw"
+conf = "/etc/ceph/ceph.conf"
+name = "gw3"
+heartbeat = "1s"
+[[target]]
+name = "iqn.2026-11.org.x:a"
+[[target.lun]]
+spec = "ram:1M"
+"#;
+    let plan = parse_file(text, Path::new("t.toml")).unwrap();
+    let c = plan.cluster.as_ref().unwrap();
+    assert_eq!(
+        (c.node, c.pool.as_str(), c.id.as_str(), c.name.as_str()),
+        (3, "gw", "admin", "gw3")
+    );
+    assert_eq!(c.conf.as_deref(), Some(Path::new("/etc/ceph/ceph.conf")));
+    assert_eq!(c.heartbeat, std::time::Duration::from_secs(1));
+    // `listen` is the node's portal group: tags are relative ports, unique in the cluster.
+    assert_eq!(plan.portal_groups[0].tag, 3);
+    // What `ctl save` writes reads back as the same node.
+    let saved = format!(
+        "{}\n[[target]]\nname = \"iqn.2026-11.org.x:a\"\n[[target.lun]]\nspec = \"ram:1M\"\n",
+        cluster_toml(c).trim_start()
+    );
+    assert_eq!(
+        parse_file(&saved, Path::new("s.toml"))
+            .unwrap()
+            .cluster
+            .as_ref(),
+        Some(c)
+    );
+
+    let bad = |from: &str, to: &str| {
+        parse_file(&text.replace(from, to), Path::new("t.toml"))
+            .unwrap_err()
+            .to_string()
+    };
+    let e = bad("node = 3", "node = 0");
+    assert!(
+        e.starts_with("t.toml:3:") && e.contains("1 to 65535"),
+        "{e}"
+    );
+    let e = bad("heartbeat = \"1s\"", "heartbeat = \"2h\"");
+    assert!(
+        e.starts_with("t.toml:7:") && e.contains("between 100ms and 60s"),
+        "{e}"
+    );
+    let e = bad("pool = \"gw\"\n", "");
+    assert!(e.contains("pool"), "{e}");
+    let e = bad(
+        "spec = \"ram:1M\"\n",
+        "spec = \"ram:1M\"\n[[target.alua_group]]\nid = 1\nportal_groups = [3]\n",
+    );
+    assert!(e.contains("leave out [[target.alua_group]]"), "{e}");
+
+    let c = parse_cluster_flag("node=2,pool=rbd,id=gw,notify_timeout=3s").unwrap();
+    assert_eq!((c.node, c.id.as_str()), (2, "gw"));
+    assert_eq!(c.notify_timeout, std::time::Duration::from_secs(3));
+    let plan = on_cluster(
+        from_flags(
+            &[],
+            None,
+            &[],
+            Path::new("d"),
+            false,
+            false,
+            &AuthFlags::default(),
+        )
+        .unwrap(),
+        c,
+    );
+    assert_eq!(plan.portal_groups[0].tag, 2);
+    for (flag, says) in [
+        ("pool=rbd", "needs node=N"),
+        ("node=0,pool=rbd", "1 to 65535"),
+        ("node=1,pool=rbd,colour=blue", "unknown key 'colour'"),
+        ("node=1", "pool"),
+        ("node=1,pool=rbd,heartbeat=soon", "not a duration"),
+    ] {
+        let e = parse_cluster_flag(flag).unwrap_err();
+        assert!(e.contains(says), "{flag}: {e}");
+    }
+}

@@ -392,8 +392,10 @@ impl BinHooks {
                 }),
             }
         }
+        // `listen` is group 1, on a cluster node its node number.
+        let listen_tag = plan.cluster.as_ref().map_or(1, |c| c.node);
         let implicit = match groups.as_slice() {
-            [g] if g.tag == 1 => Some(g),
+            [g] if g.tag == listen_tag => Some(g),
             _ => None,
         };
         if let Some(g) = implicit {
@@ -411,6 +413,9 @@ impl BinHooks {
             out.push_str(&format!("control = {}\n", q(&c.display().to_string())));
         }
         out.push_str(&limits_text(&plan.limits));
+        if let Some(c) = &plan.cluster {
+            out.push_str(&crate::config::cluster_toml(c));
+        }
         if implicit.is_none() {
             for g in &groups {
                 out.push_str(&format!(
@@ -659,6 +664,12 @@ impl Hooks for BinHooks {
                     json!({ "changes": c, "dry_run": dry, "text": text })
                 })
             }
+            ["cluster"] => match crate::CLUSTER.get() {
+                Some(node) => Ok(node.status()),
+                None => {
+                    Err("this node is not part of a cluster (no [cluster] or --cluster)".into())
+                }
+            },
             ["save"] | ["save", _] => {
                 let file = a.get(1).map(PathBuf::from).or_else(|| self.config.clone());
                 self.save_text(control).and_then(|text| match file {

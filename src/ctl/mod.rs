@@ -97,6 +97,10 @@ enum CtlCmd {
         #[command(subcommand)]
         cmd: Option<AluaCmd>,
     },
+    /// This node's cluster of gateways ([cluster]): its standing, every node per target with
+    /// its state, ports and portals, and per shared LUN the reservation record each node
+    /// applied.
+    Cluster,
     /// Reconcile the running state to a configuration file (targets, LUNs, portals, ACLs,
     /// limits, ALUA groups); prints each change.
     Apply {
@@ -284,6 +288,7 @@ impl CtlCmd {
             CtlCmd::Portal(PortalCmd::Remove { addr }) => words(&["portal", "remove", addr]),
             CtlCmd::Acl(AclCmd::Add { target, rule }) => words(&["acl", "add", target, rule]),
             CtlCmd::Acl(AclCmd::Remove { target, rule }) => words(&["acl", "remove", target, rule]),
+            CtlCmd::Cluster => words(&["cluster"]),
             CtlCmd::Alua { target, cmd: None } => opt(&["alua"], target),
             CtlCmd::Alua {
                 cmd:

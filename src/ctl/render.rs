@@ -118,6 +118,87 @@ fn render_sessions(v: &Value) -> String {
     out
 }
 
+fn render_cluster(v: &Value) -> String {
+    let empty = Vec::new();
+    let mut out = format!(
+        "node {} ({}), pool {}, client {}: {}{}\n",
+        s(&v["node"]),
+        s(&v["name"]),
+        s(&v["pool"]),
+        s(&v["address"]),
+        s(&v["health"]),
+        v["reason"]
+            .as_str()
+            .map(|r| format!(" ({r})"))
+            .unwrap_or_default()
+    );
+    let join = |x: &Value, sep: &str| {
+        x.as_array()
+            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(sep))
+            .unwrap_or_default()
+    };
+    for t in v["targets"].as_array().unwrap_or(&empty) {
+        out.push_str(&format!(
+            "\n{} (object {})\n",
+            s(&t["target"]),
+            s(&t["object"])
+        ));
+        let rows = t["nodes"]
+            .as_array()
+            .unwrap_or(&empty)
+            .iter()
+            .map(|n| {
+                let applied = n["applied"]
+                    .as_object()
+                    .map(|m| {
+                        m.iter()
+                            .map(|(lun, serial)| format!("{lun}:{}", s(serial)))
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    })
+                    .unwrap_or_default();
+                vec![
+                    format!(
+                        "{}{}",
+                        s(&n["node"]),
+                        if n["self"] == true { "*" } else { "" }
+                    ),
+                    s(&n["name"]),
+                    s(&n["state"]),
+                    join(&n["ports"], ","),
+                    join(&n["portals"], " "),
+                    match n["last_ack_ms"].as_u64() {
+                        Some(ms) => format!("{:.1}s ago", ms as f64 / 1000.0),
+                        None => "-".into(),
+                    },
+                    applied,
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &[
+                "NODE",
+                "NAME",
+                "STATE",
+                "PORTS",
+                "PORTALS",
+                "LAST ACK",
+                "PR APPLIED (LUN:SERIAL)",
+            ],
+            rows,
+        ));
+        for l in t["luns"].as_array().unwrap_or(&empty) {
+            out.push_str(&format!(
+                "LUN {}: reservation record {}, PRgeneration {}\n",
+                s(&l["lun"]),
+                s(&l["serial"]),
+                s(&l["pr_generation"])
+            ));
+        }
+    }
+    out
+}
+
 fn render_targets(v: &Value) -> String {
     let empty = Vec::new();
     let rows = v
@@ -253,6 +334,7 @@ pub(super) fn render(cmd: &CtlCmd, data: &Value) -> String {
         CtlCmd::Targets => render_targets(data),
         CtlCmd::Luns { .. } => render_luns(data),
         CtlCmd::Stats { .. } => render_stats(data),
+        CtlCmd::Cluster => render_cluster(data),
         CtlCmd::Alua { cmd: None, .. } => {
             let empty = Vec::new();
             let rows = data

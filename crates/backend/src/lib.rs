@@ -132,7 +132,7 @@ pub use file::{FileBackend, FileOptions, IoEngine};
 pub use int_map::IntMap;
 pub use null::NullBackend;
 pub use ram::{set_free_memory_release, RamBackend};
-pub use rbd::{RbdBackend, RbdOptions};
+pub use rbd::{RadosClient, RbdBackend, RbdOptions};
 pub use sys::{no_transparent_huge_pages, MappedDest};
 
 /// Data that stays in a file until it is sent: `len` bytes at `offset` of `file`. A backend

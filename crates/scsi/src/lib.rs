@@ -86,8 +86,10 @@ use std::sync::Arc;
 
 pub use alua::{AccessState, Alua, AluaError, PortGroup, StatusCode};
 pub use cdb::{data_out_len, opcode, MAX_TRANSFER_BYTES};
-pub use lu::{local_naa, LogicalUnit, LuConfig};
-pub use pr::{names_port, ALL_TARGET_PORTS, PR_STATE_FILE};
+pub use lu::{
+    local_naa, ClusterFuture, ClusterLu, ClusterLuHandle, LogicalUnit, LuConfig, PrChange,
+};
+pub use pr::{names_port, pr_record_serial, ALL_TARGET_PORTS, PR_STATE_FILE};
 pub use sbc::PlacedWrite;
 pub use sense::{FieldPointer, SenseFields, SenseKey, SenseReason, UnitAttention};
 
@@ -509,14 +511,26 @@ impl Target {
             RELEASE_6 | RELEASE_10 => spc::release(lu, nexus, cdb),
             MAINTENANCE_IN => match cdb.u8(1) & 0x1F {
                 MI_REPORT_TARGET_PGS => alua::report_target_port_groups(&self.alua, cdb),
-                _ => spc::report_supported_opcodes(cdb, !lu.config().shared),
+                _ => spc::report_supported_opcodes(cdb, lu.config()),
             },
             MAINTENANCE_OUT => self.set_target_port_groups(nexus, cdb, &cmd.data_out),
-            op if lu.config().shared && spc::only_local(op) => Err(SenseReason::InvalidOpcode),
+            op if spc::not_offered(lu.config(), op) => Err(SenseReason::InvalidOpcode),
             PERSISTENT_RESERVE_IN => pr::persistent_reserve_in(lu, cdb),
             PERSISTENT_RESERVE_OUT => {
-                let port_exists = |p: u16| self.alua.group_of(p).is_some();
-                match pr::persistent_reserve_out(lu, nexus, cdb, &cmd.data_out, &port_exists)? {
+                let out = match &lu.config().cluster {
+                    Some(store) => {
+                        let ports = self.alua.groups().into_iter().flat_map(|g| g.ports);
+                        let ports = ports.collect();
+                        let data = &cmd.data_out;
+                        pr::persistent_reserve_out_shared(lu, store, nexus, &cmd.cdb, data, ports)
+                            .await?
+                    }
+                    None => {
+                        let port_exists = |p: u16| self.alua.group_of(p).is_some();
+                        pr::persistent_reserve_out(lu, nexus, cdb, &cmd.data_out, &port_exists)?
+                    }
+                };
+                match out {
                     pr::ProutOutcome::Good => Ok(Bytes::new()),
                     pr::ProutOutcome::Conflict => {
                         return Ok(Response::status_only(Status::RESERVATION_CONFLICT))

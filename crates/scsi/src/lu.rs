@@ -62,7 +62,52 @@ pub struct LuConfig {
     ///   reports that length;
     /// - ORWRITE (a read-modify-write under a range lock of this process) is not supported.
     pub shared: bool,
+    /// A `shared` LU served by a cluster of nodes: its persistent reservations live in the
+    /// cluster (then PERSISTENT RESERVE IN/OUT are offered) and its resets reach every node;
+    /// see [`ClusterLu`].
+    pub cluster: Option<ClusterLuHandle>,
 }
+
+/// What a PERSISTENT RESERVE OUT does to the shared record (`None`: no record yet): the new
+/// record, or `None` to leave it as it is.
+pub type PrChange = Box<dyn FnMut(Option<&str>) -> Option<String> + Send>;
+
+/// The result of a [`ClusterLu`] call.
+pub type ClusterFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// An LU that several nodes serve (the server's cluster agent implements it on RADOS):
+/// where its persistent-reservation state lives, and how its other nodes hear of what
+/// concerns every I_T nexus. The reservation record is opaque text made and read by this
+/// crate; the store only keeps it, versions it and hands it to every node
+/// ([`LogicalUnit::apply_shared_pr`]).
+pub trait ClusterLu: Send + Sync + std::fmt::Debug {
+    /// Read the LU's record, pass it to `change`, and if that returns a new record write it
+    /// with compare-and-set (calling `change` again on the newer record if another node wrote
+    /// first). Resolves once every node has applied the written record or has been fenced
+    /// from the cluster, with the record written (`None`: nothing was written).
+    fn update_pr(&self, change: PrChange) -> ClusterFuture<'_, Result<Option<String>, String>>;
+
+    /// A LOGICAL UNIT RESET happened on this node: the other nodes abort their tasks on the
+    /// LU and establish POWER ON, RESET, OR BUS DEVICE RESET OCCURRED for their I_T nexuses
+    /// ([`LogicalUnit::reset`]). Resolves once they have, or after the cluster's timeout.
+    fn reset(&self) -> ClusterFuture<'_, ()>;
+}
+
+/// A [`ClusterLu`] in an [`LuConfig`] (two are equal when they are the same store).
+#[derive(Clone)]
+pub struct ClusterLuHandle(pub Arc<dyn ClusterLu>);
+
+impl std::fmt::Debug for ClusterLuHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+impl PartialEq for ClusterLuHandle {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for ClusterLuHandle {}
 
 impl Default for LuConfig {
     fn default() -> Self {
@@ -78,6 +123,7 @@ impl Default for LuConfig {
             revision: "0001".into(),
             state_dir: None,
             shared: false,
+            cluster: None,
         }
     }
 }
@@ -117,6 +163,8 @@ pub struct LogicalUnit {
     pub(crate) prevent: Mutex<HashSet<u64>>,
     /// SPC-4 persistent reservations.
     pub(crate) pr: Mutex<PrState>,
+    /// The serial of the shared record `pr` was last set from (`LuConfig::cluster`).
+    pub(crate) pr_serial: AtomicU64,
     /// I_T nexuses whose tasks a PREEMPT AND ABORT asked the transport to abort.
     pub(crate) pr_aborts: Mutex<Vec<PortPair>>,
     /// EXTENDED COPY commands this LU (as copy manager) runs or has results of.
@@ -192,6 +240,7 @@ impl LogicalUnit {
             reservation: Mutex::new(None),
             prevent: Mutex::new(HashSet::new()),
             pr: Mutex::new(pr),
+            pr_serial: AtomicU64::new(0),
             pr_aborts: Mutex::new(Vec::new()),
             copies: Mutex::new(Default::default()),
             copies_running: AtomicUsize::new(0),
@@ -280,8 +329,7 @@ impl LogicalUnit {
     /// multipath initiators look for it on each path). Persistent reservations are kept
     /// (SPC-4: they survive resets). Mode parameters keep their current values (not
     /// reverted to defaults), so a reset never silently turns a write cache back on or off.
-    pub fn reset(&self, by: &Nexus) {
-        let _ = by;
+    pub fn reset(&self) {
         *lock(&self.reservation) = None;
         lock(&self.prevent).clear();
         self.establish_unit_attention(UnitAttention::PowerOnReset, None);
@@ -296,6 +344,43 @@ impl LogicalUnit {
             .into_iter()
             .map(|p| (p.initiator, p.target))
             .collect()
+    }
+
+    /// Take the persistent-reservation record the cluster published for this LU (see
+    /// [`ClusterLu`]) if it is newer than the one applied: the state every later command is
+    /// checked against. With `events`, the unit attentions of the change are established
+    /// for this node's I_T nexuses and the nexuses PREEMPT AND ABORT named are queued for
+    /// [`LogicalUnit::take_pr_aborts`] (not when catching up at start: they are old news).
+    /// Returns whether the record was new.
+    pub fn apply_shared_pr(&self, record: &str, events: bool) -> Result<bool, String> {
+        let rec = crate::pr::SharedRecord::decode(record)
+            .ok_or_else(|| "malformed persistent-reservation record".to_string())?;
+        let mut g = lock(&self.pr);
+        if rec.serial <= self.pr_serial.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        *g = rec.state;
+        self.pr_serial.store(rec.serial, Ordering::Release);
+        drop(g);
+        if events {
+            for (who, ua) in rec.uas {
+                self.establish_unit_attention_for(&who, ua);
+            }
+            if !rec.aborts.is_empty() {
+                lock(&self.pr_aborts).extend(rec.aborts);
+            }
+        }
+        Ok(true)
+    }
+
+    /// The serial of the shared persistent-reservation record this node applied (0: none).
+    pub fn shared_pr_serial(&self) -> u64 {
+        self.pr_serial.load(Ordering::Acquire)
+    }
+
+    /// The PRgeneration of the persistent-reservation state (SPC-4 READ KEYS).
+    pub fn pr_generation(&self) -> u32 {
+        lock(&self.pr).generation
     }
 
     /// Establish `ua` for every known I_T nexus with the port names `who`.

@@ -255,6 +255,86 @@ impl PrState {
     }
 }
 
+/// The record of an LU's persistent reservations that the nodes of a cluster share
+/// (`LuConfig::cluster`): the state in the APTPL file's format, a serial that every change
+/// increments, whether APTPL was asked for, and what the last change sets off on every node
+/// (unit attentions for the named I_T nexuses, the nexuses whose tasks PREEMPT AND ABORT
+/// aborts). Port names never contain tabs or newlines.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct SharedRecord {
+    pub serial: u64,
+    pub state: PrState,
+    pub uas: UaList,
+    pub aborts: Vec<PortPair>,
+}
+
+/// The serial of a shared persistent-reservation record (`None`: not a record).
+pub fn pr_record_serial(record: &str) -> Option<u64> {
+    SharedRecord::decode(record).map(|r| r.serial)
+}
+
+/// The unit attentions a PERSISTENT RESERVE OUT establishes, as the record names them.
+const RECORD_UAS: [(UnitAttention, &str); 3] = [
+    (UnitAttention::ReservationsReleased, "reservations-released"),
+    (
+        UnitAttention::ReservationsPreempted,
+        "reservations-preempted",
+    ),
+    (
+        UnitAttention::RegistrationsPreempted,
+        "registrations-preempted",
+    ),
+];
+
+impl SharedRecord {
+    pub(crate) fn encode(&self) -> String {
+        let mut s = self.state.serialize();
+        s += &format!(
+            "serial\t{}\naptpl\t{}\n",
+            self.serial,
+            u8::from(self.state.aptpl)
+        );
+        for (who, ua) in &self.uas {
+            if let Some((_, name)) = RECORD_UAS.iter().find(|(u, _)| u == ua) {
+                s += &format!("ua\t{name}\t{}\t{}\n", who.initiator, who.target);
+            }
+        }
+        for who in &self.aborts {
+            s += &format!("abort\t{}\t{}\n", who.initiator, who.target);
+        }
+        s
+    }
+
+    pub(crate) fn decode(text: &str) -> Option<SharedRecord> {
+        let mut rec = SharedRecord::default();
+        let mut state = String::new();
+        let mut aptpl = false;
+        let pair = |i: &str, t: &str| PortPair {
+            initiator: i.into(),
+            target: t.into(),
+        };
+        for line in text.lines() {
+            let f: Vec<&str> = line.split('\t').collect();
+            match f.as_slice() {
+                ["serial", n] => rec.serial = n.parse().ok()?,
+                ["aptpl", a] => aptpl = *a == "1",
+                ["ua", name, i, t] => {
+                    let ua = RECORD_UAS.iter().find(|(_, n)| n == name)?.0;
+                    rec.uas.push((pair(i, t), ua));
+                }
+                ["abort", i, t] => rec.aborts.push(pair(i, t)),
+                _ => {
+                    state += line;
+                    state.push('\n');
+                }
+            }
+        }
+        rec.state = PrState::parse(&state)?;
+        rec.state.aptpl = aptpl;
+        Some(rec)
+    }
+}
+
 /// Load the APTPL state of `dir`, if any and well formed (a damaged file is ignored: the LU
 /// starts without persistent reservations, as after a power on without APTPL).
 pub(crate) fn load(dir: Option<&Path>) -> PrState {
@@ -406,12 +486,123 @@ fn parse_transport_id(p: &[u8], at: usize) -> Result<String, SenseReason> {
     }
 }
 
+/// What a PERSISTENT RESERVE OUT that completes GOOD sets off besides the new state.
+#[derive(Debug, Default)]
+struct Effects {
+    uas: UaList,
+    /// The I_T nexuses whose tasks PREEMPT AND ABORT aborts.
+    aborts: Vec<PortPair>,
+}
+
+/// PERSISTENT RESERVE OUT on an LU whose state is this process's own.
 pub(crate) fn persistent_reserve_out(
     lu: &LogicalUnit,
     nexus: &Nexus,
     cdb: Cdb<'_>,
     data_out: &Bytes,
     port_exists: &dyn Fn(u16) -> bool,
+) -> Result<ProutOutcome, SenseReason> {
+    let aptpl_ok = lu.config().state_dir.is_some();
+    let mut guard = crate::lu::lock(&lu.pr);
+    let mut st = guard.clone();
+    let mut fx = Effects::default();
+    let out = change_state(
+        &mut st,
+        nexus,
+        cdb,
+        data_out,
+        port_exists,
+        aptpl_ok,
+        &mut fx,
+    )?;
+    if matches!(out, ProutOutcome::Conflict) || st == *guard {
+        return Ok(out);
+    }
+    if let Some(dir) = &lu.config().state_dir {
+        if st.aptpl || guard.aptpl {
+            persist(dir, &st).map_err(|_| SenseReason::InternalTargetFailure)?;
+        }
+    }
+    *guard = st;
+    drop(guard);
+    for (who, ua) in fx.uas {
+        lu.establish_unit_attention_for(&who, ua);
+    }
+    if !fx.aborts.is_empty() {
+        crate::lu::lock(&lu.pr_aborts).extend(fx.aborts);
+    }
+    Ok(out)
+}
+
+/// PERSISTENT RESERVE OUT on an LU whose state the cluster keeps (`LuConfig::cluster`):
+/// the change is worked out on the cluster's current record (again if another node changed
+/// it first), written, and applied by every node before this returns; GOOD means every node
+/// enforces it (or was fenced). `ports`: the relative target ports of the whole target.
+/// APTPL is accepted: the record outlives any node (docs/ARCHITECTURE.md).
+pub(crate) async fn persistent_reserve_out_shared(
+    lu: &LogicalUnit,
+    store: &crate::ClusterLuHandle,
+    nexus: &Nexus,
+    cdb: &[u8],
+    data_out: &Bytes,
+    ports: Vec<u16>,
+) -> Result<ProutOutcome, SenseReason> {
+    type Outcome = Option<Result<ProutOutcome, SenseReason>>;
+    let result: Arc<std::sync::Mutex<Outcome>> = Arc::default();
+    let (nexus2, cdb2, data2, result2) = (
+        nexus.clone(),
+        cdb.to_vec(),
+        data_out.clone(),
+        Arc::clone(&result),
+    );
+    let change: crate::PrChange = Box::new(move |cur| {
+        let rec = match cur.map(SharedRecord::decode) {
+            None => SharedRecord::default(),
+            Some(Some(r)) => r,
+            Some(None) => {
+                *crate::lu::lock(&result2) = Some(Err(SenseReason::InternalTargetFailure));
+                return None;
+            }
+        };
+        let mut st = rec.state.clone();
+        let mut fx = Effects::default();
+        let exists = |p: u16| ports.contains(&p);
+        let out = change_state(&mut st, &nexus2, Cdb(&cdb2), &data2, &exists, true, &mut fx);
+        let write = matches!(out, Ok(ProutOutcome::Good)) && st != rec.state;
+        *crate::lu::lock(&result2) = Some(out);
+        write.then(|| {
+            SharedRecord {
+                serial: rec.serial + 1,
+                state: st,
+                uas: fx.uas,
+                aborts: fx.aborts,
+            }
+            .encode()
+        })
+    });
+    let written = store
+        .0
+        .update_pr(change)
+        .await
+        .map_err(|_| SenseReason::InternalTargetFailure)?;
+    if let Some(rec) = written {
+        // Normally applied already, by this node's own watch of the record.
+        lu.apply_shared_pr(&rec, true)
+            .map_err(|_| SenseReason::InternalTargetFailure)?;
+    }
+    let out = crate::lu::lock(&result).take();
+    out.unwrap_or(Err(SenseReason::InternalTargetFailure))
+}
+
+/// Apply one PERSISTENT RESERVE OUT to `st` (a copy: the caller commits it).
+fn change_state(
+    st: &mut PrState,
+    nexus: &Nexus,
+    cdb: Cdb<'_>,
+    data_out: &[u8],
+    port_exists: &dyn Fn(u16) -> bool,
+    aptpl_ok: bool,
+    fx: &mut Effects,
 ) -> Result<ProutOutcome, SenseReason> {
     let sa = cdb.u8(1) & 0x1F;
     let scope = cdb.u8(2) >> 4;
@@ -453,15 +644,13 @@ pub(crate) fn persistent_reserve_out(
             return Err(SenseReason::ParameterListLengthError);
         }
     }
-    if aptpl && lu.config().state_dir.is_none() {
+    if aptpl && !aptpl_ok {
         return Err(SenseReason::param(
             if sa == REGISTER_AND_MOVE { 17 } else { 20 },
             Some(0),
         ));
     }
 
-    let mut guard = crate::lu::lock(&lu.pr);
-    let mut st = guard.clone();
     let mut me = st.identity(&PortPair::of(nexus));
     if all_ports && st.reg(&me).is_none() {
         // ALL_TG_PT registers the initiator port through every target port; if it is already
@@ -471,8 +660,7 @@ pub(crate) fn persistent_reserve_out(
         }
         me.target = ALL_TARGET_PORTS.into();
     }
-    let mut uas: UaList = Vec::new();
-    let mut aborts: Vec<PortPair> = Vec::new();
+    let uas = &mut fx.uas;
     let my_key = st.reg(&me).map(|r| r.key);
 
     match sa {
@@ -496,7 +684,7 @@ pub(crate) fn persistent_reserve_out(
                         return Ok(ProutOutcome::Conflict);
                     }
                     if sark == 0 {
-                        unregister(&mut st, &me, &mut uas);
+                        unregister(st, &me, uas);
                     } else if let Some(r) = st.regs.iter_mut().find(|r| r.who == me) {
                         r.key = sark;
                     }
@@ -617,7 +805,7 @@ pub(crate) fn persistent_reserve_out(
                 uas.push((w.clone(), UnitAttention::RegistrationsPreempted));
             }
             if sa == PREEMPT_AND_ABORT {
-                aborts = removed;
+                fx.aborts = removed;
             }
             st.generation = st.generation.wrapping_add(1);
         }
@@ -686,19 +874,6 @@ pub(crate) fn persistent_reserve_out(
         _ => return Err(SenseReason::cdb_bit(1, 4)),
     }
 
-    if let Some(dir) = &lu.config().state_dir {
-        if st.aptpl || guard.aptpl {
-            persist(dir, &st).map_err(|_| SenseReason::InternalTargetFailure)?;
-        }
-    }
-    *guard = st;
-    drop(guard);
-    for (who, ua) in uas {
-        lu.establish_unit_attention_for(&who, ua);
-    }
-    if !aborts.is_empty() {
-        crate::lu::lock(&lu.pr_aborts).extend(aborts);
-    }
     Ok(ProutOutcome::Good)
 }
 

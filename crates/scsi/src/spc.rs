@@ -454,19 +454,25 @@ fn timeouts_descriptor(out: &mut Vec<u8>) {
     out.extend_from_slice(&[0; 10]);
 }
 
-/// Commands only atomic or enforced inside this process, which an `LuConfig::shared` LU does
-/// not offer: persistent reservations and ORWRITE (a read-modify-write under this process's
-/// range lock).
-pub(crate) fn only_local(op: u8) -> bool {
-    matches!(
-        op,
-        PERSISTENT_RESERVE_IN | PERSISTENT_RESERVE_OUT | ORWRITE_16
-    )
+/// Whether `op` is left out on this LU: on an `LuConfig::shared` LU, the commands only
+/// atomic or enforced inside this process — ORWRITE (a read-modify-write under this
+/// process's range lock) and, unless the reservations are shared with the other nodes
+/// (`LuConfig::cluster`), PERSISTENT RESERVE IN/OUT.
+pub(crate) fn not_offered(cfg: &crate::LuConfig, op: u8) -> bool {
+    cfg.shared
+        && match op {
+            PERSISTENT_RESERVE_IN | PERSISTENT_RESERVE_OUT => cfg.cluster.is_none(),
+            ORWRITE_16 => true,
+            _ => false,
+        }
 }
 
-/// MAINTENANCE IN / REPORT SUPPORTED OPERATION CODES (SPC-4); `local`: the LU is not
-/// `LuConfig::shared`, so PERSISTENT RESERVE IN/OUT and ORWRITE are offered.
-pub(crate) fn report_supported_opcodes(cdb: Cdb<'_>, local: bool) -> Result<Bytes, SenseReason> {
+/// MAINTENANCE IN / REPORT SUPPORTED OPERATION CODES (SPC-4), without the commands
+/// [`not_offered`] on this LU.
+pub(crate) fn report_supported_opcodes(
+    cdb: Cdb<'_>,
+    cfg: &crate::LuConfig,
+) -> Result<Bytes, SenseReason> {
     if cdb.u8(1) & 0x1F != MI_REPORT_SUPPORTED_OPCODES {
         return Err(SenseReason::cdb_bit(1, 4));
     }
@@ -475,13 +481,7 @@ pub(crate) fn report_supported_opcodes(cdb: Cdb<'_>, local: bool) -> Result<Byte
     let req_op = cdb.u8(3);
     let req_sa = cdb.u16(4);
     let alloc = cdb.u32(6) as usize;
-    let only_local = |op: u8| {
-        matches!(
-            op,
-            PERSISTENT_RESERVE_IN | PERSISTENT_RESERVE_OUT | ORWRITE_16
-        )
-    };
-    let offered = |e: &&OpEntry| local || !only_local(e.op);
+    let offered = |e: &&OpEntry| !not_offered(cfg, e.op);
     let has_sa = |op: u8| {
         SUPPORTED
             .iter()
@@ -518,7 +518,7 @@ pub(crate) fn report_supported_opcodes(cdb: Cdb<'_>, local: bool) -> Result<Byte
             if options == 0b001 && has_sa(req_op) {
                 return Err(SenseReason::cdb_byte(3));
             }
-            let supported = crate::is_supported(req_op) && (local || !only_local(req_op));
+            let supported = crate::is_supported(req_op) && !not_offered(cfg, req_op);
             if options == 0b010 && !has_sa(req_op) && supported {
                 return Err(SenseReason::cdb_byte(3));
             }

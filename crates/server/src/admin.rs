@@ -497,6 +497,33 @@ impl Control {
         v
     }
 
+    /// The LU at `lun` of `target`, if both exist.
+    pub fn scsi_lun(&self, target: &str, lun: u64) -> Option<Arc<LogicalUnit>> {
+        self.target(target).ok()?.scsi().lun(lun).cloned()
+    }
+
+    /// Abort the tasks on `target`'s `lun` of the I_T nexuses a PREEMPT AND ABORT named
+    /// ([`LogicalUnit::take_pr_aborts`]): also for a PREEMPT AND ABORT another node of a
+    /// cluster completed.
+    pub fn abort_preempted(&self, target: &str, lun: u64) {
+        if let Ok(t) = self.target(target) {
+            crate::conn::abort_preempted(&self.shared, &t, lun);
+        }
+    }
+
+    /// A LOGICAL UNIT RESET of `target`'s `lun` made through another node of a cluster:
+    /// every task on the LU is aborted (each initiator that loses one is told with POWER
+    /// ON, RESET, OR BUS DEVICE RESET OCCURRED, as every I_T nexus is) and the LU is reset.
+    pub fn reset_lun(&self, target: &str, lun: u64) {
+        let Some(lu) = self.scsi_lun(target, lun) else {
+            return;
+        };
+        for s in self.sessions_of(Some(target)) {
+            s.abort_where(false, |_, task| task.lun == lun);
+        }
+        lu.reset();
+    }
+
     /// (LUN, LU, spec it was made from) of a target.
     pub fn lun_list(&self, target: &str) -> Result<Vec<LunEntry>, String> {
         let t = self.target(target)?;

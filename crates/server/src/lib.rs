@@ -17,6 +17,7 @@
 
 pub mod access;
 pub mod admin;
+pub mod cluster;
 mod conn;
 pub mod counters;
 pub mod exposition;

@@ -114,6 +114,7 @@ struct Api {
         *mut c_void,
     ) -> c_int,
     rados_unwatch2: unsafe extern "C" fn(IoCtxT, u64) -> c_int,
+    rados_watch_check: unsafe extern "C" fn(IoCtxT, u64) -> c_int,
     rados_watch_flush: unsafe extern "C" fn(RadosT) -> c_int,
     rados_notify2: unsafe extern "C" fn(
         IoCtxT,
@@ -237,6 +238,7 @@ fn load() -> Result<Api, String> {
         rados_write_op_operate: sym!(rados, rados_write_op_operate),
         rados_watch2: sym!(rados, rados_watch2),
         rados_unwatch2: sym!(rados, rados_unwatch2),
+        rados_watch_check: sym!(rados, rados_watch_check),
         rados_watch_flush: sym!(rados, rados_watch_flush),
         rados_notify2: sym!(rados, rados_notify2),
         rados_notify_ack: sym!(rados, rados_notify_ack),
@@ -497,6 +499,15 @@ impl ObjectWatch {
     pub(super) fn cookie(&self) -> u64 {
         self.cookie
     }
+
+    /// Whether the watch is still registered with the OSD: the milliseconds since it was
+    /// last confirmed, or the error that broke it (`ENOTCONN`: lost, notifies may have been
+    /// missed).
+    pub(super) fn check(&self) -> Result<u64, Errno> {
+        // SAFETY: the cookie came from `rados_watch2` on this I/O context, which is alive.
+        let r = unsafe { (self.io.api.rados_watch_check)(self.io.h, self.cookie) };
+        Errno::check(r).map(|ms| u64::try_from(ms).unwrap_or(0))
+    }
 }
 
 extern "C" fn watch_cb(
@@ -716,7 +727,8 @@ impl IoCtx {
         .map(|_| ())
     }
 
-    /// Notify every watcher of `oid` with `payload` and wait up to `timeout` for their
+    /// Notify every watcher of `oid` with `payload` and wait up to `timeout` (in whole
+    /// seconds, rounded up) for their
     /// acknowledgements. Blocking. Watchers that did not answer are in `timeouts` (the call
     /// itself then reports ETIMEDOUT, which is not an error here).
     pub(super) fn notify(
@@ -727,9 +739,10 @@ impl IoCtx {
     ) -> Result<NotifyReply, Errno> {
         let o = cstr(oid)?;
         let len = c_int::try_from(payload.len()).map_err(|_| Errno(libc::E2BIG))?;
-        let ms = u64::try_from(timeout.as_millis())
-            .unwrap_or(u64::MAX)
-            .max(1);
+        // The OSD keeps the timeout in whole seconds (librados divides by 1000, and 0 means
+        // its default of 30 s): round up, at least one second.
+        let secs = timeout.as_millis().div_ceil(1000).max(1);
+        let ms = u64::try_from(secs * 1000).unwrap_or(u64::MAX);
         let mut reply: *mut c_char = std::ptr::null_mut();
         let mut reply_len = 0usize;
         // SAFETY: valid I/O context; the payload outlives the call; `reply`/`reply_len` are

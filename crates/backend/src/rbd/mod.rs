@@ -57,6 +57,9 @@ pub struct RbdOptions {
     /// and an image with the exclusive-lock feature is refused (its lock would move to every
     /// node that writes); librbd's cache must stay off (`write_cache` is refused).
     pub shared: bool,
+    /// Use this connection instead of making one (`conf` and `id` are then not used): a node
+    /// of a cluster of gateways serves its shared images through its one client.
+    pub client: Option<RadosClient>,
 }
 
 impl RbdOptions {
@@ -79,6 +82,49 @@ const CONNECT_TIMEOUT_SECS: &str = "10";
 
 /// The file in the LU's state directory that names the client holding the lock.
 const OWNER_FILE: &str = "rbd-lock-owner";
+
+/// A connection to a cluster (one RADOS client) that several RBD LUNs and the node's shared
+/// objects use together: a node of a cluster of gateways is then one client address, which
+/// is what fencing it (blocklisting that address) needs.
+#[derive(Clone)]
+pub struct RadosClient(Arc<ffi::Cluster>);
+
+impl std::fmt::Debug for RadosClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("RadosClient")
+            .field(&self.0.instance_id())
+            .finish()
+    }
+}
+
+impl PartialEq for RadosClient {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for RadosClient {}
+
+/// Connect a RADOS client with the settings every RBD LUN gets (bounded waits for the
+/// monitors, librbd's cache as `write_cache` says, fencing before a lock is broken).
+fn connect_client(
+    who: &str,
+    conf: Option<&std::path::Path>,
+    id: &str,
+    write_cache: bool,
+) -> Result<ffi::Cluster, String> {
+    let conf_text = conf.map(|p| p.to_string_lossy().into_owned());
+    let cache = if write_cache { "true" } else { "false" };
+    let settings = [
+        ("client_mount_timeout", CONNECT_TIMEOUT_SECS),
+        ("rados_mon_op_timeout", "30"),
+        ("rbd_cache", cache),
+        ("rbd_cache_policy", "writeback"),
+        // Breaking a lock must fence its owner first (the restart path relies on it).
+        ("rbd_blocklist_on_break_lock", "true"),
+    ];
+    ffi::Cluster::connect(conf_text.as_deref(), id, &settings)
+        .map_err(|e| connect_error(who, conf, id, e))
+}
 
 /// An RBD image.
 pub struct RbdBackend {
@@ -122,19 +168,15 @@ impl RbdBackend {
             Some(dir) if !o.read_only => Some(lock_state_dir(dir, &who)?),
             _ => None,
         };
-        let conf = o.conf.as_ref().map(|p| p.to_string_lossy().into_owned());
-        let cache = if o.write_cache { "true" } else { "false" };
-        let settings = [
-            ("client_mount_timeout", CONNECT_TIMEOUT_SECS),
-            ("rados_mon_op_timeout", "30"),
-            ("rbd_cache", cache),
-            ("rbd_cache_policy", "writeback"),
-            // Breaking a lock must fence its owner first (the restart path relies on it).
-            ("rbd_blocklist_on_break_lock", "true"),
-        ];
-        let cluster = ffi::Cluster::connect(conf.as_deref(), &o.id, &settings)
-            .map_err(|e| connect_error(&who, o.conf.as_deref(), &o.id, e))?;
-        let cluster = Arc::new(cluster);
+        let cluster = match &o.client {
+            Some(c) => Arc::clone(&c.0),
+            None => Arc::new(connect_client(
+                &who,
+                o.conf.as_deref(),
+                &o.id,
+                o.write_cache,
+            )?),
+        };
         let io = cluster
             .pool(&o.pool, o.namespace.as_deref())
             .map_err(|e| match e.0 {

@@ -8,6 +8,7 @@
 
 use super::ffi::{self, Cluster, IoCtx, WatchHandlers};
 pub use super::ffi::{Notification, NotifyReply};
+use super::RadosClient;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,23 +54,68 @@ impl Watcher {
     pub fn cookie(&self) -> u64 {
         self.watch.cookie()
     }
+
+    /// Whether the OSD still has the watch: the time since it last confirmed it, or why it
+    /// broke (notifies may have been missed since).
+    pub fn check(&self) -> Result<Duration, SharedError> {
+        self.watch
+            .check()
+            .map(Duration::from_millis)
+            .map_err(|e| err("rados_watch_check", e))
+    }
 }
 
-fn err(what: &str, e: ffi::Errno) -> String {
-    format!("{what}: {e}")
+/// A failed call on shared objects: what was being done and the cluster's error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedError {
+    pub context: String,
+    /// The errno librados returned (`None`: not an errno, e.g. a refused connection).
+    pub errno: Option<i32>,
+}
+
+impl SharedError {
+    /// The cluster blocklisted this client (`ESHUTDOWN`): it can do nothing more with it.
+    pub fn fenced(&self) -> bool {
+        self.errno == Some(libc::ESHUTDOWN)
+    }
+}
+
+impl std::fmt::Display for SharedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.errno {
+            Some(e) => write!(f, "{}: {}", self.context, ffi::Errno(e)),
+            None => f.write_str(&self.context),
+        }
+    }
+}
+
+impl std::error::Error for SharedError {}
+
+impl From<String> for SharedError {
+    fn from(context: String) -> Self {
+        SharedError {
+            context,
+            errno: None,
+        }
+    }
+}
+
+fn err(what: &str, e: ffi::Errno) -> SharedError {
+    SharedError {
+        context: what.to_string(),
+        errno: Some(e.0),
+    }
 }
 
 impl SharedPool {
     /// Connect as `client.ID` with `conf` (`None`: librados' own search) and open `pool`.
-    pub fn connect(conf: Option<&str>, id: &str, pool: &str) -> Result<SharedPool, String> {
-        let cluster = Cluster::connect(conf, id, &[]).map(Arc::new).map_err(|e| {
-            super::connect_error(
-                &format!("pool {pool}"),
-                conf.map(std::path::Path::new),
-                id,
-                e,
-            )
-        })?;
+    pub fn connect(conf: Option<&str>, id: &str, pool: &str) -> Result<SharedPool, SharedError> {
+        let cluster = Arc::new(super::connect_client(
+            &format!("pool {pool}"),
+            conf.map(std::path::Path::new),
+            id,
+            false,
+        )?);
         let io = cluster
             .pool(pool, None)
             .map(Arc::new)
@@ -81,8 +127,14 @@ impl SharedPool {
         })
     }
 
+    /// The connection, for the RBD LUNs this node serves through the same client (so that
+    /// fencing this node's address fences its writes to the images too).
+    pub fn client(&self) -> RadosClient {
+        RadosClient(Arc::clone(&self.cluster))
+    }
+
     /// This client's address (`IP:PORT/NONCE`): what another node blocklists to fence it.
-    pub fn address(&self) -> Result<String, String> {
+    pub fn address(&self) -> Result<String, SharedError> {
         self.cluster.addr().map_err(|e| err("rados_getaddrs", e))
     }
 
@@ -92,7 +144,7 @@ impl SharedPool {
     }
 
     /// The object `oid` (`None`: it does not exist).
-    pub fn read(&self, oid: &str) -> Result<Option<Versioned>, String> {
+    pub fn read(&self, oid: &str) -> Result<Option<Versioned>, SharedError> {
         self.io
             .read_versioned(oid)
             .map(|o| o.map(|(data, version)| Versioned { data, version }))
@@ -106,7 +158,7 @@ impl SharedPool {
         oid: &str,
         expect: Option<u64>,
         data: &[u8],
-    ) -> Result<Option<u64>, String> {
+    ) -> Result<Option<u64>, SharedError> {
         self.io
             .replace_versioned(oid, expect, data)
             .map_err(|e| err(&format!("writing {}/{oid}", self.pool), e))
@@ -121,11 +173,11 @@ impl SharedPool {
         oid: &str,
         attempts: usize,
         mut change: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
-    ) -> Result<Versioned, String> {
+    ) -> Result<Versioned, SharedError> {
         for _ in 0..attempts.max(1) {
             let cur = self.read(oid)?;
             let Some(new) = change(cur.as_ref().map(|c| c.data.as_slice())) else {
-                return cur.ok_or_else(|| format!("{}/{oid} does not exist", self.pool));
+                return cur.ok_or_else(|| format!("{}/{oid} does not exist", self.pool).into());
             };
             if let Some(version) = self.replace(oid, cur.as_ref().map(|c| c.version), &new)? {
                 return Ok(Versioned { data: new, version });
@@ -134,7 +186,8 @@ impl SharedPool {
         Err(format!(
             "{}/{oid}: {attempts} concurrent updates in a row, giving up",
             self.pool
-        ))
+        )
+        .into())
     }
 
     /// Watch `oid` (it must exist). `on_notify` runs on librados' threads for each
@@ -146,7 +199,7 @@ impl SharedPool {
         oid: &str,
         on_notify: impl Fn(Notification) + Send + Sync + 'static,
         on_error: impl Fn(i32) + Send + Sync + 'static,
-    ) -> Result<Watcher, String> {
+    ) -> Result<Watcher, SharedError> {
         let handlers = WatchHandlers {
             on_notify: Box::new(on_notify),
             on_error: Box::new(on_error),
@@ -158,7 +211,7 @@ impl SharedPool {
     }
 
     /// Answer notification `n` on `oid` with `payload`.
-    pub fn ack(&self, oid: &str, n: &Notification, payload: &[u8]) -> Result<(), String> {
+    pub fn ack(&self, oid: &str, n: &Notification, payload: &[u8]) -> Result<(), SharedError> {
         self.io
             .notify_ack(oid, n.notify_id, n.cookie, payload)
             .map_err(|e| err(&format!("acknowledging a notify on {}/{oid}", self.pool), e))
@@ -170,7 +223,7 @@ impl SharedPool {
         oid: &str,
         payload: &[u8],
         timeout: Duration,
-    ) -> Result<NotifyReply, String> {
+    ) -> Result<NotifyReply, SharedError> {
         self.io
             .notify(oid, payload, timeout)
             .map_err(|e| err(&format!("notifying {}/{oid}", self.pool), e))
@@ -178,7 +231,7 @@ impl SharedPool {
 
     /// Fence the client at `address` ([`SharedPool::address`] of another node): once this
     /// returns, the OSDs refuse its operations for `expire` (0: the cluster's default).
-    pub fn blocklist(&self, address: &str, expire: Duration) -> Result<(), String> {
+    pub fn blocklist(&self, address: &str, expire: Duration) -> Result<(), SharedError> {
         let secs = u32::try_from(expire.as_secs()).unwrap_or(u32::MAX);
         self.cluster
             .blocklist_add(address, secs)

@@ -64,7 +64,7 @@ async fn lun_reset_raises_power_on_reset_once_per_nexus() {
     let (n1, n2) = (nexus(1), nexus(2));
     good(&run_on(&t, 0, &n1, &[0; 6], &[]).await);
     good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
-    t.lun(0).unwrap().reset(&n1);
+    t.lun(0).unwrap().reset();
     assert_eq!(
         sense(&run_on(&t, 0, &n1, &[0; 6], &[]).await),
         (0x6, 0x29, 0x00)
@@ -80,9 +80,9 @@ async fn lun_reset_raises_power_on_reset_once_per_nexus() {
 #[tokio::test]
 async fn request_sense_returns_and_clears_unit_attention() {
     let t = ram_target();
-    let (n1, n2) = (nexus(1), nexus(2));
+    let n2 = nexus(2);
     good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);
-    t.lun(0).unwrap().reset(&n1);
+    t.lun(0).unwrap().reset();
     let r = run_on(&t, 0, &n2, &[0x03, 0, 0, 0, 18, 0], &[]).await;
     let d = good(&r);
     assert_eq!((d[2], d[12], d[13]), (0x6, 0x29, 0x00));
@@ -125,7 +125,7 @@ async fn report_luns_clears_reported_luns_data_changed() {
 async fn nexus_loss_drops_pending_unit_attentions() {
     let t = ram_target();
     good(&run_on(&t, 0, &nexus(2), &[0; 6], &[]).await);
-    t.lun(0).unwrap().reset(&nexus(1));
+    t.lun(0).unwrap().reset();
     t.nexus_lost(2);
     good(&run_on(&t, 0, &nexus(2), &[0; 6], &[]).await);
 }
@@ -136,7 +136,7 @@ async fn lun_reset_reports_unit_attention_to_every_nexus_including_the_requester
     let (a, b) = (nexus(1), nexus(2));
     good(&run_on(&t, 0, &a, &[0; 6], &[]).await);
     good(&run_on(&t, 0, &b, &[0; 6], &[]).await);
-    t.lun(0).unwrap().reset(&a);
+    t.lun(0).unwrap().reset();
     assert_eq!(
         sense(&run_on(&t, 0, &a, &[0; 6], &[]).await),
         (0x06, 0x29, 0x00)

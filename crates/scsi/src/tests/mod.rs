@@ -52,6 +52,7 @@ fn cfg(bs: u32) -> LuConfig {
         revision: "0.1".into(),
         state_dir: None,
         shared: false,
+        cluster: None,
     }
 }
 

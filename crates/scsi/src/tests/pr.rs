@@ -250,3 +250,126 @@ async fn pr_across_target_ports_all_tg_pt_spec_i_pt_and_register_and_move() {
     let rr = run_on(&t, 0, &path(2, 1), &prin(0x01), &[]).await;
     assert_eq!(&good(&rr)[8..16], &0xD4u64.to_be_bytes());
 }
+
+/// Two nodes' LUs of one shared image, their reservation records kept by one store that
+/// hands every written record to both (what the cluster agent does through RADOS).
+#[derive(Debug, Default)]
+struct TwoNodes {
+    record: std::sync::Mutex<Option<String>>,
+    lus: std::sync::Mutex<Vec<std::sync::Weak<LogicalUnit>>>,
+}
+
+impl ClusterLu for TwoNodes {
+    fn update_pr(&self, mut change: PrChange) -> ClusterFuture<'_, Result<Option<String>, String>> {
+        Box::pin(async move {
+            let mut rec = self.record.lock().unwrap();
+            let Some(new) = change(rec.as_deref()) else {
+                return Ok(None);
+            };
+            *rec = Some(new.clone());
+            for lu in self.lus.lock().unwrap().iter().filter_map(|l| l.upgrade()) {
+                lu.apply_shared_pr(&new, true)?;
+            }
+            Ok(Some(new))
+        })
+    }
+    fn reset(&self) -> ClusterFuture<'_, ()> {
+        Box::pin(async {})
+    }
+}
+
+fn two_nodes() -> (Target, Target, Arc<TwoNodes>) {
+    let store = Arc::new(TwoNodes::default());
+    let node = |_| {
+        let c = LuConfig {
+            shared: true,
+            cluster: Some(ClusterLuHandle(store.clone())),
+            ..cfg(512)
+        };
+        let lu = Arc::new(LogicalUnit::new(Arc::new(RamBackend::new(1 << 20)), c));
+        store.lus.lock().unwrap().push(Arc::downgrade(&lu));
+        let mut t = Target::new();
+        t.add_lun(0, lu);
+        t.set_alua(Arc::new(Alua::new(vec![
+            PortGroup::new(1, vec![1]),
+            PortGroup::new(2, vec![2]),
+        ])));
+        t
+    };
+    let (a, b) = (node(1), node(2));
+    (a, b, store)
+}
+
+#[tokio::test]
+async fn a_shared_reservation_holds_on_every_node_with_its_unit_attentions_and_aborts() {
+    let (na, nb, store) = two_nodes();
+    let (a, b) = (nexus_at(1, 1), nexus_at(2, 2));
+    // REPORT SUPPORTED OPERATION CODES offers PR on a shared LU that has a cluster.
+    good(
+        &run_on(
+            &na,
+            0,
+            &a,
+            &rsoc(2, opcode::PERSISTENT_RESERVE_OUT, 0, 64),
+            &[],
+        )
+        .await,
+    );
+    register(&na, &a, 0xAA).await;
+    register(&nb, &b, 0xBB).await;
+    good(
+        &run_on(
+            &na,
+            0,
+            &a,
+            &prout(0x01, 0x01),
+            &prout_params(0xAA, 0, false),
+        )
+        .await,
+    );
+    // Node B enforces node A's Write Exclusive, and reports the same keys and generation.
+    let w = cdb10(opcode::WRITE_10, 0, 1);
+    clear_uas(&nb, &b).await;
+    assert_eq!(
+        run_on(&nb, 0, &b, &w, &[0u8; 512]).await.status,
+        Status::RESERVATION_CONFLICT
+    );
+    let keys = |t: &Target, n: &Nexus| {
+        let (t, n) = (t.clone(), n.clone());
+        async move { good(&run_on(&t, 0, &n, &prin(0x00), &[]).await).to_vec() }
+    };
+    assert_eq!(keys(&na, &a).await, keys(&nb, &b).await);
+    // PREEMPT AND ABORT through node B: node A queues the abort of nexus a's tasks and
+    // tells it its registration went.
+    good(
+        &run_on(
+            &nb,
+            0,
+            &b,
+            &prout(0x05, 0x01),
+            &prout_params(0xBB, 0xAA, false),
+        )
+        .await,
+    );
+    let lu_a = na.lun(0).unwrap();
+    let victims = lu_a.take_pr_aborts();
+    assert_eq!(victims.len(), 1);
+    assert_eq!(victims[0].0, a.initiator_port);
+    let r = run_on(&na, 0, &a, &[0; 6], &[]).await;
+    assert_eq!(
+        sense(&r),
+        (0x6, 0x2A, 0x05),
+        "REGISTRATIONS PREEMPTED on node A"
+    );
+    assert_eq!(
+        run_on(&na, 0, &a, &w, &[0u8; 512]).await.status,
+        Status::RESERVATION_CONFLICT
+    );
+    // The record is what both nodes applied; an older one is not taken again.
+    let rec = store.record.lock().unwrap().clone().unwrap();
+    assert_eq!(pr_record_serial(&rec), Some(lu_a.shared_pr_serial()));
+    assert_eq!(lu_a.apply_shared_pr(&rec, true), Ok(false));
+    assert!(lu_a.apply_shared_pr("not a record", true).is_err());
+    // APTPL is accepted: the record outlives any node.
+    good(&run_on(&nb, 0, &b, &prout(0x00, 0), &prout_params(0xBB, 0xBC, true)).await);
+}

@@ -299,7 +299,7 @@ async fn reservation_is_released_by_lun_reset_and_nexus_loss() {
     let t = ram_target();
     let (n1, n2) = (nexus(1), nexus(2));
     good(&run_on(&t, 0, &n1, &[0x16, 0, 0, 0, 0, 0], &[]).await);
-    t.lun(0).unwrap().reset(&n1);
+    t.lun(0).unwrap().reset();
     clear_uas(&t, &n1).await;
     clear_uas(&t, &n2).await;
     good(&run_on(&t, 0, &n2, &[0; 6], &[]).await);

@@ -142,7 +142,7 @@ fn response(
 
 /// PREEMPT AND ABORT (SPC-4): the SCSI layer names the I_T nexuses whose tasks on the LUN
 /// must be aborted; find their sessions and abort those tasks (no responses are sent for them).
-fn abort_preempted(shared: &Shared, target: &LiveTarget, lun: u64) {
+pub(crate) fn abort_preempted(shared: &Shared, target: &LiveTarget, lun: u64) {
     let Some(lu) = target.scsi().lun(lun).cloned() else {
         return;
     };

@@ -19,6 +19,7 @@
 //! * `keepalive` — NOP-In pings after silence.
 
 mod exec;
+pub(crate) use exec::abort_preempted;
 mod keepalive;
 mod login;
 mod text;

@@ -44,6 +44,16 @@ fn tmf_response_name(c: TmfResponseCode) -> &'static str {
 impl Connection {
     pub(super) async fn on_task_management(&mut self, t: TaskMgmtRequest) -> ConnResult {
         let code = self.task_management(&t);
+        // An LU several nodes serve: their I_T nexuses are its too, told before the response.
+        if t.function == TmfFunction::LOGICAL_UNIT_RESET && code == TmfResponseCode::COMPLETE {
+            let lu = t.lun.number().and_then(|l| {
+                let target = self.session.target.as_ref()?;
+                target.scsi().lun(l).cloned()
+            });
+            if let Some(c) = lu.as_ref().and_then(|lu| lu.config().cluster.clone()) {
+                c.0.reset().await;
+            }
+        }
         tracing::info!(
             peer = %self.peer,
             initiator = %self.session.initiator_name,
@@ -113,7 +123,7 @@ impl Connection {
                 }
                 if t.function == TmfFunction::LOGICAL_UNIT_RESET {
                     if let Some(lu) = scsi.lun(lun) {
-                        lu.reset(&self.session.nexus);
+                        lu.reset();
                     }
                 }
             }
@@ -130,7 +140,7 @@ impl Connection {
                     }
                 }
                 for (_, lu) in scsi.luns() {
-                    lu.reset(&self.session.nexus);
+                    lu.reset();
                 }
                 if cold {
                     // RFC 7143 §11.5.1: a cold reset also closes every TCP connection of every

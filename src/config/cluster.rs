@@ -1,0 +1,157 @@
+//! `[cluster]` (or `--cluster`): this node of a cluster of ironsan gateways that serve the
+//! same targets and RBD images (docs/ARCHITECTURE.md, "Several gateways on one image").
+//!
+//! ```toml
+//! [cluster]
+//! node = 1                 # 1-65535, unique in the cluster: the ALUA target port group
+//! pool = "rbd"             # where the shared objects (one per target) live
+//! # conf = "/etc/ceph/ceph.conf"   # default: librados' own search
+//! # id = "admin"           # cephx client, without "client."
+//! # name = "gw1"           # default: the host name
+//! # heartbeat = "2s"       # membership check (ping) interval
+//! # notify_timeout = "5s"  # how long a reservation change waits before fencing a node
+//! ```
+
+use super::*;
+use ironsan_server::cluster::{ClusterConfig, DEFAULT_HEARTBEAT, DEFAULT_NOTIFY_TIMEOUT};
+use std::time::Duration;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FileCluster {
+    node: Spanned<i64>,
+    pool: Spanned<String>,
+    conf: Option<String>,
+    id: Option<String>,
+    name: Option<String>,
+    heartbeat: Option<Spanned<String>>,
+    notify_timeout: Option<Spanned<String>>,
+}
+
+/// The host name (for `name`'s default).
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "ironsan".into())
+}
+
+fn node_number(n: i64) -> Result<u16, String> {
+    u16::try_from(n)
+        .ok()
+        .filter(|&n| n != 0)
+        .ok_or_else(|| format!("cluster node must be 1 to 65535, not {n}"))
+}
+
+fn interval(key: &str, v: &str) -> Result<Duration, String> {
+    let d = ironsan_backend::parse_duration(v)
+        .ok_or_else(|| format!("cluster {key} '{v}' is not a duration (e.g. 2s, 500ms)"))?;
+    if !(Duration::from_millis(100)..=Duration::from_secs(60)).contains(&d) {
+        return Err(format!(
+            "cluster {key} must be between 100ms and 60s, not {v}"
+        ));
+    }
+    Ok(d)
+}
+
+fn check_name(what: &str, v: &str) -> Result<(), String> {
+    if v.is_empty() || v.chars().any(|c| c.is_control() || c == ',') {
+        return Err(format!(
+            "cluster {what} '{v}' is empty or has a comma or control character"
+        ));
+    }
+    Ok(())
+}
+
+pub(super) fn cluster_from_file(
+    c: &Spanned<FileCluster>,
+    at: At,
+) -> Result<ClusterConfig, ConfigError> {
+    let f = c.get_ref();
+    let node = node_number(*f.node.get_ref()).map_err(|e| at(f.node.span(), e))?;
+    check_name("pool", f.pool.get_ref()).map_err(|e| at(f.pool.span(), e))?;
+    let heartbeat = match &f.heartbeat {
+        Some(h) => interval("heartbeat", h.get_ref()).map_err(|e| at(h.span(), e))?,
+        None => DEFAULT_HEARTBEAT,
+    };
+    let notify_timeout = match &f.notify_timeout {
+        Some(h) => interval("notify_timeout", h.get_ref()).map_err(|e| at(h.span(), e))?,
+        None => DEFAULT_NOTIFY_TIMEOUT,
+    };
+    let cfg = ClusterConfig {
+        node,
+        name: f.name.clone().unwrap_or_else(host_name),
+        pool: f.pool.get_ref().clone(),
+        conf: f.conf.as_ref().map(PathBuf::from),
+        id: f.id.clone().unwrap_or_else(|| "admin".into()),
+        heartbeat,
+        notify_timeout,
+    };
+    check_name("name", &cfg.name).map_err(|e| at(c.span(), e))?;
+    check_name("id", &cfg.id).map_err(|e| at(c.span(), e))?;
+    Ok(cfg)
+}
+
+/// `--cluster node=N,pool=POOL[,conf=PATH][,id=NAME][,name=NAME][,heartbeat=D][,notify_timeout=D]`.
+pub(crate) fn parse_cluster_flag(v: &str) -> Result<ClusterConfig, String> {
+    let mut cfg = ClusterConfig {
+        node: 0,
+        name: host_name(),
+        pool: String::new(),
+        conf: None,
+        id: "admin".into(),
+        heartbeat: DEFAULT_HEARTBEAT,
+        notify_timeout: DEFAULT_NOTIFY_TIMEOUT,
+    };
+    for part in v.split(',') {
+        let (k, val) = part
+            .split_once('=')
+            .ok_or_else(|| format!("--cluster '{v}': '{part}' is not KEY=VALUE"))?;
+        match k {
+            "node" => {
+                let n: i64 = val
+                    .parse()
+                    .map_err(|_| format!("--cluster: node '{val}' is not a number"))?;
+                cfg.node = node_number(n).map_err(|e| format!("--cluster: {e}"))?;
+            }
+            "pool" => cfg.pool = val.to_string(),
+            "conf" => cfg.conf = Some(PathBuf::from(val)),
+            "id" => cfg.id = val.to_string(),
+            "name" => cfg.name = val.to_string(),
+            "heartbeat" => cfg.heartbeat = interval(k, val).map_err(|e| format!("--cluster: {e}"))?,
+            "notify_timeout" => {
+                cfg.notify_timeout = interval(k, val).map_err(|e| format!("--cluster: {e}"))?
+            }
+            _ => {
+                return Err(format!(
+                    "--cluster: unknown key '{k}' (node, pool, conf, id, name, heartbeat, notify_timeout)"
+                ))
+            }
+        }
+    }
+    if cfg.node == 0 {
+        return Err("--cluster needs node=N (1-65535, unique in the cluster)".into());
+    }
+    for (what, val) in [("pool", &cfg.pool), ("id", &cfg.id), ("name", &cfg.name)] {
+        check_name(what, val).map_err(|e| format!("--cluster: {e}"))?;
+    }
+    Ok(cfg)
+}
+
+/// The `[cluster]` section `ctl save` writes.
+pub(crate) fn cluster_toml(c: &ClusterConfig) -> String {
+    let mut s = format!(
+        "\n[cluster]\nnode = {}\npool = {:?}\nid = {:?}\nname = {:?}\n",
+        c.node, c.pool, c.id, c.name
+    );
+    if let Some(conf) = &c.conf {
+        s += &format!("conf = {:?}\n", conf.display().to_string());
+    }
+    s += &format!(
+        "heartbeat = \"{}ms\"\nnotify_timeout = \"{}ms\"\n",
+        c.heartbeat.as_millis(),
+        c.notify_timeout.as_millis()
+    );
+    s
+}
