@@ -2,7 +2,7 @@
 # Linux dm-multipath with ALUA against ironsan: the real kernel initiator (open-iscsi,
 # scsi_dh_alua, dm-multipath, multipathd) in a QEMU guest under TCG, two paths to one LUN.
 #
-#   scripts/kernel-multipath.sh
+#   scripts/kernel-multipath.sh [--cluster]
 #
 # ironsan serves one target through two portal groups (two 127.0.0.1 ports, ALUA groups 1
 # and 2 from a configuration file). The guest (tests/kernel/init-multipath) reaches portal
@@ -16,7 +16,19 @@
 #                                    relays of its connections killed: the path is gone
 #   portal-up                        ironsan ctl portal add (same address, group 1)
 #
-# and the guest waits until multipath shows the effect. PASS needs every step seen, no
+# and the guest waits until multipath shows the effect.
+#
+# --cluster: the two paths are two ironsan nodes of a cluster (`--cluster`) serving one RBD
+# image (`shared`) from a throwaway Ceph cluster (scripts/ceph-micro.sh): node N listens on
+# portal group N. The steps are
+#
+#   node-down                        kill -9 of node 1, and the relays of its connections
+#   node-up                          node 1 started again (it rejoins the cluster)
+#
+# and the image (`rbd export`) must hold the stream's last pass. The guest's longest
+# write/read-back during node-down is the failover time.
+#
+# PASS needs every step seen, no
 # error in the write stream, and the LUN's backing file holding exactly what the stream's
 # last pass wrote. The guest prints multipath -ll after each step, sg_inq, sg_vpd -p di and
 # sg_rtpg.
@@ -33,6 +45,12 @@ START=$(date +%s)
 log() { printf 'kernel-multipath: %s\n' "$*"; }
 die() { printf 'kernel-multipath: ERROR: %s\n' "$*" >&2; exit 1; }
 
+CLUSTER=0
+case ${1:-} in
+    --cluster) CLUSTER=1 ;;
+    "") ;;
+    *) die "usage: scripts/kernel-multipath.sh [--cluster]" ;;
+esac
 TIMEOUT=${IRONSAN_KERNEL_TIMEOUT:-600}
 TARGET_IQN=iqn.2026-11.org.ironsan:multipath
 INITIATOR_IQN=iqn.2026-11.org.ironsan:guest-multipath
@@ -45,6 +63,11 @@ command -v qemu-system-x86_64 >/dev/null || missing+=(qemu-system-x86)
 [[ -x /sbin/multipathd && -x /sbin/multipath ]] || missing+=(multipath-tools)
 [[ -x /usr/bin/sg_rtpg && -x /usr/bin/sg_vpd ]] || missing+=(sg3-utils)
 command -v busybox >/dev/null || missing+=(busybox-static)
+if [[ $CLUSTER == 1 ]]; then
+    command -v ceph-mon >/dev/null || missing+=(ceph-mon)
+    command -v ceph-osd >/dev/null || missing+=(ceph-osd)
+    command -v rbd >/dev/null || missing+=(ceph-common)
+fi
 # shellcheck source=tests/kernel/common.sh
 . "$KDIR/common.sh"
 guest_prerequisites
@@ -52,15 +75,18 @@ guest_prerequisites
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ironsan-mpath.XXXXXX")
 [[ $WORK != *,* ]] || die "work directory $WORK contains a comma (QEMU option syntax)"
 SERVER_PID=""
+NODE_PIDS=("" "" "")
 QEMU_PID=""
 OK=0
 cleanup() {
     local rc=$?
     [[ -n $QEMU_PID ]] && kill -TERM "$QEMU_PID" 2>/dev/null && wait "$QEMU_PID" 2>/dev/null
-    if [[ -n $SERVER_PID ]]; then
-        kill -TERM "$SERVER_PID" 2>/dev/null || true
-        wait "$SERVER_PID" 2>/dev/null || true
-    fi
+    for pid in "$SERVER_PID" "${NODE_PIDS[@]}"; do
+        [[ -n $pid ]] || continue
+        kill -TERM "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    [[ $CLUSTER == 1 ]] && bash "$ROOT/scripts/ceph-micro.sh" stop "$WORK/ceph" >/dev/null 2>&1
     pkill -f "^/usr/bin/python3 $WORK/relay.py" 2>/dev/null || true
     if [[ $OK == 1 && ${IRONSAN_KEEP:-0} != 1 ]]; then
         rm -rf "$WORK"
@@ -77,7 +103,34 @@ P1=$(free_port)
 P2=$(free_port)
 while [[ $P2 == "$P1" ]]; do P2=$(free_port); done
 mkdir -p "$WORK/data"
-cat >"$WORK/ironsan.toml" <<EOF
+wait_port() { # PORT PID LOG
+    for ((i = 0; i < 300; i++)); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+        kill -0 "$2" 2>/dev/null || { cat "$3"; die "ironsan serve exited"; }
+        sleep 0.1
+    done
+    die "ironsan not listening on $1 after 30 s"
+}
+if [[ $CLUSTER == 1 ]]; then
+    bash "$ROOT/scripts/ceph-micro.sh" start "$WORK/ceph" --die-with $$ >"$WORK/ceph.log" 2>&1 ||
+        { cat "$WORK/ceph.log"; die "the Ceph cluster did not start"; }
+    CONF=$WORK/ceph/ceph.conf
+    rbd --conf "$CONF" create --size "${LUN_MIB}M" --image-feature layering rbd/mpath
+    # start_node N PORT: node N of the cluster, portal group N.
+    start_node() {
+        mkdir -p "$WORK/n$1"
+        "$BIN" serve --listen "127.0.0.1:$2" --target "$TARGET_IQN" --data-dir "$WORK/n$1" \
+            --control "$WORK/n$1.sock" --lun "rbd:rbd/mpath,conf=$CONF,shared" \
+            --cluster "node=$1,pool=rbd,conf=$CONF,name=node$1,heartbeat=1s" \
+            --log "${IRONSAN_LOG:-info}" >>"$WORK/node$1.log" 2>&1 &
+        NODE_PIDS[$1]=$!
+        wait_port "$2" "${NODE_PIDS[$1]}" "$WORK/node$1.log"
+    }
+    start_node 1 "$P1"
+    start_node 2 "$P2"
+    log "ironsan node 1 on 127.0.0.1:$P1 and node 2 on 127.0.0.1:$P2, one RBD image"
+else
+    cat >"$WORK/ironsan.toml" <<EOF
 data_dir = "$WORK/data"
 control = "$WORK/control.sock"
 [[portal_group]]
@@ -97,15 +150,12 @@ portal_groups = [1]
 id = 2
 portal_groups = [2]
 EOF
-"$BIN" serve --config "$WORK/ironsan.toml" --log "${IRONSAN_LOG:-info}" >"$WORK/server.log" 2>&1 &
-SERVER_PID=$!
-for ((i = 0; i < 100; i++)); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$P2") 2>/dev/null && break
-    kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/server.log"; die "ironsan serve exited"; }
-    sleep 0.1
-done
+    "$BIN" serve --config "$WORK/ironsan.toml" --log "${IRONSAN_LOG:-info}" >"$WORK/server.log" 2>&1 &
+    SERVER_PID=$!
+    wait_port "$P2" "$SERVER_PID" "$WORK/server.log"
+    log "ironsan on 127.0.0.1:$P1 (group 1) and 127.0.0.1:$P2 (group 2)"
+fi
 ctl() { "$BIN" ctl --control "$WORK/control.sock" "$@"; }
-log "ironsan on 127.0.0.1:$P1 (group 1) and 127.0.0.1:$P2 (group 2)"
 
 head -c "$((PAYLOAD_MIB << 20))" /dev/urandom >"$WORK/payload.bin"
 cat >"$WORK/guest.env" <<EOF
@@ -116,6 +166,7 @@ PORTAL2=10.0.2.101:3260
 GUEST_IP=10.0.2.15
 GATEWAY=10.0.2.2
 PAYLOAD_MIB=$PAYLOAD_MIB
+CLUSTER=$CLUSTER
 EOF
 MP_LIBS=$(find /lib/multipath -name '*.so' 2>/dev/null | tr '\n' ' ' || true)
 [[ -n $MP_LIBS ]] || die "no multipath plugins under /lib/multipath (multipath-tools)"
@@ -155,6 +206,13 @@ do_step() {
             pkill -f "^/usr/bin/python3 $WORK/relay.py 127.0.0.1 $P1 " || true
             ;;
         portal-up) ctl portal add "127.0.0.1:$P1" --tag 1 ;;
+        node-down)
+            kill -KILL "${NODE_PIDS[1]}"
+            wait "${NODE_PIDS[1]}" 2>/dev/null || true
+            NODE_PIDS[1]=""
+            pkill -f "^/usr/bin/python3 $WORK/relay.py 127.0.0.1 $P1 " || true
+            ;;
+        node-up) start_node 1 "$P1" ;;
         *) echo "unknown step $1" ;;
     esac
 }
@@ -171,9 +229,18 @@ done
 qemu_rc=0
 wait "$QEMU_PID" || qemu_rc=$?
 QEMU_PID=""
-kill -TERM "$SERVER_PID" 2>/dev/null || true
-wait "$SERVER_PID" 2>/dev/null || true
+for pid in "$SERVER_PID" "${NODE_PIDS[@]}"; do
+    [[ -n $pid ]] || continue
+    kill -TERM "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+done
 SERVER_PID=""
+NODE_PIDS=("" "" "")
+BACKING=$WORK/data/lun0.img
+if [[ $CLUSTER == 1 ]]; then
+    BACKING=$WORK/image.raw
+    rbd --conf "$CONF" export rbd/mpath "$BACKING" >/dev/null 2>&1 || die "rbd export failed"
+fi
 
 SERIAL=$WORK/serial.log
 touch "$SERIAL"
@@ -188,7 +255,9 @@ failures=()
 [[ $qemu_rc -eq 0 ]] || failures+=("qemu exited with status $qemu_rc")
 result=$(tr -d '\r' <"$SERIAL" | grep -E '^IRONSAN-KERNEL-TEST: (PASS|FAIL)' | tail -1 || true)
 [[ $result == "IRONSAN-KERNEL-TEST: PASS"* ]] || failures+=("guest: ${result:-no result line}")
-for s in standby unavailable active portal-down portal-up; do
+STEP_NAMES=(standby unavailable active portal-down portal-up)
+[[ $CLUSTER == 1 ]] && STEP_NAMES=(node-down node-up)
+for s in "${STEP_NAMES[@]}"; do
     [[ -n ${done_steps[$s]:-} ]] || failures+=("step $s was never reached")
 done
 # The backing file holds the stream's last pass: chunk i = payload chunk (i + pass) mod N.
@@ -197,10 +266,10 @@ if [[ -n $final && $result == "IRONSAN-KERNEL-TEST: PASS"* ]]; then
     for ((i = 0; i < PAYLOAD_MIB; i++)); do
         c=$(((i + final) % PAYLOAD_MIB))
         want=$(dd if="$WORK/payload.bin" bs=1M skip="$c" count=1 status=none | sha256sum)
-        got=$(dd if="$WORK/data/lun0.img" bs=1M skip="$i" count=1 status=none | sha256sum)
-        [[ $want == "$got" ]] || failures+=("host: chunk $i of the backing file is not payload chunk $c (pass $final)")
+        got=$(dd if="$BACKING" bs=1M skip="$i" count=1 status=none | sha256sum)
+        [[ $want == "$got" ]] || failures+=("host: chunk $i of the backing store is not payload chunk $c (pass $final)")
     done
-    log "host: the backing file holds pass $final of the write stream, all $PAYLOAD_MIB chunks"
+    log "host: the backing store holds pass $final of the write stream, all $PAYLOAD_MIB chunks"
 fi
 TOTAL=$(($(date +%s) - START))
 if [[ ${#failures[@]} -eq 0 ]]; then
@@ -211,7 +280,10 @@ if [[ ${#failures[@]} -eq 0 ]]; then
 fi
 echo "----- last 60 lines of the guest console -----"
 tail -n 60 "$SERIAL" | tr -d '\r'
-echo "----- last 20 lines of the ironsan log -----"
-tail -n 20 "$WORK/server.log"
+for l in "$WORK/server.log" "$WORK/node1.log" "$WORK/node2.log"; do
+    [[ -f $l ]] || continue
+    echo "----- last 20 lines of $(basename "$l") -----"
+    tail -n 20 "$l"
+done
 for f in "${failures[@]}"; do log "FAIL: $f"; done
 exit 1

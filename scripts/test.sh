@@ -135,6 +135,9 @@ IRONSAN_REQUIRE_TOOLS=1 IRONSAN_KERNEL_DIGEST=None IRONSAN_BIN="$TARGET_DIR/rele
 section "linux dm-multipath with ALUA (two paths in a QEMU guest, states and a portal changed under a verified write stream)"
 IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-multipath.sh
 
+section "linux dm-multipath across two cluster nodes (one RBD image; node 1 killed and restarted under a verified write stream)"
+IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-multipath.sh --cluster
+
 section "benchmark report (bench/report.py on the checked-in run, opened in headless Chromium)"
 bash scripts/report-test.sh
 

@@ -164,7 +164,7 @@ struct ServeArgs {
 
 /// This node's cluster connection, when it is one (`[cluster]`): shared RBD LUNs, also those
 /// added later by `ctl`, use its RADOS client and keep their reservations in the cluster.
-pub(crate) static CLUSTER: std::sync::OnceLock<Arc<ironsan_server::cluster::ClusterNode>> =
+static CLUSTER: std::sync::OnceLock<Arc<ironsan_server::cluster::ClusterNode>> =
     std::sync::OnceLock::new();
 
 /// The file LUNs' I/O engine, fixed at start-up (LUNs added later by `ctl` use it too).

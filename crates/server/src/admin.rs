@@ -497,6 +497,16 @@ impl Control {
         v
     }
 
+    /// This server is node `node` of a cluster (`ctl cluster`, the cluster metrics).
+    pub fn set_cluster(&self, node: Arc<crate::cluster::ClusterNode>) {
+        let _ = self.shared.cluster.set(node);
+    }
+
+    /// The cluster node this server is, if it is one.
+    pub fn cluster(&self) -> Option<&Arc<crate::cluster::ClusterNode>> {
+        self.shared.cluster.get()
+    }
+
     /// The LU at `lun` of `target`, if both exist.
     pub fn scsi_lun(&self, target: &str, lun: u64) -> Option<Arc<LogicalUnit>> {
         self.target(target).ok()?.scsi().lun(lun).cloned()
@@ -744,6 +754,12 @@ impl Control {
             ["show", "target", t] => self.show_target(t),
             ["counters"] => Ok(self.counters()),
             ["stats"] => crate::metrics::stats_view(self, None),
+            ["cluster"] => match self.cluster() {
+                Some(node) => Ok(node.status()),
+                None => {
+                    Err("this node is not part of a cluster (no [cluster] or --cluster)".into())
+                }
+            },
             ["stats", t] => crate::metrics::stats_view(self, Some(t)),
             ["lun", "add", t, spec] | ["lun", "add", t, spec, _] => {
                 let want = match a.get(4) {

@@ -237,6 +237,7 @@ impl ClusterNode {
     /// server accepts connections.
     pub fn join(self: &Arc<Self>, control: Control) -> Result<(), String> {
         let _ = self.control.set(control.clone());
+        control.set_cluster(Arc::clone(self));
         for target in control.target_names() {
             self.join_target(&control, &target)?;
         }
@@ -803,9 +804,28 @@ impl ClusterNode {
         })
     }
 
-    /// Whether this node is in touch with the cluster (1) or not (0), for the metrics.
+    /// Whether this node is in touch with the cluster (serving), for the metrics.
     pub fn serving(&self) -> bool {
         *lock(&self.health) == Health::Serving
+    }
+
+    /// (target, node, answering) for every node of every target, this one included (it
+    /// answers while it is serving), for the metrics.
+    pub fn node_states(&self) -> Vec<(String, u16, bool)> {
+        let serving = self.serving();
+        let agents: Vec<Arc<TargetAgent>> = lock(&self.targets).values().cloned().collect();
+        let mut out = Vec::new();
+        for a in agents {
+            for (n, v) in lock(&a.view).iter() {
+                let up = if *n == self.cfg.node {
+                    serving
+                } else {
+                    v.alive
+                };
+                out.push((a.name.clone(), *n, up));
+            }
+        }
+        out
     }
 }
 

@@ -85,6 +85,22 @@ impl Collector for Families {
         let lun_labels =
             |t: &str, lun: u64| vec![("target", t.to_string()), ("lun", lun.to_string())];
 
+        if let Some(node) = control.cluster() {
+            gauge(
+                &mut enc,
+                "ironsan_cluster_serving",
+                "1 while this cluster node is in touch with the cluster (watching its state); 0 when it is partitioned or fenced and its target port groups are unavailable",
+                [(vec![("node", node.node().to_string())], i64::from(node.serving()))],
+            )?;
+            gauge(
+                &mut enc,
+                "ironsan_cluster_node_up",
+                "1 for each node of the cluster that answered this node's last heartbeat (its target port group is active), 0 for one that did not (unavailable)",
+                node.node_states().into_iter().map(|(t, n, up)| {
+                    (vec![("target", t), ("node", n.to_string())], i64::from(up))
+                }),
+            )?;
+        }
         counter(
             &mut enc,
             "ironsan_commands",

@@ -305,6 +305,8 @@ pub(crate) struct Shared {
     pub shutdown: watch::Receiver<bool>,
     /// Connections open now (accepted and not yet closed).
     pub connections: AtomicUsize,
+    /// This process as a node of a cluster of gateways, once it joined.
+    pub cluster: std::sync::OnceLock<Arc<cluster::ClusterNode>>,
 }
 
 impl Shared {
@@ -419,6 +421,7 @@ impl Server {
             next_nexus_id: AtomicU64::new(1),
             shutdown,
             connections: AtomicUsize::new(0),
+            cluster: std::sync::OnceLock::new(),
         });
         shared.refresh_alua();
         Ok(Server {
