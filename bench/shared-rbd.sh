@@ -2,15 +2,18 @@
 # One RBD image served by one ironsan node against the same image served by two nodes at once
 # (`rbd:POOL/IMAGE,shared`, active/active), on a throwaway Ceph cluster (scripts/ceph-micro.sh).
 #
-#   bench/shared-rbd.sh [--duration SECS] [--rounds N] [--no-save]
+#   bench/shared-rbd.sh [--duration SECS] [--rounds N] [--pin] [--no-save]
 #
 # The client is `ironsan load` with two sessions: against one node both log in to it; against
 # two nodes session i logs in to node i mod 2 (what round-robin multipath over one path per
-# node does). Workloads: 4K random writes (QD16 per session) and 512K sequential writes (QD4
-# per session). Rounds alternate one node / two nodes; the medians and their ratio are printed
-# (two nodes must not collapse: no exclusive lock moves between them). Both gateways run on
-# CPU 0 and the client on CPU 1; the monitor and the OSD float over both cores, so on a
-# two-core host everything shares the same cores and the ratio shows contention, not scaling.
+# node does). The nodes form a cluster (`--cluster`), as a deployment would. Workloads: 4K
+# random writes (QD16 per session) and 512K sequential writes (QD4 per session), and 4K random
+# writes with every session holding a Write Exclusive – All Registrants reservation
+# (`ironsan load --reserve`: every command meets the reservation check). Rounds alternate one
+# node / two nodes; the medians and their ratio are printed (two nodes must not collapse: no
+# exclusive lock moves between them). Gateways, client, monitor and OSD float over every core
+# (--pin: gateways on CPU 0, client on CPU 1), so on a two-core host everything shares the
+# same cores and the ratio shows contention, not scaling.
 # Appends the table to bench/results/<date>-shared-rbd.txt unless --no-save.
 # Needs root (taskset), ceph-mon, ceph-osd, ceph-common and a release build.
 set -euo pipefail
@@ -20,12 +23,13 @@ source "$ROOT/bench/common.sh"
 die() { printf 'shared-rbd: ERROR: %s\n' "$*" >&2; exit 1; }
 note() { printf 'shared-rbd: %s\n' "$*" >&2; }
 
-DURATION=10 ROUNDS=3 SAVE=1
+DURATION=10 ROUNDS=3 SAVE=1 GW_CPUS=0-$(($(nproc) - 1)) CLIENT_CPUS=0-$(($(nproc) - 1))
 while [[ $# -gt 0 ]]; do
     case $1 in
         --duration) DURATION=${2:?}; shift 2 ;;
         --rounds) ROUNDS=${2:?}; shift 2 ;;
         --no-save) SAVE=0; shift ;;
+        --pin) GW_CPUS=0 CLIENT_CPUS=1; shift ;;
         -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
@@ -58,12 +62,13 @@ rbd --conf "$CEPH/ceph.conf" create --size 1G --image-feature layering rbd/share
 SPEC="rbd:rbd/shared,shared,conf=$CEPH/ceph.conf"
 TARGET=iqn.2026-11.org.ironsan:shared
 
-# start_node NAME: an ironsan serving the image on a free port, which goes to $PORT.
+# start_node NAME N: cluster node N serving the image on a free port, which goes to $PORT.
 start_node() {
     local name=$1 pid
     PORT=$(free_port)
     mkdir -p "$WORK/$name"
-    taskset -c 0 "$BIN" serve --listen "127.0.0.1:$PORT" --target "$TARGET" --lun "$SPEC" \
+    taskset -c "$GW_CPUS" "$BIN" serve --listen "127.0.0.1:$PORT" --target "$TARGET" --lun "$SPEC" \
+        --cluster "node=$2,pool=rbd,conf=$CEPH/ceph.conf" \
         --data-dir "$WORK/$name" --control none >"$WORK/$name.log" 2>&1 &
     pid=$!
     PIDS+=("$pid")
@@ -74,9 +79,9 @@ start_node() {
     done
     die "node $name did not listen on $PORT"
 }
-start_node a
+start_node a 1
 PA=$PORT
-start_node b
+start_node b 2
 PB=$PORT
 URL_A=iscsi://127.0.0.1:$PA/$TARGET/0
 URL_B=iscsi://127.0.0.1:$PB/$TARGET/0
@@ -86,7 +91,7 @@ load_iops() {
     local urls=() out
     while [[ $1 != -- ]]; do urls+=("$1"); shift; done
     shift
-    out=$(taskset -c 1 "$BIN" load "${urls[@]}" --sessions 2 -t "$DURATION" --json "$@" \
+    out=$(taskset -c "$CLIENT_CPUS" "$BIN" load "${urls[@]}" --sessions 2 -t "$DURATION" --json "$@" \
         2>"$WORK/load.log") || die "ironsan load failed: $(tail -n 3 "$WORK/load.log")"
     python3 -c 'import json, sys; print(round(json.load(sys.stdin)["iops"]))' <<<"$out"
 }
@@ -97,12 +102,13 @@ TABLE=$WORK/table.txt
 {
     echo "=== $(date -u '+%Y-%m-%dT%H:%M:%S+00:00')  ironsan $(git -C "$ROOT" describe --always --dirty 2>/dev/null || echo unknown) ==="
     echo "uname: $(uname -srvm)"
-    echo "nproc: $(nproc)   gateways on CPU 0, client on CPU 1; ${DURATION}s per run, $ROUNDS rounds (medians)"
-    echo "one RBD image (layering only, librbd cache off) on a one-OSD in-memory cluster; ironsan load, 2 sessions"
+    echo "nproc: $(nproc)   gateways on CPUs $GW_CPUS, client on CPUs $CLIENT_CPUS; ${DURATION}s per run, $ROUNDS rounds (medians)"
+    echo "one RBD image (layering only, librbd cache off) on a one-OSD in-memory cluster; two cluster nodes; ironsan load, 2 sessions"
     printf '%-22s %12s %12s %10s\n' workload "1 node IOPS" "2 nodes IOPS" "2 / 1"
 } >"$TABLE"
 for w in "randwrite-4k-qd16x2 --rw randwrite --bs 4096 --qd 16" \
-         "seqwrite-512k-qd4x2 --rw write --bs 524288 --qd 4"; do
+         "seqwrite-512k-qd4x2 --rw write --bs 524288 --qd 4" \
+         "randwrite-4k-reserved --rw randwrite --bs 4096 --qd 16 --reserve"; do
     read -r name args <<<"$w"
     one=() two=()
     for r in $(seq "$ROUNDS"); do

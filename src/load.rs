@@ -44,6 +44,11 @@ pub(crate) struct LoadArgs {
     /// on any mismatch.
     #[arg(long)]
     verify: bool,
+    /// Every session registers a key and holds a Write Exclusive – All Registrants
+    /// persistent reservation during the run (cleared after it), so every command meets the
+    /// target's reservation check: what that check costs.
+    #[arg(long)]
+    reserve: bool,
     /// Seed of the random LBAs.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -80,6 +85,7 @@ pub(crate) fn main(a: LoadArgs) -> Result<()> {
     spec.duration = Duration::from_secs_f64(a.time);
     spec.count = a.count;
     spec.verify = a.verify;
+    spec.reserve = a.reserve;
     spec.seed = a.seed;
     spec.initiator_name = a.initiator_name;
     // One thread: the figures mean "one client core".

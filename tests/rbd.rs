@@ -1418,9 +1418,10 @@ fn a_cluster_node_cut_off_stops_acknowledging_writes() {
     let socks = tempfile::tempdir().unwrap();
     let sock = |n: u16| socks.path().join(format!("n{n}.sock"));
     let (lun0, lun1) = (c.spec("cut0", ",shared"), c.spec("cut1", ",shared"));
-    let start = |n: u16| {
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let start = |n: u16, extra: &[&str]| {
         let (flag, ctl) = (cluster_flag(c, n), sock(n).display().to_string());
-        Server::start(&[
+        let mut args = vec![
             "--target",
             target,
             "--lun",
@@ -1431,12 +1432,26 @@ fn a_cluster_node_cut_off_stops_acknowledging_writes() {
             &flag,
             "--control",
             &ctl,
-        ])
+        ];
+        args.extend_from_slice(extra);
+        Server::start(&args)
     };
-    let (a, b) = (start(1), start(2));
+    let (a, b) = (start(1, &[]), start(2, &["--metrics", &metrics]));
     wait_view(&sock(1), Duration::from_secs(20), |v| {
         node_state(v, 2) == "alive"
     });
+    wait_view(&sock(2), Duration::from_secs(20), |v| {
+        node_state(v, 1) == "alive"
+    });
+    let scrape = || http_get(metrics.parse().unwrap(), "/metrics").1;
+    let m = scrape();
+    assert!(m.contains("ironsan_cluster_serving{node=\"2\"} 1"), "{m}");
+    assert!(
+        m.contains(&format!(
+            "ironsan_cluster_node_up{{target=\"{target}\",node=\"1\"}} 1"
+        )),
+        "{m}"
+    );
     let addr = cluster_view(&sock(2))["address"]
         .as_str()
         .expect("node 2's address")
@@ -1482,6 +1497,8 @@ fn a_cluster_node_cut_off_stops_acknowledging_writes() {
     wait_view(&sock(2), Duration::from_secs(60), |v| {
         v["health"] == "fenced" || v["health"] == "partitioned"
     });
+    let m = scrape();
+    assert!(m.contains("ironsan_cluster_serving{node=\"2\"} 0"), "{m}");
     c.run("ceph", &["osd", "blocklist", "rm", &addr]);
     drop((a, b));
 }

@@ -173,6 +173,10 @@ pub struct Spec {
     pub count: Option<u64>,
     /// Stamp written blocks with their LBA and check the stamps of blocks read.
     pub verify: bool,
+    /// Every session registers a key and holds a Write Exclusive – All Registrants
+    /// persistent reservation, so that every command meets a reservation (and passes the
+    /// target's check); cleared after the run.
+    pub reserve: bool,
     /// Seed of the random LBAs.
     pub seed: u64,
     pub initiator_name: String,
@@ -191,6 +195,7 @@ impl Spec {
             duration: Duration::from_secs(10),
             count: None,
             verify: false,
+            reserve: false,
             seed: 1,
             initiator_name: "iqn.2026-11.org.ironsan:load".into(),
         }
@@ -454,7 +459,67 @@ pub async fn run(urls: &[Url], spec: &Spec) -> Result<Report> {
         _ => Duration::ZERO,
     };
     report.cpu = process_cpu().saturating_sub(cpu0);
+    if spec.reserve {
+        clear_reservation(&urls[0], spec).await?;
+    }
     Ok(report)
+}
+
+/// `Spec::reserve`: the load's reservation keys (the session index in the low bits).
+const RESERVE_KEY: u64 = 0x4c4f_4144_0000_0000;
+/// Write Exclusive – All Registrants.
+const WR_EX_AR: u8 = 0x7;
+
+/// PERSISTENT RESERVE OUT with a basic 24-byte parameter list, past unit attentions.
+async fn prout(
+    c: &mut Client,
+    lun: u64,
+    sa: u8,
+    ptype: u8,
+    key: u64,
+    sark: u64,
+) -> Result<crate::CommandResult> {
+    let mut cdb = [0u8; 10];
+    cdb[0] = 0x5F;
+    cdb[1] = sa;
+    cdb[2] = ptype;
+    cdb[8] = 24;
+    let mut p = vec![0u8; 24];
+    p[..8].copy_from_slice(&key.to_be_bytes());
+    p[8..16].copy_from_slice(&sark.to_be_bytes());
+    let mut r = c.command(lun, &cdb, Some(bytes::Bytes::from(p.clone())), 0).await?;
+    for _ in 0..4 {
+        if r.status != 2 || r.sense_key().map(|s| s.0) != Some(0x6) {
+            break;
+        }
+        r = c.command(lun, &cdb, Some(bytes::Bytes::from(p.clone())), 0).await?;
+    }
+    Ok(r)
+}
+
+/// After a run with `Spec::reserve`: one more I_T nexus registers and CLEARs every
+/// registration and the reservation.
+async fn clear_reservation(url: &Url, spec: &Spec) -> Result<()> {
+    let mut o = LoginOptions::new(Some(&url.target));
+    o.initiator_name = spec.initiator_name.clone();
+    let pid = (std::process::id() as u16).to_be_bytes();
+    o.isid = Isid([0x80, 0x4c, pid[0], pid[1], 0xff, 0xff]);
+    if let Some((u, s)) = &url.chap {
+        o.chap = Some(ChapOptions::new(u, s.as_bytes()));
+    }
+    let mut c = Client::login(url.addr, &o).await?;
+    let key = RESERVE_KEY | 0xffff;
+    for (sa, rk, sark) in [(0x06, 0, key), (0x03, key, 0)] {
+        let r = prout(&mut c, url.lun, sa, 0, rk, sark).await?;
+        if r.status != 0 {
+            return Err(Error::Protocol(format!(
+                "clearing the load's reservation (service action {sa}) failed: status {:#x}",
+                r.status
+            )));
+        }
+    }
+    let _ = c.logout().await;
+    Ok(())
 }
 
 /// The stamp of block `lba`: first 8 bytes, last 8 bytes.
@@ -702,6 +767,19 @@ impl Session {
             return Err(Error::Protocol(format!(
                 "--verify needs blocks of at least 16 bytes, the LUN has {block_size}"
             )));
+        }
+        if spec.reserve {
+            let key = RESERVE_KEY | u64::from(index);
+            // REGISTER AND IGNORE EXISTING KEY, then RESERVE (all registrants hold it).
+            for (sa, ptype, rk, sark) in [(0x06, 0, 0, key), (0x01, WR_EX_AR, key, 0)] {
+                let r = prout(&mut c, url.lun, sa, ptype, rk, sark).await?;
+                if r.status != 0 {
+                    return Err(Error::Protocol(format!(
+                        "PERSISTENT RESERVE OUT (service action {sa}) failed: status {:#x}",
+                        r.status
+                    )));
+                }
+            }
         }
         let bpc = u64::from(spec.io_bytes / block_size);
         let span = blocks / bpc;
