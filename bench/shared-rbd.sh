@@ -10,7 +10,7 @@
 # random writes (QD16 per session) and 512K sequential writes (QD4 per session), and 4K random
 # writes with every session holding a Write Exclusive – All Registrants reservation
 # (`ironsan load --reserve`: every command meets the reservation check). Rounds alternate one
-# node / two nodes; the medians and their ratio are printed (two nodes must not collapse: no
+# node / two nodes, in ABBA order; the medians and their ratio are printed (two nodes must not collapse: no
 # exclusive lock moves between them). Gateways, client, monitor and OSD float over every core
 # (--pin: gateways on CPU 0, client on CPU 1), so on a two-core host everything shares the
 # same cores and the ratio shows contention, not scaling.
@@ -112,10 +112,19 @@ for w in "randwrite-4k-qd16x2 --rw randwrite --bs 4096 --qd 16" \
     read -r name args <<<"$w"
     one=() two=()
     for r in $(seq "$ROUNDS"); do
-        # shellcheck disable=SC2086
-        one+=("$(load_iops "$URL_A" -- $args)")
-        # shellcheck disable=SC2086
-        two+=("$(load_iops "$URL_A" "$URL_B" -- $args)")
+        # ABBA: the order flips every round, so a drift of the cluster over time (the
+        # in-memory OSD slows as its objects fill) favours neither side.
+        if ((r % 2)); then
+            # shellcheck disable=SC2086
+            one+=("$(load_iops "$URL_A" -- $args)")
+            # shellcheck disable=SC2086
+            two+=("$(load_iops "$URL_A" "$URL_B" -- $args)")
+        else
+            # shellcheck disable=SC2086
+            two+=("$(load_iops "$URL_A" "$URL_B" -- $args)")
+            # shellcheck disable=SC2086
+            one+=("$(load_iops "$URL_A" -- $args)")
+        fi
         note "$name round $r: one node ${one[-1]} IOPS, two nodes ${two[-1]} IOPS"
     done
     m1=$(median "${one[@]}") m2=$(median "${two[@]}")

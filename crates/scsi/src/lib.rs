@@ -492,6 +492,7 @@ impl Target {
         }
 
         let data = match op {
+            op if spc::not_offered(lu.config(), op) => Err(SenseReason::InvalidOpcode),
             TEST_UNIT_READY => Ok(Bytes::new()),
             REQUEST_SENSE => spc::request_sense(lu, nexus, cdb),
             INQUIRY => spc::inquiry(lu, &self.alua, nexus, cdb),
@@ -514,7 +515,6 @@ impl Target {
                 _ => spc::report_supported_opcodes(cdb, lu.config()),
             },
             MAINTENANCE_OUT => self.set_target_port_groups(nexus, cdb, &cmd.data_out),
-            op if spc::not_offered(lu.config(), op) => Err(SenseReason::InvalidOpcode),
             PERSISTENT_RESERVE_IN => pr::persistent_reserve_in(lu, cdb),
             PERSISTENT_RESERVE_OUT => {
                 let out = match &lu.config().cluster {

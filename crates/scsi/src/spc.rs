@@ -456,13 +456,14 @@ fn timeouts_descriptor(out: &mut Vec<u8>) {
 
 /// Whether `op` is left out on this LU: on an `LuConfig::shared` LU, the commands only
 /// atomic or enforced inside this process — ORWRITE (a read-modify-write under this
-/// process's range lock) and, unless the reservations are shared with the other nodes
-/// (`LuConfig::cluster`), PERSISTENT RESERVE IN/OUT.
+/// process's range lock), SPC-2 RESERVE/RELEASE (held in this process) and, unless the
+/// reservations are shared with the other nodes (`LuConfig::cluster`), PERSISTENT RESERVE
+/// IN/OUT.
 pub(crate) fn not_offered(cfg: &crate::LuConfig, op: u8) -> bool {
     cfg.shared
         && match op {
             PERSISTENT_RESERVE_IN | PERSISTENT_RESERVE_OUT => cfg.cluster.is_none(),
-            ORWRITE_16 => true,
+            ORWRITE_16 | RESERVE_6 | RESERVE_10 | RELEASE_6 | RELEASE_10 => true,
             _ => false,
         }
 }

@@ -349,6 +349,10 @@ async fn a_shared_lu_offers_no_process_local_reservations_or_read_modify_writes(
     assert_eq!(sense(&r), (0x5, 0x20, 0x00));
     let r = run_data(&t, &cdb16(0x8B, 0, 1), &[0u8; 512]).await;
     assert_eq!(sense(&r), (0x5, 0x20, 0x00), "ORWRITE");
+    for cdb in [[0x16u8, 0, 0, 0, 0, 0], [0x17, 0, 0, 0, 0, 0]] {
+        let r = run(&t, &cdb).await;
+        assert_eq!(sense(&r), (0x5, 0x20, 0x00), "SPC-2 {:#x}", cdb[0]);
+    }
     let caw = {
         let mut c = cdb16(0x89, 0, 0);
         c[13] = 1;
@@ -366,7 +370,7 @@ async fn a_shared_lu_offers_no_process_local_reservations_or_read_modify_writes(
     let all = run(&t, &rsoc(0, 0, 0, 65535)).await;
     let list = good(&all)[4..].to_vec();
     let ops: Vec<u8> = list.chunks(8).map(|d| d[0]).collect();
-    for op in [0x5E, 0x5F, 0x8B] {
+    for op in [0x5E, 0x5F, 0x8B, 0x16, 0x17, 0x56, 0x57] {
         assert!(!ops.contains(&op), "{op:#x} listed: {ops:02x?}");
     }
     assert!(ops.contains(&0x89) && ops.contains(&0x8A), "{ops:02x?}");
