@@ -291,16 +291,8 @@ async fn prout(
     rk: u64,
     sark: u64,
 ) -> Result<u8, String> {
-    let mut cdb = [0u8; 10];
-    cdb[0] = 0x5F;
-    cdb[1] = sa;
-    cdb[2] = ptype;
-    cdb[8] = 24;
-    let mut p = vec![0u8; 24];
-    p[0..8].copy_from_slice(&rk.to_be_bytes());
-    p[8..16].copy_from_slice(&sark.to_be_bytes());
-    p[20] = 0x01; // APTPL
-    c.command(0, &cdb, Some(p.into()), 0)
+    let (cdb, p) = ironsan_initiator::prout_basic(sa, ptype, rk, sark, true);
+    c.command(0, &cdb, Some(p), 0)
         .await
         .map(|r| r.status)
         .map_err(|e| e.to_string())

@@ -97,6 +97,18 @@ impl Cluster {
     }
 
     /// The `--lun` spec of `image` with `extra` options.
+    /// A 64 MiB image several nodes may serve (`layering` only: no exclusive lock).
+    fn create_shareable(&self, image: &str) {
+        self.rbd(&[
+            "create",
+            "--size",
+            "64M",
+            "--image-feature",
+            "layering",
+            &format!("rbd/{image}"),
+        ]);
+    }
+
     fn spec(&self, image: &str, extra: &str) -> String {
         format!("rbd:rbd/{image},conf={}{extra}", self.conf().display())
     }
@@ -894,14 +906,7 @@ fn shared_objects_compare_and_set_watch_notify_and_fence() {
 #[test]
 fn two_gateways_serve_one_shared_image_active_active() {
     let Some(c) = Cluster::shared() else { return };
-    c.rbd(&[
-        "create",
-        "--size",
-        "64M",
-        "--image-feature",
-        "layering",
-        "rbd/aa",
-    ]);
+    c.create_shareable("aa");
     let spec = c.spec("aa", ",shared");
     let a = Server::start(&["--lun", &spec]);
     let b = Server::start(&["--lun", &spec]);
@@ -1059,6 +1064,24 @@ fn cluster_flag(c: &Cluster, n: u16) -> String {
     )
 }
 
+/// Node `n` of a cluster serving `target` with `luns`, its control socket at `sock`.
+fn start_node(
+    c: &Cluster,
+    n: u16,
+    target: &str,
+    luns: &[&str],
+    sock: &Path,
+    extra: &[&str],
+) -> Server {
+    let (flag, ctl) = (cluster_flag(c, n), sock.display().to_string());
+    let mut args = vec!["--target", target, "--cluster", &flag, "--control", &ctl];
+    for l in luns {
+        args.extend_from_slice(&["--lun", l]);
+    }
+    args.extend_from_slice(extra);
+    Server::start(&args)
+}
+
 /// `ironsan ctl cluster --json` of the node with control socket `sock`.
 fn cluster_view(sock: &Path) -> serde_json::Value {
     let out = run_stdout(
@@ -1144,15 +1167,8 @@ async fn prout(
     key: u64,
     sark: u64,
 ) -> ironsan_initiator::CommandResult {
-    let mut cdb = [0u8; 10];
-    cdb[0] = 0x5F;
-    cdb[1] = sa;
-    cdb[2] = ptype;
-    cdb[8] = 24;
-    let mut p = vec![0u8; 24];
-    p[..8].copy_from_slice(&key.to_be_bytes());
-    p[8..16].copy_from_slice(&sark.to_be_bytes());
-    past_uas(cl, &cdb, Some(Bytes::from(p)), 0).await
+    let (cdb, p) = ironsan_initiator::prout_basic(sa, ptype, key, sark, false);
+    past_uas(cl, &cdb, Some(p), 0).await
 }
 
 /// PERSISTENT RESERVE IN READ KEYS on LUN 1: (PRGENERATION, keys).
@@ -1192,14 +1208,7 @@ const K3: u64 = 0x3333;
 fn a_cluster_of_two_nodes_shares_reservations_and_membership() {
     let Some(c) = Cluster::shared() else { return };
     for img in ["cl0", "cl1"] {
-        c.rbd(&[
-            "create",
-            "--size",
-            "64M",
-            "--image-feature",
-            "layering",
-            &format!("rbd/{img}"),
-        ]);
+        c.create_shareable(img);
     }
     let target = "iqn.2026-11.org.ironsan:cluster-pr";
     let socks = tempfile::tempdir().unwrap();
@@ -1208,21 +1217,7 @@ fn a_cluster_of_two_nodes_shares_reservations_and_membership() {
     // Node 1 holds writes to LUN 1 for 3 s, so that one is in flight when it is preempted.
     let lun1_held = c.spec("cl1", ",shared,fault=write@*:delay=3s");
     let lun1 = c.spec("cl1", ",shared");
-    let start = |n: u16, lun1: &str| {
-        let (flag, ctl) = (cluster_flag(c, n), sock(n).display().to_string());
-        Server::start(&[
-            "--target",
-            target,
-            "--lun",
-            &lun0,
-            "--lun",
-            lun1,
-            "--cluster",
-            &flag,
-            "--control",
-            &ctl,
-        ])
-    };
+    let start = |n: u16, lun1: &str| start_node(c, n, target, &[&lun0, lun1], &sock(n), &[]);
     let a = start(1, &lun1_held);
     let mut b = start(2, &lun1);
     let both_up = |v: &serde_json::Value| {
@@ -1405,37 +1400,14 @@ fn a_cluster_of_two_nodes_shares_reservations_and_membership() {
 fn a_cluster_node_cut_off_stops_acknowledging_writes() {
     let Some(c) = Cluster::shared() else { return };
     for img in ["cut0", "cut1"] {
-        c.rbd(&[
-            "create",
-            "--size",
-            "64M",
-            "--image-feature",
-            "layering",
-            &format!("rbd/{img}"),
-        ]);
+        c.create_shareable(img);
     }
     let target = "iqn.2026-11.org.ironsan:cluster-cut";
     let socks = tempfile::tempdir().unwrap();
     let sock = |n: u16| socks.path().join(format!("n{n}.sock"));
     let (lun0, lun1) = (c.spec("cut0", ",shared"), c.spec("cut1", ",shared"));
     let metrics = format!("127.0.0.1:{}", free_port());
-    let start = |n: u16, extra: &[&str]| {
-        let (flag, ctl) = (cluster_flag(c, n), sock(n).display().to_string());
-        let mut args = vec![
-            "--target",
-            target,
-            "--lun",
-            &lun0,
-            "--lun",
-            &lun1,
-            "--cluster",
-            &flag,
-            "--control",
-            &ctl,
-        ];
-        args.extend_from_slice(extra);
-        Server::start(&args)
-    };
+    let start = |n: u16, extra: &[&str]| start_node(c, n, target, &[&lun0, &lun1], &sock(n), extra);
     let (a, b) = (start(1, &[]), start(2, &["--metrics", &metrics]));
     wait_view(&sock(1), Duration::from_secs(20), |v| {
         node_state(v, 2) == "alive"

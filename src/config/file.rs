@@ -344,9 +344,9 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
             .ok_or_else(|| at(g.tag.span(), "portal group tag must be 1 to 65535".into()))?;
         if portal_groups.iter().any(|x: &PortalGroup| x.tag == tag) {
             let why = if tag == listen_tag && cfg.listen.is_some() {
-                " (listen = [...] is this portal group)"
+                format!(" (listen = [...] is portal group {listen_tag})")
             } else {
-                ""
+                String::new()
             };
             return Err(at(
                 g.tag.span(),

@@ -36,6 +36,22 @@ fn get_key(pairs: &[(String, String)], key: &str) -> Option<String> {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// A PERSISTENT RESERVE OUT (SPC-4) with the basic 24-byte parameter list: its CDB (service
+/// action `sa`, reservation type `ptype`) and parameters (RESERVATION KEY `key`, SERVICE
+/// ACTION RESERVATION KEY `sark`, APTPL as given).
+pub fn prout_basic(sa: u8, ptype: u8, key: u64, sark: u64, aptpl: bool) -> ([u8; 10], Bytes) {
+    let mut cdb = [0u8; 10];
+    cdb[0] = 0x5F;
+    cdb[1] = sa;
+    cdb[2] = ptype;
+    cdb[8] = 24;
+    let mut p = vec![0u8; 24];
+    p[..8].copy_from_slice(&key.to_be_bytes());
+    p[8..16].copy_from_slice(&sark.to_be_bytes());
+    p[20] = u8::from(aptpl);
+    (cdb, Bytes::from(p))
+}
+
 /// The CDB of a READ(16) of `blocks` blocks at `lba`.
 pub fn read16_cdb(lba: u64, blocks: u32) -> [u8; 16] {
     let mut cdb = [0u8; 16];

@@ -479,20 +479,13 @@ async fn prout(
     key: u64,
     sark: u64,
 ) -> Result<crate::CommandResult> {
-    let mut cdb = [0u8; 10];
-    cdb[0] = 0x5F;
-    cdb[1] = sa;
-    cdb[2] = ptype;
-    cdb[8] = 24;
-    let mut p = vec![0u8; 24];
-    p[..8].copy_from_slice(&key.to_be_bytes());
-    p[8..16].copy_from_slice(&sark.to_be_bytes());
-    let mut r = c.command(lun, &cdb, Some(bytes::Bytes::from(p.clone())), 0).await?;
+    let (cdb, p) = crate::prout_basic(sa, ptype, key, sark, false);
+    let mut r = c.command(lun, &cdb, Some(p.clone()), 0).await?;
     for _ in 0..4 {
         if r.status != 2 || r.sense_key().map(|s| s.0) != Some(0x6) {
             break;
         }
-        r = c.command(lun, &cdb, Some(bytes::Bytes::from(p.clone())), 0).await?;
+        r = c.command(lun, &cdb, Some(p.clone()), 0).await?;
     }
     Ok(r)
 }
