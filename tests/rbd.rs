@@ -1347,6 +1347,22 @@ fn a_cluster_of_two_nodes_shares_reservations_and_membership() {
         assert_eq!(read_keys(&mut i1).await.1, vec![K2]);
     });
 
+    // A node that answers cannot be forgotten, nor can a node forget itself.
+    let ctl = |n: u16, args: &[&str]| {
+        let sock = sock(n).display().to_string();
+        let mut a = vec!["ctl", "--control", sock.as_str()];
+        a.extend_from_slice(args);
+        run_unchecked(bin(), &a, Duration::from_secs(30))
+    };
+    for (n, says) in [("2", "answers the heartbeat"), ("1", "is this node")] {
+        let out = ctl(1, &["cluster", "forget", n]);
+        assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(says),
+            "{}",
+            show(&out)
+        );
+    }
     // Node 2 killed: node 1 reports its group unavailable; a reservation change through
     // node 1 completes (node 2, which cannot confirm, is fenced first).
     b.kill9();
@@ -1373,7 +1389,19 @@ fn a_cluster_of_two_nodes_shares_reservations_and_membership() {
             t0.elapsed()
         );
     });
-    // Node 2 comes back: it has caught up before it serves, and node 1 sees it active.
+    // Forgotten (out of service for good), node 2 leaves node 1's port groups.
+    let out = ctl(1, &["cluster", "forget", "2"]);
+    assert!(out.status.success(), "{}", show(&out));
+    rt().block_on(async {
+        let mut i4 = login_as(&a, "iqn.2026-11.org.test:four").await;
+        assert_eq!(
+            port_groups(&mut i4).await,
+            vec![(1, 0, vec![1])],
+            "node 2 forgotten"
+        );
+    });
+    // Node 2 comes back: it registers anew, has caught up before it serves, and node 1 sees
+    // it active.
     b.start_again();
     wait_view(&sock(1), Duration::from_secs(20), |v| {
         node_state(v, 2) == "alive"

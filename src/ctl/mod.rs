@@ -99,8 +99,11 @@ enum CtlCmd {
     },
     /// This node's cluster of gateways ([cluster]): its standing, every node per target with
     /// its state, ports and portals, and per shared LUN the reservation record each node
-    /// applied.
-    Cluster,
+    /// applied; `forget N` removes a node taken out of service for good.
+    Cluster {
+        #[command(subcommand)]
+        cmd: Option<ClusterCmd>,
+    },
     /// Reconcile the running state to a configuration file (targets, LUNs, portals, ACLs,
     /// limits, ALUA groups); prints each change.
     Apply {
@@ -214,6 +217,16 @@ enum AclCmd {
 }
 
 #[derive(Subcommand, Debug, Clone, PartialEq)]
+enum ClusterCmd {
+    /// Remove node N's registration (a node taken out of service for good; refused while it
+    /// answers the heartbeat). It registers again if it is started again.
+    Forget {
+        /// The node's number.
+        node: u16,
+    },
+}
+
+#[derive(Subcommand, Debug, Clone, PartialEq)]
 enum AluaCmd {
     /// Change a target port group's access state; initiators get ASYMMETRIC ACCESS STATE
     /// CHANGED.
@@ -288,7 +301,10 @@ impl CtlCmd {
             CtlCmd::Portal(PortalCmd::Remove { addr }) => words(&["portal", "remove", addr]),
             CtlCmd::Acl(AclCmd::Add { target, rule }) => words(&["acl", "add", target, rule]),
             CtlCmd::Acl(AclCmd::Remove { target, rule }) => words(&["acl", "remove", target, rule]),
-            CtlCmd::Cluster => words(&["cluster"]),
+            CtlCmd::Cluster { cmd: None } => words(&["cluster"]),
+            CtlCmd::Cluster {
+                cmd: Some(ClusterCmd::Forget { node }),
+            } => words(&["cluster", "forget", &node.to_string()]),
             CtlCmd::Alua { target, cmd: None } => opt(&["alua"], target),
             CtlCmd::Alua {
                 cmd:

@@ -334,7 +334,7 @@ pub(super) fn render(cmd: &CtlCmd, data: &Value) -> String {
         CtlCmd::Targets => render_targets(data),
         CtlCmd::Luns { .. } => render_luns(data),
         CtlCmd::Stats { .. } => render_stats(data),
-        CtlCmd::Cluster => render_cluster(data),
+        CtlCmd::Cluster { cmd: None } => render_cluster(data),
         CtlCmd::Alua { cmd: None, .. } => {
             let empty = Vec::new();
             let rows = data

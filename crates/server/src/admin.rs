@@ -507,6 +507,11 @@ impl Control {
         self.shared.cluster.get()
     }
 
+    fn cluster_node(&self) -> Result<&Arc<crate::cluster::ClusterNode>, String> {
+        self.cluster()
+            .ok_or_else(|| "this node is not part of a cluster (no [cluster] or --cluster)".into())
+    }
+
     /// The LU at `lun` of `target`, if both exist.
     pub fn scsi_lun(&self, target: &str, lun: u64) -> Option<Arc<LogicalUnit>> {
         self.target(target).ok()?.scsi().lun(lun).cloned()
@@ -754,12 +759,13 @@ impl Control {
             ["show", "target", t] => self.show_target(t),
             ["counters"] => Ok(self.counters()),
             ["stats"] => crate::metrics::stats_view(self, None),
-            ["cluster"] => match self.cluster() {
-                Some(node) => Ok(node.status()),
-                None => {
-                    Err("this node is not part of a cluster (no [cluster] or --cluster)".into())
-                }
-            },
+            ["cluster"] => self.cluster_node().map(|c| c.status()),
+            ["cluster", "forget", n] => {
+                let n = u16::try_from(num(n, "node")?)
+                    .map_err(|_| format!("node '{n}' is not a node number"))?;
+                let node = Arc::clone(self.cluster_node()?);
+                ok(node.forget(n)?)
+            }
             ["stats", t] => crate::metrics::stats_view(self, Some(t)),
             ["lun", "add", t, spec] | ["lun", "add", t, spec, _] => {
                 let want = match a.get(4) {

@@ -338,7 +338,7 @@ impl ClusterNode {
         });
         lock(&self.targets).insert(target.to_string(), Arc::clone(&agent));
         self.watch(&agent).map_err(fail)?;
-        self.catch_up(&agent).map_err(fail)?;
+        self.catch_up(&agent, true).map_err(fail)?;
         self.ping(&agent);
         self.publish_groups(&agent);
         tracing::info!(
@@ -377,12 +377,15 @@ impl ClusterNode {
         Ok(())
     }
 
-    /// Read the object: the registrations, and every LU's record (applied without events:
-    /// they are old news to the nexuses this node has).
-    fn catch_up(&self, agent: &TargetAgent) -> Result<(), SharedError> {
+    /// Read the object: the registrations and, with `records` (joining, or back in touch
+    /// after a broken watch), every LU's record, applied without events (old news to the
+    /// nexuses this node has). While the watch stands, records arrive only by notify: a
+    /// heartbeat that read a record before its notify was handled would apply it without the
+    /// unit attentions and aborts the notify carries.
+    fn catch_up(&self, agent: &TargetAgent, records: bool) -> Result<(), SharedError> {
         let cur = self.pool.read(&agent.oid)?;
         let obj = parse_object(cur.as_ref().map(|v| v.data.as_slice()))?;
-        if let Some(control) = self.control.get() {
+        if let Some(control) = self.control.get().filter(|_| records) {
             for (lun, record) in &obj.luns {
                 if let Some(lu) = control.scsi_lun(&agent.name, *lun) {
                     if lu.config().cluster.is_some() {
@@ -524,7 +527,7 @@ impl ClusterNode {
         if partitioned {
             let back = agents
                 .iter()
-                .try_for_each(|a| self.watch(a).and_then(|()| self.catch_up(a)));
+                .try_for_each(|a| self.watch(a).and_then(|()| self.catch_up(a, true)));
             match back {
                 Ok(()) => {
                     tracing::warn!(
@@ -551,7 +554,7 @@ impl ClusterNode {
                 }
                 Some(Ok(_)) => {}
             }
-            if let Err(e) = self.catch_up(a) {
+            if let Err(e) = self.catch_up(a, false) {
                 self.failed(&e);
                 return;
             }
@@ -733,6 +736,47 @@ impl ClusterNode {
         if let Err(e) = self.pool.notify(&agent.oid, &msg, self.cfg.notify_timeout) {
             tracing::warn!(target, lun, "telling the other nodes of a LUN reset: {e}");
         }
+    }
+
+    /// `ctl cluster forget N`: remove node `n`'s registration from every target's object, for
+    /// a node taken out of service for good (else it stays, unavailable, and every
+    /// reservation change fences its address). Refused for this node and for a node that
+    /// answered the last heartbeat; a forgotten node that starts again registers anew.
+    pub fn forget(&self, n: u16) -> Result<String, String> {
+        if n == self.cfg.node {
+            return Err(format!("node {n} is this node"));
+        }
+        let agents: Vec<Arc<TargetAgent>> = lock(&self.targets).values().cloned().collect();
+        if agents
+            .iter()
+            .any(|a| lock(&a.view).get(&n).is_some_and(|v| v.alive))
+        {
+            return Err(format!(
+                "node {n} answers the heartbeat: stop it first (or it would register again)"
+            ));
+        }
+        let mut found = 0;
+        for a in &agents {
+            let gone = self
+                .pool
+                .update(&a.oid, 50, |cur| {
+                    let mut obj = parse_object(cur).ok()?;
+                    obj.nodes.remove(&n)?;
+                    Some(encode(&obj))
+                })
+                .is_ok_and(|v| {
+                    parse_object(Some(&v.data)).is_ok_and(|o| !o.nodes.contains_key(&n))
+                });
+            if gone && lock(&a.view).remove(&n).is_some() {
+                found += 1;
+            }
+            self.publish_groups(a);
+        }
+        if found == 0 {
+            return Err(format!("no node {n} is registered"));
+        }
+        tracing::warn!(node = n, "cluster: node {n} forgotten ({found} target(s))");
+        Ok(format!("node {n} forgotten ({found} target(s))"))
     }
 
     /// `ctl cluster`: this node, every node per target with its state, and per shared LUN the
