@@ -243,6 +243,9 @@ fn build_lu(
     if backend.size() < l.block_size as u64 {
         anyhow::bail!("LUN {n}: size {} is smaller than one block", backend.size());
     }
+    // An image several nodes serve: nothing atomic only within this process is offered; on
+    // a cluster node its reservations live in the cluster.
+    let shared = matches!(&l.backing, Backing::Rbd(r) if r.shared);
     // Configured (so it survives a renamed target), else derived from the name and number.
     let naa = l
         .naa
@@ -256,12 +259,10 @@ fn build_lu(
         naa,
         // Persistent reservations with APTPL are saved here (SPC-4 §5.13).
         state_dir: Some(lu_state_dir(data_dir, target, n)),
-        // An image several nodes serve: nothing atomic only within this process is offered;
-        // on a cluster node its reservations live in the cluster.
-        shared: matches!(&l.backing, Backing::Rbd(r) if r.shared),
+        shared,
         cluster: CLUSTER
             .get()
-            .filter(|_| matches!(&l.backing, Backing::Rbd(r) if r.shared))
+            .filter(|_| shared)
             .map(|c| c.lun_store(target, n as u64)),
         ..Default::default()
     };

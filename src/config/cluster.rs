@@ -37,6 +37,19 @@ fn host_name() -> String {
         .unwrap_or_else(|| "ironsan".into())
 }
 
+/// Node `node` on `pool` with every other key at its default.
+fn defaults(node: u16, pool: &str) -> ClusterConfig {
+    ClusterConfig {
+        node,
+        name: host_name(),
+        pool: pool.to_string(),
+        conf: None,
+        id: "admin".into(),
+        heartbeat: DEFAULT_HEARTBEAT,
+        notify_timeout: DEFAULT_NOTIFY_TIMEOUT,
+    }
+}
+
 fn node_number(n: i64) -> Result<u16, String> {
     u16::try_from(n)
         .ok()
@@ -79,15 +92,16 @@ pub(super) fn cluster_from_file(
         Some(h) => interval("notify_timeout", h.get_ref()).map_err(|e| at(h.span(), e))?,
         None => DEFAULT_NOTIFY_TIMEOUT,
     };
-    let cfg = ClusterConfig {
-        node,
-        name: f.name.clone().unwrap_or_else(host_name),
-        pool: f.pool.get_ref().clone(),
-        conf: f.conf.as_ref().map(PathBuf::from),
-        id: f.id.clone().unwrap_or_else(|| "admin".into()),
-        heartbeat,
-        notify_timeout,
-    };
+    let mut cfg = defaults(node, f.pool.get_ref());
+    cfg.heartbeat = heartbeat;
+    cfg.notify_timeout = notify_timeout;
+    cfg.conf = f.conf.as_ref().map(PathBuf::from);
+    if let Some(n) = &f.name {
+        cfg.name = n.clone();
+    }
+    if let Some(id) = &f.id {
+        cfg.id = id.clone();
+    }
     check_name("name", &cfg.name).map_err(|e| at(c.span(), e))?;
     check_name("id", &cfg.id).map_err(|e| at(c.span(), e))?;
     Ok(cfg)
@@ -95,15 +109,7 @@ pub(super) fn cluster_from_file(
 
 /// `--cluster node=N,pool=POOL[,conf=PATH][,id=NAME][,name=NAME][,heartbeat=D][,notify_timeout=D]`.
 pub(crate) fn parse_cluster_flag(v: &str) -> Result<ClusterConfig, String> {
-    let mut cfg = ClusterConfig {
-        node: 0,
-        name: host_name(),
-        pool: String::new(),
-        conf: None,
-        id: "admin".into(),
-        heartbeat: DEFAULT_HEARTBEAT,
-        notify_timeout: DEFAULT_NOTIFY_TIMEOUT,
-    };
+    let mut cfg = defaults(0, "");
     for part in v.split(',') {
         let (k, val) = part
             .split_once('=')

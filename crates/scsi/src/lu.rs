@@ -363,14 +363,21 @@ impl LogicalUnit {
         self.pr_serial.store(rec.serial, Ordering::Release);
         drop(g);
         if events {
-            for (who, ua) in rec.uas {
-                self.establish_unit_attention_for(&who, ua);
-            }
-            if !rec.aborts.is_empty() {
-                lock(&self.pr_aborts).extend(rec.aborts);
-            }
+            self.pr_changed(rec.uas, rec.aborts);
         }
         Ok(true)
+    }
+
+    /// What a persistent-reservation change sets off once it is the state: its unit
+    /// attentions for the named I_T nexuses, and PREEMPT AND ABORT's victims queued for
+    /// [`LogicalUnit::take_pr_aborts`].
+    pub(crate) fn pr_changed(&self, uas: Vec<(PortPair, UnitAttention)>, aborts: Vec<PortPair>) {
+        for (who, ua) in uas {
+            self.establish_unit_attention_for(&who, ua);
+        }
+        if !aborts.is_empty() {
+            lock(&self.pr_aborts).extend(aborts);
+        }
     }
 
     /// The serial of the shared persistent-reservation record this node applied (0: none).

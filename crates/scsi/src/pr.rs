@@ -525,12 +525,7 @@ pub(crate) fn persistent_reserve_out(
     }
     *guard = st;
     drop(guard);
-    for (who, ua) in fx.uas {
-        lu.establish_unit_attention_for(&who, ua);
-    }
-    if !fx.aborts.is_empty() {
-        crate::lu::lock(&lu.pr_aborts).extend(fx.aborts);
-    }
+    lu.pr_changed(fx.uas, fx.aborts);
     Ok(out)
 }
 

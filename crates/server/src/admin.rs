@@ -527,14 +527,18 @@ impl Control {
     }
 
     /// A LOGICAL UNIT RESET of `target`'s `lun` made through another node of a cluster:
-    /// every task on the LU is aborted (each initiator that loses one is told with POWER
-    /// ON, RESET, OR BUS DEVICE RESET OCCURRED, as every I_T nexus is) and the LU is reset.
+    /// every task on the LU is aborted and the LU is reset (POWER ON, RESET, OR BUS DEVICE
+    /// RESET OCCURRED for every I_T nexus, also one whose only commands were aborted).
     pub fn reset_lun(&self, target: &str, lun: u64) {
         let Some(lu) = self.scsi_lun(target, lun) else {
             return;
         };
         for s in self.sessions_of(Some(target)) {
-            s.abort_where(false, |_, task| task.lun == lun);
+            // As for a LUN RESET through this node: a nexus whose only commands here were
+            // aborted (writes waiting for data) is told too.
+            if s.abort_where(false, |_, task| task.lun == lun) > 0 {
+                lu.establish_unit_attention_on(&s.nexus, ironsan_scsi::UnitAttention::PowerOnReset);
+            }
         }
         lu.reset();
     }

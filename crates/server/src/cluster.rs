@@ -213,6 +213,11 @@ impl ClusterNode {
         }))
     }
 
+    /// The targets this node serves in the cluster, now.
+    fn agents(&self) -> Vec<Arc<TargetAgent>> {
+        lock(&self.targets).values().cloned().collect()
+    }
+
     /// The RADOS client shared RBD LUNs of this node use.
     pub fn client(&self) -> RadosClient {
         self.pool.client()
@@ -299,36 +304,33 @@ impl ClusterNode {
             );
             self.fence(&old.address).map_err(fail)?;
         }
-        let refused: Arc<Mutex<Option<String>>> = Arc::default();
-        let refused2 = Arc::clone(&refused);
-        let mine = entry.clone();
-        self.pool
-            .update(&oid, 50, move |cur| {
+        let mut refused = None;
+        let written = self
+            .pool
+            .update(&oid, 50, |cur| {
                 let mut obj = match parse_object(cur) {
                     Ok(o) => o,
                     Err(e) => {
-                        *lock(&refused2) = Some(e);
+                        refused = Some(e);
                         return None;
                     }
                 };
                 for (n, other) in obj.nodes.iter().filter(|(n, _)| **n != me) {
-                    if let Some(p) = mine.ports.iter().find(|p| other.ports.contains(p)) {
-                        *lock(&refused2) = Some(format!(
+                    if let Some(p) = entry.ports.iter().find(|p| other.ports.contains(p)) {
+                        refused = Some(format!(
                             "portal group tag {p} is node {n}'s ({}): give every node its own portal group tags",
                             other.name
                         ));
                         return None;
                     }
                 }
-                obj.nodes.insert(me, mine.clone());
+                obj.nodes.insert(me, entry.clone());
                 Some(encode(&obj))
             })
-            .map_err(|e| match lock(&refused).take() {
-                Some(r) => format!("[cluster] target {target}: {r}"),
-                None => fail(e),
-            })?;
-        if let Some(r) = lock(&refused).take() {
-            return Err(format!("[cluster] target {target}: {r}"));
+            .map_err(fail)?;
+        if written.is_none() {
+            let why = refused.unwrap_or_else(|| "not registered".into());
+            return Err(format!("[cluster] target {target}: {why}"));
         }
         let agent = Arc::new(TargetAgent {
             name: target.to_string(),
@@ -465,7 +467,7 @@ impl ClusterNode {
         }
         // A node that may have missed changes does not acknowledge: better fenced than
         // enforcing a stale state.
-        if *lock(&self.health) != Health::Serving {
+        if !self.serving() {
             return;
         }
         let ack = Ack {
@@ -519,7 +521,7 @@ impl ClusterNode {
 
     /// One heartbeat: back in touch if the watch broke, the registrations, a ping.
     fn tick(self: &Arc<Self>) {
-        let agents: Vec<Arc<TargetAgent>> = lock(&self.targets).values().cloned().collect();
+        let agents = self.agents();
         if matches!(*lock(&self.health), Health::Fenced(_)) {
             return;
         }
@@ -596,8 +598,7 @@ impl ClusterNode {
     }
 
     fn publish_all_groups(&self) {
-        let agents: Vec<Arc<TargetAgent>> = lock(&self.targets).values().cloned().collect();
-        for a in agents {
+        for a in self.agents() {
             self.publish_groups(&a);
         }
     }
@@ -608,7 +609,7 @@ impl ClusterNode {
         let Some(control) = self.control.get() else {
             return;
         };
-        let serving = *lock(&self.health) == Health::Serving;
+        let serving = self.serving();
         let groups: Vec<PortGroup> = lock(&agent.view)
             .iter()
             .filter(|(_, v)| !v.entry.ports.is_empty())
@@ -674,53 +675,61 @@ impl ClusterNode {
             .cloned()
             .ok_or_else(|| format!("target {target} has not joined the cluster"))?;
         let oid = &agent.oid;
-        for _ in 0..50 {
-            let cur = self.pool.read(oid).map_err(|e| e.to_string())?;
-            let mut obj = parse_object(cur.as_ref().map(|v| v.data.as_slice()))?;
-            let Some(record) = change(obj.luns.get(&lun).map(String::as_str)) else {
-                return Ok(None);
-            };
-            obj.luns.insert(lun, record.clone());
-            let expect = cur.as_ref().map(|v| v.version);
-            if self
-                .pool
-                .replace(oid, expect, &encode(&obj))
-                .map_err(|e| e.to_string())?
-                .is_none()
-            {
-                continue; // another node changed the object first: again, on its version
-            }
-            let serial = ironsan_scsi::pr_record_serial(&record).unwrap_or(u64::MAX);
-            let msg = encode(&Message::Pr {
-                lun,
-                record: record.clone(),
-            });
-            let reply = self
-                .pool
-                .notify(oid, &msg, self.cfg.notify_timeout)
-                .map_err(|e| e.to_string())?;
-            let acked: BTreeSet<u16> = reply
-                .acks
-                .iter()
-                .filter_map(|(_, _, p)| serde_json::from_slice::<Ack>(p).ok())
-                .filter(|a| a.applied.get(&lun).is_some_and(|s| *s >= serial))
-                .map(|a| a.node)
-                .collect();
-            for (n, entry) in obj.nodes.iter().filter(|(n, _)| **n != self.cfg.node) {
-                if !acked.contains(n) {
-                    tracing::warn!(
-                        target,
-                        lun,
-                        node = n,
-                        address = %entry.address,
-                        "node {n} did not confirm a reservation change: fencing it"
-                    );
-                    self.fence(&entry.address).map_err(|e| e.to_string())?;
-                }
-            }
-            return Ok(Some(record));
+        // The record and the registrations as written by the attempt that succeeded.
+        let mut written: Option<(String, TargetObject)> = None;
+        let mut unreadable = None;
+        let done = self
+            .pool
+            .update(oid, 50, |cur| {
+                let mut obj = match parse_object(cur) {
+                    Ok(o) => o,
+                    Err(e) => {
+                        unreadable = Some(e);
+                        return None;
+                    }
+                };
+                let record = change(obj.luns.get(&lun).map(String::as_str))?;
+                obj.luns.insert(lun, record.clone());
+                let data = encode(&obj);
+                written = Some((record, obj));
+                Some(data)
+            })
+            .map_err(|e| e.to_string())?;
+        if let Some(e) = unreadable {
+            return Err(e);
         }
-        Err(format!("{oid}: 50 concurrent changes in a row, giving up"))
+        let (Some(_), Some((record, obj))) = (done, written) else {
+            return Ok(None);
+        };
+        let serial = ironsan_scsi::pr_record_serial(&record).unwrap_or(u64::MAX);
+        let msg = encode(&Message::Pr {
+            lun,
+            record: record.clone(),
+        });
+        let reply = self
+            .pool
+            .notify(oid, &msg, self.cfg.notify_timeout)
+            .map_err(|e| e.to_string())?;
+        let acked: BTreeSet<u16> = reply
+            .acks
+            .iter()
+            .filter_map(|(_, _, p)| serde_json::from_slice::<Ack>(p).ok())
+            .filter(|a| a.applied.get(&lun).is_some_and(|s| *s >= serial))
+            .map(|a| a.node)
+            .collect();
+        for (n, entry) in obj.nodes.iter().filter(|(n, _)| **n != self.cfg.node) {
+            if !acked.contains(n) {
+                tracing::warn!(
+                    target,
+                    lun,
+                    node = n,
+                    address = %entry.address,
+                    "node {n} did not confirm a reservation change: fencing it"
+                );
+                self.fence(&entry.address).map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(Some(record))
     }
 
     /// Tell the other nodes of a LOGICAL UNIT RESET of `target`'s `lun` and wait for them
@@ -746,7 +755,7 @@ impl ClusterNode {
         if n == self.cfg.node {
             return Err(format!("node {n} is this node"));
         }
-        let agents: Vec<Arc<TargetAgent>> = lock(&self.targets).values().cloned().collect();
+        let agents = self.agents();
         if agents
             .iter()
             .any(|a| lock(&a.view).get(&n).is_some_and(|v| v.alive))
@@ -757,16 +766,12 @@ impl ClusterNode {
         }
         let mut found = 0;
         for a in &agents {
-            let gone = self
-                .pool
-                .update(&a.oid, 50, |cur| {
-                    let mut obj = parse_object(cur).ok()?;
-                    obj.nodes.remove(&n)?;
-                    Some(encode(&obj))
-                })
-                .is_ok_and(|v| {
-                    parse_object(Some(&v.data)).is_ok_and(|o| !o.nodes.contains_key(&n))
-                });
+            let removed = self.pool.update(&a.oid, 50, |cur| {
+                let mut obj = parse_object(cur).ok()?;
+                obj.nodes.remove(&n)?;
+                Some(encode(&obj))
+            });
+            let gone = matches!(removed, Ok(Some(_)));
             if gone && lock(&a.view).remove(&n).is_some() {
                 found += 1;
             }
@@ -787,7 +792,7 @@ impl ClusterNode {
             Health::Serving => None,
             Health::Partitioned(r) | Health::Fenced(r) => Some(r.clone()),
         };
-        let agents: Vec<Arc<TargetAgent>> = lock(&self.targets).values().cloned().collect();
+        let agents = self.agents();
         let mut targets = Vec::new();
         for a in agents {
             let mine = self.applied(&a.name);
@@ -857,7 +862,7 @@ impl ClusterNode {
     /// answers while it is serving), for the metrics.
     pub fn node_states(&self) -> Vec<(String, u16, bool)> {
         let serving = self.serving();
-        let agents: Vec<Arc<TargetAgent>> = lock(&self.targets).values().cloned().collect();
+        let agents = self.agents();
         let mut out = Vec::new();
         for a in agents {
             for (n, v) in lock(&a.view).iter() {

@@ -166,21 +166,21 @@ impl SharedPool {
 
     /// Read-modify-write `oid` until the compare-and-set succeeds (at most `attempts`
     /// times): `change` gets the current data (`None`: no object yet) and returns the new
-    /// data, or `None` to leave the object as it is. Returns the version written (or read,
-    /// when nothing changed) and the data.
+    /// data, or `None` to leave the object as it is. Returns what was written (`None`:
+    /// `change` left the object as it was).
     pub fn update(
         &self,
         oid: &str,
         attempts: usize,
         mut change: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
-    ) -> Result<Versioned, SharedError> {
+    ) -> Result<Option<Versioned>, SharedError> {
         for _ in 0..attempts.max(1) {
             let cur = self.read(oid)?;
             let Some(new) = change(cur.as_ref().map(|c| c.data.as_slice())) else {
-                return cur.ok_or_else(|| format!("{}/{oid} does not exist", self.pool).into());
+                return Ok(None);
             };
             if let Some(version) = self.replace(oid, cur.as_ref().map(|c| c.version), &new)? {
-                return Ok(Versioned { data: new, version });
+                return Ok(Some(Versioned { data: new, version }));
             }
         }
         Err(format!(
