@@ -221,7 +221,10 @@ while kill -0 "$QEMU_PID" 2>/dev/null; do
         while read -r s; do
             [[ -n ${done_steps[$s]:-} ]] && continue
             done_steps[$s]=1
-            printf '%s +%ss %s: %s\n' "$(date +%T)" "$(($(date +%s) - T_QEMU))" "$s" "$(do_step "$s" 2>&1 | tr '\n' ' ')" >>"$WORK/steps.log"
+            # Not in a command substitution: node-up records the new node's PID, which a
+            # subshell would lose (and the cleanup below would never stop that node).
+            do_step "$s" >"$WORK/step.out" 2>&1
+            printf '%s +%ss %s: %s\n' "$(date +%T)" "$(($(date +%s) - T_QEMU))" "$s" "$(tr '\n' ' ' <"$WORK/step.out")" >>"$WORK/steps.log"
         done < <(tr -d '\r' <"$WORK/serial.log" | sed -n 's/^IRONSAN-MPATH-STEP \([a-z-]*\)$/\1/p')
     fi
     sleep 0.2

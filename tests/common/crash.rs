@@ -323,10 +323,21 @@ async fn verify(plan: &Plan, t: &dyn Crashable, model: &Mutex<Model>, rep: &mut 
     let mut b0 = 0;
     while b0 < total {
         let n = chunk.min(total - b0);
-        let r = c
-            .read16(0, b0 * LBAS, (n * LBAS) as u32, 512)
-            .await
-            .expect("read after restart");
+        // A read the target never answers is a defect of its own (a lost backend
+        // completion): fail on it, naming the plan, rather than hang the whole test run.
+        let r = tokio::time::timeout(
+            Duration::from_secs(60),
+            c.read16(0, b0 * LBAS, (n * LBAS) as u32, 512),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "{}: read of blocks {b0}..{} after restart not answered in 60 s",
+                plan.name,
+                b0 + n
+            )
+        })
+        .expect("read after restart");
         assert_eq!(r.status, 0, "read after restart: {:?}", r.sense_key());
         assert_eq!(r.data.len(), n as usize * REC, "short read after restart");
         all.extend_from_slice(&r.data);

@@ -234,22 +234,16 @@ impl Ring {
     /// Set up a ring that supports read, write and fsync, with an eventfd for completions.
     /// Fails where io_uring is missing or disabled (`kernel.io_uring_disabled`, seccomp).
     pub(crate) fn new() -> io::Result<Ring> {
-        // COOP_TASKRUN (Linux 5.19): a completion does not interrupt the submitting thread
-        // with an IPI while it runs (it is woken if asleep, and runs the completion work at its
-        // next syscall, which a busy connection makes at once): +13 % 4K O_DIRECT reads, +24 %
-        // writes on this VM (docs/PERFORMANCE.md). Older kernels refuse the flag (EINVAL).
-        let build = |coop: bool| {
-            let mut b = IoUring::builder();
-            b.setup_cqsize(ENTRIES * 2);
-            if coop {
-                b.setup_coop_taskrun();
-            }
-            b.build(ENTRIES)
-        };
-        let ring = match build(true) {
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => build(false)?,
-            r => r?,
-        };
+        // No IORING_SETUP_COOP_TASKRUN: with it the kernel queues a completion's task work on
+        // the submitting thread without waking it (TWA_SIGNAL_NO_IPI), and the CQE and the
+        // eventfd signal wait until that thread next enters the kernel. A tokio worker that
+        // parks idle after submitting (a connection waiting on its one read) can sleep through
+        // it for good: the read is never answered. Without the flag the completion wakes the
+        // submitter (an IPI when it runs), which costs 13-24 % of O_DIRECT 4K IOPS on this VM
+        // (docs/PERFORMANCE.md) and can never lose a completion.
+        let mut b = IoUring::builder();
+        b.setup_cqsize(ENTRIES * 2);
+        let ring = b.build(ENTRIES)?;
         let mut probe = io_uring::Probe::new();
         ring.submitter().register_probe(&mut probe)?;
         for (code, name) in [
