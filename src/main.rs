@@ -155,6 +155,12 @@ struct ServeArgs {
     /// 1-64, for every target that does not set `connections_per_session`. Default: 4.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=config::MAX_CONNECTIONS_PER_SESSION as i64))]
     connections_per_session: Option<u16>,
+    /// The highest ErrorRecoveryLevel sessions may agree (RFC 7143 §13.20): 0 (a damaged PDU
+    /// or a lost connection ends the session) or 1 (lost data asked for again, damaged
+    /// headers dropped, SNACKs answered), for every target that does not set
+    /// `error_recovery_level`. Default: 1.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=i64::from(ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL)))]
+    error_recovery_level: Option<u8>,
     /// The connections of a session with several (MC/S) move data in equal shares: one that
     /// gets ahead of the slowest busy one by 256 KiB waits (at most 50 ms) before it reads or
     /// sends more. on, off. Overrides `connection_fairness` in [limits]. Default: on.
@@ -423,6 +429,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
             t.connections_per_session.get_or_insert(n);
         }
     }
+    if let Some(n) = args.error_recovery_level {
+        for t in plan.targets.iter_mut() {
+            t.error_recovery_level.get_or_insert(n);
+        }
+    }
     // The flags above override [limits]; the result is checked against the same bounds.
     plan.limits
         .check()
@@ -478,6 +489,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             alias: t.alias.clone(),
             tpgt: 1,
             max_connections: t.connections_per_session,
+            error_recovery_level: t.error_recovery_level,
             scsi: Arc::new(scsi),
         });
     }

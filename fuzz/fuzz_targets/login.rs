@@ -47,6 +47,7 @@ impl LoginPolicy for Policy {
                 tpgt: 1,
                 alias: Some("fuzz".into()),
                 max_connections: None,
+                error_recovery_level: None,
             },
             "iqn.2026-11.org.ironsan:denied" => TargetLookup::Denied,
             "iqn.2026-11.org.ironsan:moved" => TargetLookup::Moved {

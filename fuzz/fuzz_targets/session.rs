@@ -77,6 +77,7 @@ fn target(backends: &[Arc<dyn BlockDevice>]) -> TargetDef {
         alias: None,
         tpgt: 1,
         max_connections: None,
+        error_recovery_level: None,
         scsi: Arc::new(scsi),
     }
 }

@@ -49,6 +49,7 @@ fuzz_target!(|i: Input| {
         max_burst_length: i.max_burst_length % (1 << 21),
         max_outstanding_r2t: i.max_outstanding_r2t as u32,
         max_recv_data_segment_length: i.mrdsl % (1 << 20),
+        recovery: false,
     };
     let imm = i.immediate_len % (1 << 22);
     let Ok(mut t) = WriteTransfer::new(edtl, imm, i.cmd_final, params) else {

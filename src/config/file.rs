@@ -34,6 +34,7 @@ struct FileTarget {
     alias: Option<String>,
     portal_groups: Option<Spanned<Vec<Spanned<i64>>>>,
     connections_per_session: Option<Spanned<i64>>,
+    error_recovery_level: Option<Spanned<i64>>,
     #[serde(default)]
     lun: Vec<FileLun>,
     #[serde(default)]
@@ -454,6 +455,24 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
                     })?,
             ),
         };
+        let max_erl = ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL;
+        let error_recovery_level = match &t.error_recovery_level {
+            None => None,
+            Some(n) => Some(
+                u8::try_from(*n.get_ref())
+                    .ok()
+                    .filter(|n| *n <= max_erl)
+                    .ok_or_else(|| {
+                        at(
+                            n.span(),
+                            format!(
+                                "error_recovery_level must be between 0 and {max_erl} \
+                                 (connection recovery, level 2, is not implemented)"
+                            ),
+                        )
+                    })?,
+            ),
+        };
         let serving: Vec<u16> = groups
             .clone()
             .unwrap_or_else(|| portal_groups.iter().map(|p| p.tag).collect());
@@ -471,6 +490,7 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
             access,
             portal_groups: groups,
             connections_per_session,
+            error_recovery_level,
             alua,
         });
     }

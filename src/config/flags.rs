@@ -59,6 +59,7 @@ pub(crate) fn from_flags(
             access,
             portal_groups: None,
             connections_per_session: None,
+            error_recovery_level: None,
             alua: None,
         }],
         discovery,

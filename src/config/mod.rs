@@ -16,6 +16,7 @@
 //! alias = "disk1"
 //! # portal_groups = [1, 2]  # default: every portal
 //! # connections_per_session = 4   # MaxConnections offered (MC/S), 1-64
+//! # error_recovery_level = 1      # highest ErrorRecoveryLevel agreed, 0-1
 //!
 //! [[target.lun]]
 //! backend = "file"          # null | ram | file
@@ -116,6 +117,9 @@ pub(crate) struct TargetPlan {
     /// MaxConnections offered to its sessions (several connections per session, RFC 7143
     /// §13.2); `None`: the server's default (`--connections-per-session`, else 4).
     pub connections_per_session: Option<u16>,
+    /// The highest ErrorRecoveryLevel its sessions may agree (RFC 7143 §13.20, 0 or 1);
+    /// `None`: the server's default (`--error-recovery-level`, else 1).
+    pub error_recovery_level: Option<u8>,
     /// ALUA target port groups (`[[target.alua_group]]`), ports named by portal group tag;
     /// `None`: one group per portal group, active/optimized.
     pub alua: Option<Vec<ironsan_scsi::PortGroup>>,

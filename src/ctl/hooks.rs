@@ -187,6 +187,7 @@ impl BinHooks {
                                 alias: t.alias.clone(),
                                 tpgt: 1,
                                 max_connections: t.connections_per_session,
+                                error_recovery_level: t.error_recovery_level,
                                 scsi: Arc::new(scsi),
                             },
                             t.access.clone(),
@@ -218,6 +219,15 @@ impl BinHooks {
                 step(
                     format!("~ target {}: connections per session {what}", t.name),
                     &mut || control.set_connections_per_session(&t.name, t.connections_per_session),
+                );
+            }
+            if control.error_recovery_level(&t.name).ok() != Some(t.error_recovery_level) {
+                let what = t
+                    .error_recovery_level
+                    .map_or("the default".to_string(), |n| n.to_string());
+                step(
+                    format!("~ target {}: error recovery level {what}", t.name),
+                    &mut || control.set_error_recovery_level(&t.name, t.error_recovery_level),
                 );
             }
             if control.portal_groups(&t.name).ok().as_ref() != Some(&t.portal_groups) {
@@ -459,6 +469,9 @@ impl BinHooks {
             }
             if let Some(n) = control.connections_per_session(&t)? {
                 out.push_str(&format!("connections_per_session = {n}\n"));
+            }
+            if let Some(n) = control.error_recovery_level(&t)? {
+                out.push_str(&format!("error_recovery_level = {n}\n"));
             }
             // Groups are written when configured or when a state differs from the default,
             // so that a state set through `ctl alua set` survives a restart.
@@ -732,6 +745,7 @@ mod tests {
                 alias: None,
                 tpgt: 1,
                 max_connections: t.connections_per_session,
+                error_recovery_level: t.error_recovery_level,
                 scsi: Arc::new(scsi),
             });
         }

@@ -216,6 +216,7 @@ impl InProc {
             alias: None,
             tpgt: 1,
             max_connections: None,
+            error_recovery_level: None,
             scsi: Arc::new(scsi),
         };
         let cfg = ironsan_server::ServerConfig::new(vec![self.addr], vec![t]);

@@ -160,6 +160,8 @@ pub struct LoginOptions {
     pub max_outstanding_r2t: u32,
     /// MaxConnections offered in a leading login (RFC 7143 §13.2).
     pub max_connections: u16,
+    /// ErrorRecoveryLevel offered in a leading login (RFC 7143 §13.20).
+    pub error_recovery_level: u8,
     /// Extra key=value pairs to send in the login.
     pub extra: Vec<(String, String)>,
     /// Authenticate with CHAP in a security stage.
@@ -254,6 +256,7 @@ impl LoginOptions {
             max_burst_length: 262144,
             max_outstanding_r2t: 1,
             max_connections: 1,
+            error_recovery_level: 0,
             extra: Vec::new(),
             chap: None,
             auth_method: None,
@@ -302,6 +305,17 @@ pub struct Client {
     pub unsolicited: Vec<Pdu>,
     /// Every Login Response received, as it came (to compare failures byte for byte).
     pub login_responses: Vec<Pdu>,
+    /// Damage one PDU about to be sent ([`Client::corrupt_after`]).
+    corrupt: Option<(Corrupt, u32)>,
+}
+
+/// What to damage in a PDU sent on purpose with a wrong digest (error recovery tests).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Corrupt {
+    /// The header digest (the target drops the PDU, or closes the connection).
+    Header,
+    /// The data digest (the target rejects the PDU's data).
+    Data,
 }
 
 impl Client {
@@ -336,6 +350,7 @@ impl Client {
             initial_r2t: true,
             unsolicited: Vec::new(),
             login_responses: Vec::new(),
+            corrupt: None,
         })
     }
 
@@ -517,7 +532,10 @@ impl Client {
                     "MaxOutstandingR2T".into(),
                     opts.max_outstanding_r2t.to_string(),
                 ),
-                ("ErrorRecoveryLevel".into(), "0".into()),
+                (
+                    "ErrorRecoveryLevel".into(),
+                    opts.error_recovery_level.to_string(),
+                ),
                 ("DefaultTime2Wait".into(), "2".into()),
                 ("DefaultTime2Retain".into(), "0".into()),
                 ("MaxConnections".into(), opts.max_connections.to_string()),
@@ -621,9 +639,64 @@ impl Client {
 
     /// Send a raw BHS (possibly malformed) and data, with digests as negotiated.
     pub async fn send_raw_bhs(&mut self, bhs: &Bhs, data: &[u8]) -> Result<()> {
-        let buf = wire_pdu(bhs, data, self.header_digest, self.data_digest);
+        let mut buf = wire_pdu(bhs, data, self.header_digest, self.data_digest);
+        match self.corrupt {
+            Some((what, 0)) => {
+                self.corrupt = None;
+                // The digest is the last 4 bytes of its part (RFC 7143 §11.1).
+                let at = match what {
+                    Corrupt::Header if self.header_digest => Some(48 + 3),
+                    Corrupt::Data if self.data_digest && !data.is_empty() => Some(buf.len() - 1),
+                    _ => None,
+                };
+                if let Some(b) = at.and_then(|at| buf.get_mut(at)) {
+                    *b ^= 0x5a;
+                }
+            }
+            Some((what, n)) => self.corrupt = Some((what, n - 1)),
+            None => {}
+        }
         self.wr.write_all(&buf).await?;
         Ok(())
+    }
+
+    /// Send the PDU `skip` PDUs from now (0: the next) with a wrong header or data digest
+    /// (a digest that was not negotiated, or a data digest on a PDU with no data, leaves it
+    /// sound). Commands run as usual around it, so a test can damage, say, the second
+    /// Data-Out of a write.
+    pub fn corrupt_after(&mut self, what: Corrupt, skip: u32) {
+        self.corrupt = Some((what, skip));
+    }
+
+    /// Send a SNACK Request (RFC 7143 §11.16): `snack_type` 0 Data/R2T, 1 Status, 2 DataACK,
+    /// 3 R-Data; the answer comes by [`Client::recv`].
+    pub async fn snack(
+        &mut self,
+        snack_type: u8,
+        itt: Itt,
+        ttt: Ttt,
+        beg_run: u32,
+        run_length: u32,
+    ) -> Result<()> {
+        let s = SnackRequest {
+            snack_type,
+            lun: Lun::default(),
+            itt,
+            ttt,
+            exp_stat_sn: self.exp_stat_sn,
+            beg_run,
+            run_length,
+        };
+        self.send(Header::SnackRequest(s), Bytes::new()).await
+    }
+
+    /// A key as the target answered it at login.
+    pub fn negotiated_value(&self, key: &str) -> Option<&str> {
+        self.negotiated
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 
     /// Abort the connection with a TCP RST (SO_LINGER 0, then close), as a crashed host or a

@@ -219,6 +219,57 @@ impl<W, S: BuildHasher + Default> Connection<W, S> {
         }
     }
 
+    /// The payload of a Data-Out [`Connection::data_out`] accepted for `itt` (`len` bytes at
+    /// `offset`) failed its data digest: at ErrorRecoveryLevel 1 the range is asked for again
+    /// by a recovery R2T (RFC 7143 §7.8; call [`Connection::after_data`] next); otherwise,
+    /// or past [`crate::task::RECOVERY_LIMIT`], the write is removed and handed back to fail.
+    pub fn data_damaged(
+        &mut self,
+        itt: Itt,
+        offset: u32,
+        len: u32,
+    ) -> Option<(DataOutError, Write<W>)> {
+        let w = self.writes.get_mut(&itt)?;
+        match w.transfer.damaged(offset, len) {
+            Ok(()) => None,
+            Err(e) => self.take(itt).map(|w| (e, w)),
+        }
+    }
+
+    /// The immediate data of the write `itt` failed its data digest: as
+    /// [`Connection::data_damaged`] for its range.
+    pub fn immediate_damaged(&mut self, itt: Itt, len: u32) -> Option<(DataOutError, Write<W>)> {
+        self.data_damaged(itt, 0, len)
+    }
+
+    /// An R2T SNACK (RFC 7143 §11.16.1) for the write `itt`: the R2Ts numbered from `beg`
+    /// (`run` of them; 0: every one from `beg`) again, their sequences started over. `None`
+    /// when the write is unknown or one of those R2Ts was never sent or has all its data
+    /// (the caller rejects the SNACK).
+    pub fn resend_r2ts(&mut self, itt: Itt, beg: u32, run: u32) -> Option<Vec<R2t>> {
+        let w = self.writes.get_mut(&itt)?;
+        let sent = w.transfer.r2t_count().0;
+        let end = if run == 0 {
+            sent
+        } else {
+            beg.checked_add(run)?
+        };
+        if beg >= end || end > sent {
+            return None;
+        }
+        let mut out = Vec::new();
+        for sn in beg..end {
+            let r = w.transfer.resend_r2t(crate::DataSn(sn));
+            match r {
+                Some(r) => out.push(r2t_pdu(w.lun, itt, &r)),
+                // RunLength 0 asks for what is still outstanding from BegRun on.
+                None if run == 0 => {}
+                None => return None,
+            }
+        }
+        (!out.is_empty()).then_some(out)
+    }
+
     /// The payload of the Data-Out [`Connection::data_out`] accepted for `itt` is in place:
     /// the write completes, or gets the R2Ts it now may.
     pub fn after_data(&mut self, itt: Itt) -> Next<W> {
@@ -287,15 +338,7 @@ impl<W, S: BuildHasher + Default> Connection<W, S> {
             .next_r2ts_limited(room, || Self::alloc_ttt(next_ttt));
         self.outstanding_r2ts += issued.len();
         for r in issued {
-            self.r2ts.push_back(R2t {
-                lun: w.lun,
-                itt,
-                ttt: r.ttt,
-                r2t_sn: r.r2t_sn,
-                buffer_offset: r.offset,
-                desired_data_transfer_length: r.len,
-                ..Default::default()
-            });
+            self.r2ts.push_back(r2t_pdu(w.lun, itt, &r));
         }
         if w.transfer.wants_r2t() && !self.starved.contains(&itt) {
             self.starved.push_back(itt);
@@ -371,6 +414,19 @@ impl<W, S: BuildHasher + Default> Connection<W, S> {
 }
 
 /// The EDTL a transfer was made for (what its offsets are bounded by).
+/// The R2T PDU (RFC 7143 §11.8) for `r`.
+fn r2t_pdu(lun: crate::pdu::Lun, itt: Itt, r: &crate::task::R2tRequest) -> R2t {
+    R2t {
+        lun,
+        itt,
+        ttt: r.ttt,
+        r2t_sn: r.r2t_sn,
+        buffer_offset: r.offset,
+        desired_data_transfer_length: r.len,
+        ..Default::default()
+    }
+}
+
 fn transfer_edtl(t: &WriteTransfer) -> u32 {
     t.edtl()
 }

@@ -18,6 +18,8 @@
 //! * [`keepalive`] — target NOP-In pings on virtual time.
 //! * [`task`] — per-command data transfer arithmetic: R2T / Data-Out tracking, Data-In
 //!   segmentation with status phase-collapse, the response PDUs of a command.
+//! * [`recovery`] — the PDUs a connection retains at ErrorRecoveryLevel 1 and the SNACKs that
+//!   ask for them again (RFC 7143 §11.16), the A bit and DataACK (§11.7.2).
 
 pub mod chap;
 pub mod connection;
@@ -26,6 +28,7 @@ pub mod keepalive;
 pub mod login;
 pub mod negotiate;
 pub mod pdu;
+pub mod recovery;
 pub mod serial;
 pub mod session;
 pub mod task;

@@ -162,6 +162,9 @@ pub enum TargetLookup {
         /// The most connections a session with this target may have (MaxConnections, RFC
         /// 7143 §13.2); `None`: the defaults' value.
         max_connections: Option<u16>,
+        /// The highest ErrorRecoveryLevel its sessions may agree (§13.20); `None`: the
+        /// defaults' value.
+        error_recovery_level: Option<u8>,
     },
     NotFound,
     Denied,
@@ -694,9 +697,13 @@ impl Login {
                         tpgt,
                         alias,
                         max_connections,
+                        error_recovery_level,
                     } => {
                         if let Some(n) = max_connections {
                             self.negotiator.set_max_connections(n);
+                        }
+                        if let Some(n) = error_recovery_level {
+                            self.negotiator.set_error_recovery_level(n);
                         }
                         self.tpgt = Some(tpgt);
                         self.first_extra
@@ -830,6 +837,7 @@ mod tests {
                     tpgt: 1,
                     alias: Some("disk".into()),
                     max_connections: None,
+                    error_recovery_level: None,
                 },
                 SECRET => TargetLookup::Denied,
                 MOVED => TargetLookup::Moved {

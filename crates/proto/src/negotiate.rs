@@ -291,12 +291,18 @@ impl Default for TargetDefaults {
             data_digest: true,
             default_time2wait: 2,
             default_time2retain: 20,
-            error_recovery_level: 0,
+            error_recovery_level: MAX_ERROR_RECOVERY_LEVEL,
             data_pdu_in_order: true,
             data_sequence_in_order: true,
         }
     }
 }
+
+/// The highest ErrorRecoveryLevel (RFC 7143 §13.20) this target implements: 1, recovery
+/// within a command and within a connection (§7.1.5, §7.2: recovery R2Ts, dropped PDUs,
+/// SNACKs). Connection recovery (level 2, TASK REASSIGN) is not implemented: a setting of 2 is
+/// answered 1.
+pub const MAX_ERROR_RECOVERY_LEVEL: u8 = 1;
 
 impl TargetDefaults {
     /// Bring every value into its RFC range and FirstBurstLength under MaxBurstLength, so that no
@@ -312,7 +318,7 @@ impl TargetDefaults {
             max_connections: self.max_connections.max(1),
             default_time2wait: self.default_time2wait.min(3600),
             default_time2retain: self.default_time2retain.min(3600),
-            error_recovery_level: self.error_recovery_level.min(2),
+            error_recovery_level: self.error_recovery_level.min(MAX_ERROR_RECOVERY_LEVEL),
             ..self.clone()
         }
     }
@@ -555,6 +561,12 @@ impl Negotiator {
         self.defaults.max_connections = n.max(1);
     }
 
+    /// The highest ErrorRecoveryLevel we agree to (§13.20), for a target whose setting differs
+    /// from the defaults'; capped at [`MAX_ERROR_RECOVERY_LEVEL`].
+    pub fn set_error_recovery_level(&mut self, n: u8) {
+        self.defaults.error_recovery_level = n.min(MAX_ERROR_RECOVERY_LEVEL);
+    }
+
     /// The session this non-leading login adds a connection to (see [`Negotiator::set_leading`]).
     pub fn set_joining(&mut self, session: SessionParams) {
         self.joining = Some(session);
@@ -591,10 +603,11 @@ impl Negotiator {
         pairs: &[(String, String)],
     ) -> Result<Vec<(String, String)>, NegotiationError> {
         // SessionType first (it decides what is irrelevant), MaxBurstLength before
-        // FirstBurstLength (it bounds it); answers still go out in request order.
+        // FirstBurstLength (it bounds it), ErrorRecoveryLevel before MaxOutstandingR2T (above
+        // level 0 it makes the answer 1); answers still go out in request order.
         let rank = |k: &str| match k {
             "SessionType" => 0,
-            "MaxBurstLength" => 1,
+            "MaxBurstLength" | "ErrorRecoveryLevel" => 1,
             _ => 2,
         };
         let mut order: Vec<usize> = (0..pairs.len()).collect();
@@ -703,12 +716,27 @@ impl Negotiator {
                         n
                     }
                     "MaxOutstandingR2T" => {
-                        let n = pick(d.max_outstanding_r2t.into());
+                        // §13.19: with DataSequenceInOrder=Yes (always, for us) and
+                        // ErrorRecoveryLevel above 0, MaxOutstandingR2T must be 1 (only the
+                        // last R2T can be recovered).
+                        let ours = if s.error_recovery_level > 0 {
+                            1
+                        } else {
+                            d.max_outstanding_r2t
+                        };
+                        let n = pick(ours.into());
                         s.max_outstanding_r2t = n as u32;
                         n
                     }
                     "ErrorRecoveryLevel" => {
-                        let n = pick(d.error_recovery_level.into());
+                        // A MaxOutstandingR2T above 1 agreed in an earlier request rules out
+                        // recovery (§13.19): level 0.
+                        let ours = if s.max_outstanding_r2t > 1 {
+                            0
+                        } else {
+                            d.error_recovery_level
+                        };
+                        let n = pick(ours.into());
                         s.error_recovery_level = n as u8;
                         n
                     }
@@ -1044,7 +1072,7 @@ mod tests {
         );
         assert_eq!(
             answer(&mut n, "ErrorRecoveryLevel", "2").as_deref(),
-            Some("0")
+            Some("1")
         );
         assert_eq!(answer(&mut n, "MaxConnections", "8").as_deref(), Some("4"));
         assert_eq!(
@@ -1054,6 +1082,50 @@ mod tests {
         assert_eq!(
             answer(&mut n, "iSCSIProtocolLevel", "2").as_deref(),
             Some("1")
+        );
+    }
+
+    #[test]
+    fn error_recovery_level_and_max_outstanding_r2t_agree() {
+        // §13.19: DataSequenceInOrder=Yes and a level above 0 make MaxOutstandingR2T 1,
+        // whichever order the keys come in within one request.
+        let mut n = fresh();
+        let out = n
+            .respond(
+                OP,
+                &p(&[("MaxOutstandingR2T", "8"), ("ErrorRecoveryLevel", "2")]),
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            p(&[("MaxOutstandingR2T", "1"), ("ErrorRecoveryLevel", "1")])
+        );
+        // A MaxOutstandingR2T above 1 agreed in an earlier request keeps the level at 0.
+        let mut n = fresh();
+        assert_eq!(
+            answer(&mut n, "MaxOutstandingR2T", "8").as_deref(),
+            Some("8")
+        );
+        assert_eq!(
+            answer(&mut n, "ErrorRecoveryLevel", "1").as_deref(),
+            Some("0")
+        );
+        // A target set to 0 (or 2, answered as the highest implemented level).
+        let mut n = fresh();
+        n.set_error_recovery_level(0);
+        assert_eq!(
+            answer(&mut n, "ErrorRecoveryLevel", "2").as_deref(),
+            Some("0")
+        );
+        assert_eq!(
+            answer(&mut n, "MaxOutstandingR2T", "8").as_deref(),
+            Some("8")
+        );
+        let mut n = fresh();
+        n.set_error_recovery_level(2);
+        assert_eq!(
+            answer(&mut n, "ErrorRecoveryLevel", "2").as_deref(),
+            Some(MAX_ERROR_RECOVERY_LEVEL.to_string().as_str())
         );
     }
 
@@ -1539,8 +1611,11 @@ mod tests {
             prop_assert!(get("MaxBurstLength") <= mbl.min(d.max_burst_length.into()));
             prop_assert!(get("FirstBurstLength") <= fbl.min(d.first_burst_length.into()));
             prop_assert!(get("FirstBurstLength") <= get("MaxBurstLength"));
-            prop_assert_eq!(get("MaxOutstandingR2T"), r2t.min(d.max_outstanding_r2t.into()));
-            prop_assert_eq!(get("ErrorRecoveryLevel"), erl.min(d.error_recovery_level.into()));
+            // ErrorRecoveryLevel is answered first; above 0 MaxOutstandingR2T is 1 (§13.19).
+            let level = erl.min(d.error_recovery_level.into());
+            prop_assert_eq!(get("ErrorRecoveryLevel"), level);
+            let r2t_ours = if level > 0 { 1 } else { d.max_outstanding_r2t.into() };
+            prop_assert_eq!(get("MaxOutstandingR2T"), r2t.min(r2t_ours));
             prop_assert_eq!(get("MaxConnections"), conns.min(d.max_connections.into()));
             prop_assert_eq!(get("DefaultTime2Retain"), retain.min(d.default_time2retain.into()));
             // Max rule: at least both sides.

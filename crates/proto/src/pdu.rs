@@ -500,6 +500,9 @@ pub struct ScsiResponse {
     pub exp_data_sn: DataSn,
     pub bidi_residual: Residual,
     pub residual: Residual,
+    /// SNACK Tag (RFC 7143 §11.4.4, bytes 20..24): the tag of the last R-Data SNACK the target
+    /// accepted for the command on this connection (§11.16.3), otherwise 0.
+    pub snack_tag: u32,
 }
 
 /// Task Management Function Response codes (RFC 7143 §11.6.1).
@@ -691,6 +694,9 @@ pub enum SnMode {
     /// Carries the current StatSN without advancing it (R2T, Data-In without status, a
     /// target-initiated NOP-In).
     Current,
+    /// Sent again for a SNACK (§11.16): an exact replica but for ExpCmdSN and MaxCmdSN, so
+    /// its StatSN stays as first sent.
+    Resend,
 }
 
 /// A connection's StatSN counter (RFC 7143 §4.2.2.2: StatSN is per connection). Every target
@@ -703,7 +709,9 @@ impl StatSnCounter {
     /// Stamp `h` (a target PDU) and advance for a status.
     pub fn stamp(&mut self, h: &mut Header, mode: SnMode, window: Option<(CmdSn, CmdSn)>) {
         if let Some(sn) = h.target_sn_mut() {
-            sn.stat_sn = self.0;
+            if mode != SnMode::Resend {
+                sn.stat_sn = self.0;
+            }
             if let Some((exp, max)) = window {
                 sn.exp_cmd_sn = exp;
                 sn.max_cmd_sn = max;
@@ -851,6 +859,7 @@ impl Header {
                 exp_data_sn: DataSn(b.u32_at(36)),
                 bidi_residual: Residual::from_flags((b1 >> 3) & 0x06, b.u32_at(40)),
                 residual: Residual::from_flags(b1 & 0x06, b.u32_at(44)),
+                snack_tag: b.u32_at(20),
             }),
             Opcode::TASK_MGMT_RESPONSE => Header::TaskMgmtResponse(TaskMgmtResponse {
                 response: TmfResponseCode(b.0[2]),
@@ -1028,6 +1037,7 @@ impl Header {
                 b.0[2] = p.response.0;
                 b.0[3] = p.status;
                 b.put_u32(16, p.itt.0);
+                b.put_u32(20, p.snack_tag);
                 b.put_target_sn(p.sn);
                 b.put_u32(36, p.exp_data_sn.0);
                 b.put_u32(40, p.bidi_residual.count());
@@ -1354,9 +1364,10 @@ mod tests {
                 arb_sn(),
                 any::<u32>(),
                 arb_residual(),
-                arb_residual()
+                arb_residual(),
+                any::<u32>()
             )
-                .prop_map(|(r, s, itt, sn, e, br, rr)| Header::ScsiResponse(
+                .prop_map(|(r, s, itt, sn, e, br, rr, tag)| Header::ScsiResponse(
                     ScsiResponse {
                         response: ServiceResponse(r),
                         status: s,
@@ -1364,7 +1375,8 @@ mod tests {
                         sn,
                         exp_data_sn: DataSn(e),
                         bidi_residual: br,
-                        residual: rr
+                        residual: rr,
+                        snack_tag: tag,
                     }
                 )),
             (

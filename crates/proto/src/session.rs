@@ -298,8 +298,10 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
 
     /// The connection `id` is gone; `failed` when it ended without a logout (a reset, a
     /// protocol or digest error, a ping unanswered). Its tasks are terminated. The session
-    /// ends with its last connection, and at ErrorRecoveryLevel 0 with any failed one: the
-    /// initiator recovers the session as a whole (RFC 7143 §7.1.5, session recovery).
+    /// ends with its last connection, and below ErrorRecoveryLevel 2 with any failed one:
+    /// with no connection recovery (level 2), the initiator recovers the session as a whole
+    /// (RFC 7143 §7.1.5: level 1 adds recovery within a connection to level 0's session
+    /// recovery).
     pub fn leave(&mut self, id: ConnId, failed: bool) -> Left<T, C> {
         let was_member = match self.conns.iter().position(|c| c.id == id) {
             Some(i) => {
@@ -310,7 +312,7 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
         };
         let terminated = self.terminate_conn(id);
         let end = !self.ended
-            && (self.conns.is_empty() || (was_member && failed && self.error_recovery_level == 0));
+            && (self.conns.is_empty() || (was_member && failed && self.error_recovery_level < 2));
         let session_ended = end.then(|| {
             let others = std::mem::take(&mut self.conns);
             (others, self.end())

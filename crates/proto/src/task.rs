@@ -170,7 +170,14 @@ pub struct WriteParams {
     pub max_outstanding_r2t: u32,
     /// Our MaxRecvDataSegmentLength (a Data-Out may not carry more).
     pub max_recv_data_segment_length: u32,
+    /// ErrorRecoveryLevel above 0: data lost to a digest error or a dropped PDU is asked for
+    /// again with a recovery R2T (RFC 7143 §7.1.5, §7.2.1); at 0 the command fails instead.
+    pub recovery: bool,
 }
+
+/// Recoveries (lost ranges asked for again) one write may need before it fails: an
+/// initiator whose every PDU arrives damaged cannot keep a command alive for ever.
+pub const RECOVERY_LIMIT: u32 = 16;
 
 /// An R2T to send.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -201,11 +208,17 @@ pub enum DataOutError {
     BadOffset,
     #[error("Data-Out segment longer than MaxRecvDataSegmentLength")]
     TooLong,
+    #[error("data lost too often: more than {RECOVERY_LIMIT} recoveries")]
+    TooManyRecoveries,
+    #[error("data lost and ErrorRecoveryLevel 0 cannot ask for it again")]
+    NoRecovery,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Sequence {
     ttt: Ttt,
+    /// The R2T that opened it (none for the unsolicited sequence).
+    r2t: Option<R2tRequest>,
     /// Next expected offset and DataSN within the sequence.
     next_offset: u32,
     next_data_sn: DataSn,
@@ -224,6 +237,9 @@ pub struct WriteTransfer {
     next_r2t_offset: u32,
     next_r2t_sn: DataSn,
     outstanding: Vec<Sequence>,
+    /// Ranges lost (digest errors, dropped PDUs) still to be asked for, in offset order.
+    holes: Vec<(u32, u32)>,
+    recoveries: u32,
 }
 
 impl WriteTransfer {
@@ -246,6 +262,7 @@ impl WriteTransfer {
         };
         let unsolicited = (unsolicited_end > immediate_len).then_some(Sequence {
             ttt: Ttt::RESERVED,
+            r2t: None,
             next_offset: immediate_len,
             next_data_sn: DataSn(0),
             end: unsolicited_end,
@@ -262,6 +279,8 @@ impl WriteTransfer {
             next_r2t_offset: unsolicited_end,
             next_r2t_sn: DataSn(0),
             outstanding: Vec::new(),
+            holes: Vec::new(),
+            recoveries: 0,
         })
     }
 
@@ -297,26 +316,70 @@ impl WriteTransfer {
         if self.unsolicited.is_some() {
             return out;
         }
+        let burst = self.params.max_burst_length.max(512);
         while out.len() < limit && self.wants_r2t() {
-            let len = (self.edtl - self.next_r2t_offset).min(self.params.max_burst_length.max(512));
+            // Lost ranges first (recovery R2Ts, RFC 7143 §7.1.5), each at most a burst.
+            let (offset, len) = match self.holes.first_mut() {
+                Some(h) => {
+                    let take = (h.0, (h.1 - h.0).min(burst));
+                    h.0 += take.1;
+                    if h.0 >= h.1 {
+                        self.holes.remove(0);
+                    }
+                    take
+                }
+                None => {
+                    let take = (
+                        self.next_r2t_offset,
+                        (self.edtl - self.next_r2t_offset).min(burst),
+                    );
+                    self.next_r2t_offset += take.1;
+                    take
+                }
+            };
             let ttt = alloc_ttt();
             let r = R2tRequest {
                 ttt,
                 r2t_sn: self.next_r2t_sn,
-                offset: self.next_r2t_offset,
+                offset,
                 len,
             };
             self.outstanding.push(Sequence {
                 ttt,
-                next_offset: r.offset,
+                r2t: Some(r),
+                next_offset: offset,
                 next_data_sn: DataSn(0),
-                end: r.offset + len,
+                end: offset + len,
             });
             self.next_r2t_sn = self.next_r2t_sn.next();
-            self.next_r2t_offset += len;
             out.push(r);
         }
         out
+    }
+
+    /// The R2T numbered `r2t_sn` again (an R2T SNACK, RFC 7143 §11.16.1), if it is still
+    /// outstanding: its sequence starts over (what had arrived of it will come again).
+    /// `None` for an R2T never sent or whose data is all in.
+    pub fn resend_r2t(&mut self, r2t_sn: DataSn) -> Option<R2tRequest> {
+        let seq = self
+            .outstanding
+            .iter_mut()
+            .find(|s| s.r2t.is_some_and(|r| r.r2t_sn == r2t_sn))?;
+        let r = seq.r2t?;
+        let (from, to) = (r.offset, seq.next_offset);
+        seq.next_offset = r.offset;
+        seq.next_data_sn = DataSn(0);
+        // What was lost of it comes again with it: no recovery R2T for that.
+        let mut lost = 0;
+        self.holes.retain(|h| {
+            let inside = h.0 >= from && h.1 <= to;
+            if inside {
+                lost += h.1 - h.0;
+            }
+            !inside
+        });
+        self.received -= (to - from) - lost;
+        Some(r)
     }
 
     /// R2Ts issued whose data has not all arrived.
@@ -328,7 +391,7 @@ impl WriteTransfer {
     /// asked for, and fewer than MaxOutstandingR2T R2Ts are outstanding.
     pub fn wants_r2t(&self) -> bool {
         self.unsolicited.is_none()
-            && self.next_r2t_offset < self.edtl
+            && (self.next_r2t_offset < self.edtl || !self.holes.is_empty())
             && (self.outstanding.len() as u32) < self.params.max_outstanding_r2t.max(1)
     }
 
@@ -339,10 +402,55 @@ impl WriteTransfer {
 
     /// Validate a Data-Out header carrying `len` bytes. On success the caller reads the payload
     /// into `[buffer_offset, buffer_offset + len)` of the command's buffer.
+    /// (At ErrorRecoveryLevel 1, a DataSN gap in a sequence, left by a Data-Out dropped for
+    /// a header digest error, RFC 7143 §7.9, is accepted: the skipped range is lost data.)
     pub fn accept(&mut self, h: &DataOut, len: u32) -> Result<(), DataOutError> {
+        self.take(h, len)
+    }
+
+    /// The payload of a Data-Out [`WriteTransfer::accept`] took, `len` bytes at `offset`,
+    /// failed its data digest (RFC 7143 §7.8): the sequence goes on, and the range is asked
+    /// for again by a recovery R2T once the sequence is over. At ErrorRecoveryLevel 0, or past
+    /// [`RECOVERY_LIMIT`], an error: the command must fail.
+    pub fn damaged(&mut self, offset: u32, len: u32) -> Result<(), DataOutError> {
+        let len = len.min(self.received);
+        self.recover(offset, offset.saturating_add(len))?;
+        self.received -= len;
+        Ok(())
+    }
+
+    /// Recoveries so far (lost ranges asked for again).
+    pub fn recoveries(&self) -> u32 {
+        self.recoveries
+    }
+
+    /// The immediate data was lost (a data digest error on the command PDU): its range is
+    /// asked for again by R2T (RFC 7143 §7.8).
+    pub fn lost_immediate(&mut self, len: u32) -> Result<(), DataOutError> {
+        self.damaged(0, len)
+    }
+
+    /// Note `[start, end)` as lost, counting a recovery.
+    fn recover(&mut self, start: u32, end: u32) -> Result<(), DataOutError> {
+        if !self.params.recovery {
+            return Err(DataOutError::NoRecovery);
+        }
+        self.recoveries += 1;
+        if self.recoveries > RECOVERY_LIMIT {
+            return Err(DataOutError::TooManyRecoveries);
+        }
+        if start < end {
+            let at = self.holes.partition_point(|h| h.0 < start);
+            self.holes.insert(at, (start, end));
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, h: &DataOut, len: u32) -> Result<(), DataOutError> {
         if len > self.params.max_recv_data_segment_length {
             return Err(DataOutError::TooLong);
         }
+        let recovery = self.params.recovery;
         let seq = if h.ttt == Ttt::RESERVED {
             self.unsolicited
                 .as_mut()
@@ -353,10 +461,18 @@ impl WriteTransfer {
                 .find(|s| s.ttt == h.ttt)
                 .ok_or(DataOutError::UnknownTtt)?
         };
-        if h.data_sn != seq.next_data_sn {
+        // A Data-Out dropped for its header (RFC 7143 §7.9) shows as a gap in DataSN and
+        // offset: at ErrorRecoveryLevel 1 the gap is lost data, asked for again.
+        let gap = recovery
+            && h.data_sn.0.wrapping_sub(seq.next_data_sn.0) < (1 << 31)
+            && h.data_sn != seq.next_data_sn
+            && h.buffer_offset > seq.next_offset
+            && h.buffer_offset <= seq.end;
+        let gap = gap.then_some((seq.next_offset, h.buffer_offset));
+        if gap.is_none() && h.data_sn != seq.next_data_sn {
             return Err(DataOutError::BadDataSn);
         }
-        if h.buffer_offset != seq.next_offset {
+        if gap.is_none() && h.buffer_offset != seq.next_offset {
             return Err(if h.ttt == Ttt::RESERVED {
                 DataOutError::BadOffset
             } else {
@@ -380,9 +496,12 @@ impl WriteTransfer {
             return Err(DataOutError::BadOffset);
         }
         seq.next_offset = end;
-        seq.next_data_sn = seq.next_data_sn.next();
-        self.received += len;
+        seq.next_data_sn = h.data_sn.next();
         let done = end == seq.end;
+        if let Some((from, to)) = gap {
+            self.recover(from, to)?;
+        }
+        self.received += len;
         if done {
             if h.ttt == Ttt::RESERVED {
                 self.unsolicited = None;
@@ -407,6 +526,7 @@ mod tests {
             max_burst_length: 262144,
             max_outstanding_r2t: 2,
             max_recv_data_segment_length: 65536,
+            recovery: false,
         }
     }
 
@@ -567,5 +687,131 @@ mod tests {
     fn immediate_data_alone_completes_a_small_write() {
         let t = WriteTransfer::new(4096, 4096, true, params()).unwrap();
         assert!(t.is_complete());
+    }
+
+    fn recovering() -> WriteParams {
+        WriteParams {
+            max_outstanding_r2t: 1,
+            recovery: true,
+            ..params()
+        }
+    }
+
+    fn issue(t: &mut WriteTransfer, ttt: u32) -> Vec<R2tRequest> {
+        t.next_r2ts(|| Ttt(ttt))
+    }
+
+    #[test]
+    fn damaged_data_out_is_asked_for_again_after_its_sequence() {
+        // 128 KiB by R2T in 64 KiB bursts; the second PDU of the first burst is damaged.
+        let p = WriteParams {
+            initial_r2t: true,
+            max_burst_length: 65536,
+            ..recovering()
+        };
+        let mut t = WriteTransfer::new(131072, 0, true, p).unwrap();
+        let r = issue(&mut t, 1);
+        assert_eq!((r[0].offset, r[0].len), (0, 65536));
+        t.accept(&data_out(Ttt(1), 0, 0, false), 32768).unwrap();
+        t.accept(&data_out(Ttt(1), 1, 32768, true), 32768).unwrap();
+        t.damaged(32768, 32768).unwrap();
+        assert_eq!(t.received(), 32768);
+        // The next R2T is the recovery one: exactly the lost range, next R2TSN.
+        let r = issue(&mut t, 2);
+        assert_eq!(
+            r,
+            vec![R2tRequest {
+                ttt: Ttt(2),
+                r2t_sn: DataSn(1),
+                offset: 32768,
+                len: 32768
+            }]
+        );
+        assert!(issue(&mut t, 3).is_empty(), "MaxOutstandingR2T 1");
+        t.accept(&data_out(Ttt(2), 0, 32768, true), 32768).unwrap();
+        let r = issue(&mut t, 4);
+        assert_eq!(
+            (r[0].offset, r[0].len, r[0].r2t_sn),
+            (65536, 65536, DataSn(2))
+        );
+        t.accept(&data_out(Ttt(4), 0, 65536, true), 65536).unwrap();
+        assert!(t.is_complete());
+        assert_eq!(t.recoveries(), 1);
+    }
+
+    #[test]
+    fn a_datasn_gap_is_lost_data_at_level_1_and_an_error_at_0() {
+        for recovery in [false, true] {
+            let p = WriteParams {
+                recovery,
+                ..recovering()
+            };
+            let mut t = WriteTransfer::new(65536, 0, false, p).unwrap();
+            t.accept(&data_out(Ttt::RESERVED, 0, 0, false), 16384)
+                .unwrap();
+            // DataSN 1 (16 KiB at 16384) was dropped for its header digest.
+            let r = t.accept(&data_out(Ttt::RESERVED, 2, 32768, false), 16384);
+            if !recovery {
+                assert_eq!(r, Err(DataOutError::BadDataSn));
+                continue;
+            }
+            r.unwrap();
+            t.accept(&data_out(Ttt::RESERVED, 3, 49152, true), 16384)
+                .unwrap();
+            let r = issue(&mut t, 9);
+            assert_eq!((r[0].offset, r[0].len), (16384, 16384));
+            t.accept(&data_out(Ttt(9), 0, 16384, true), 16384).unwrap();
+            assert!(t.is_complete());
+        }
+    }
+
+    #[test]
+    fn damaged_immediate_data_is_asked_for_by_r2t() {
+        let mut t = WriteTransfer::new(8192, 8192, true, recovering()).unwrap();
+        assert!(t.is_complete());
+        t.lost_immediate(8192).unwrap();
+        assert!(!t.is_complete());
+        let r = issue(&mut t, 5);
+        assert_eq!((r[0].offset, r[0].len), (0, 8192));
+        t.accept(&data_out(Ttt(5), 0, 0, true), 8192).unwrap();
+        assert!(t.is_complete());
+        let mut t0 = WriteTransfer::new(8192, 8192, true, params()).unwrap();
+        assert_eq!(t0.lost_immediate(8192), Err(DataOutError::NoRecovery));
+    }
+
+    #[test]
+    fn recoveries_are_bounded() {
+        let mut t = WriteTransfer::new(4096, 0, true, recovering()).unwrap();
+        for i in 0..=RECOVERY_LIMIT {
+            let r = issue(&mut t, i + 1);
+            assert_eq!((r[0].offset, r[0].len), (0, 4096));
+            t.accept(&data_out(r[0].ttt, 0, 0, true), 4096).unwrap();
+            let e = t.damaged(0, 4096);
+            if i < RECOVERY_LIMIT {
+                e.unwrap();
+            } else {
+                assert_eq!(e, Err(DataOutError::TooManyRecoveries));
+            }
+        }
+    }
+
+    #[test]
+    fn an_r2t_sent_again_restarts_its_sequence() {
+        let p = WriteParams {
+            initial_r2t: true,
+            ..recovering()
+        };
+        let mut t = WriteTransfer::new(65536, 0, true, p).unwrap();
+        let r = issue(&mut t, 7);
+        t.accept(&data_out(Ttt(7), 0, 0, false), 16384).unwrap();
+        assert_eq!(t.resend_r2t(DataSn(1)), None, "never sent");
+        assert_eq!(t.resend_r2t(DataSn(0)), Some(r[0]));
+        assert_eq!(t.received(), 0);
+        for i in 0..4u32 {
+            t.accept(&data_out(Ttt(7), i, i * 16384, i == 3), 16384)
+                .unwrap();
+        }
+        assert!(t.is_complete());
+        assert_eq!(t.resend_r2t(DataSn(0)), None, "all its data is in");
     }
 }

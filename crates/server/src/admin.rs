@@ -137,6 +137,7 @@ impl Control {
                         "name": t.name,
                         "alias": t.alias,
                         "connections_per_session": t.max_connections().unwrap_or(self.shared.cfg.negotiation.max_connections),
+                        "error_recovery_level": t.error_recovery_level().unwrap_or(self.shared.cfg.negotiation.error_recovery_level),
                         "portal_groups": rt.portal_groups.get(n.as_str()),
                         "luns": t.scsi().luns().count(),
                         "sessions": sessions.iter().filter(|s| s.target.as_ref().is_some_and(|x| x.name == t.name)).count(),
@@ -393,6 +394,7 @@ impl Control {
             "digest_errors": st.digest_errors.load(Relaxed),
             "zero_copy_read_bytes": st.zero_copy_bytes.load(Relaxed),
             "zero_copy_write_bytes": st.zero_copy_write_bytes.load(Relaxed),
+            "error_recovery": st.recoveries().into_iter().collect::<std::collections::BTreeMap<_, _>>(),
         })
     }
 
@@ -447,6 +449,7 @@ impl Control {
             digest_errors: st.digest_errors.load(Relaxed),
             zero_copy_bytes: st.zero_copy_bytes.load(Relaxed),
             zero_copy_write_bytes: st.zero_copy_write_bytes.load(Relaxed),
+            error_recovery: st.recoveries(),
         }
     }
 
@@ -573,6 +576,23 @@ impl Control {
             return Err("connections_per_session must be at least 1".into());
         }
         self.target(target)?.set_max_connections(n);
+        Ok(())
+    }
+
+    /// The highest ErrorRecoveryLevel `target` offers, if set for the target (else the
+    /// server's default applies).
+    pub fn error_recovery_level(&self, target: &str) -> Result<Option<u8>, String> {
+        Ok(self.target(target)?.error_recovery_level())
+    }
+
+    /// Set (or clear) the target's highest ErrorRecoveryLevel; sessions logged in later get
+    /// it. Above [`ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL`] is refused.
+    pub fn set_error_recovery_level(&self, target: &str, n: Option<u8>) -> Result<(), String> {
+        let max = ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL;
+        if n.is_some_and(|n| n > max) {
+            return Err(format!("error_recovery_level must be between 0 and {max}"));
+        }
+        self.target(target)?.set_error_recovery_level(n);
         Ok(())
     }
 
@@ -808,6 +828,7 @@ impl Control {
                         alias: a.get(4).map(|s| s.to_string()),
                         tpgt: 1,
                         max_connections: None,
+                        error_recovery_level: None,
                         scsi: Arc::new(ironsan_scsi::Target::new()),
                     },
                     Access::default(),

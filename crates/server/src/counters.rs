@@ -68,9 +68,58 @@ pub struct ServerStats {
     pub zero_copy_bytes: Arc<AtomicU64>,
     /// Data-Out bytes received straight into file LUNs' pages (zero_copy_writes).
     pub zero_copy_write_bytes: AtomicU64,
+    /// Error recovery within connections (ErrorRecoveryLevel 1), by [`Recovery`] kind.
+    pub recovery: [AtomicU64; Recovery::ALL.len()],
+}
+
+/// What error recovery did (RFC 7143 §7), counted server-wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recovery {
+    /// Lost Data-Out asked for again with a recovery R2T.
+    R2t = 0,
+    /// A PDU with a header digest error dropped (its connection went on).
+    HeaderDropped,
+    /// A SNACK answered (data, R2T, status, DataACK, R-Data).
+    Snack,
+    /// A SNACK refused with a Reject.
+    SnackRefused,
+}
+
+impl Recovery {
+    pub const ALL: [Recovery; 4] = [
+        Recovery::R2t,
+        Recovery::HeaderDropped,
+        Recovery::Snack,
+        Recovery::SnackRefused,
+    ];
+
+    /// The label of the metric and the key of `ctl counters`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recovery::R2t => "recovery_r2t",
+            Recovery::HeaderDropped => "header_dropped",
+            Recovery::Snack => "snack",
+            Recovery::SnackRefused => "snack_refused",
+        }
+    }
 }
 
 impl ServerStats {
+    pub(crate) fn recovered(&self, kind: Recovery) {
+        if let Some(c) = self.recovery.get(kind as usize) {
+            c.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// (kind, count) of every kind of recovery.
+    pub fn recoveries(&self) -> Vec<(&'static str, u64)> {
+        Recovery::ALL
+            .iter()
+            .zip(&self.recovery)
+            .map(|(k, c)| (k.name(), c.load(Relaxed)))
+            .collect()
+    }
+
     pub(crate) fn login_failed(&self, reason: &str) {
         *self
             .login_failures
@@ -91,4 +140,6 @@ pub struct Gauges {
     pub digest_errors: u64,
     pub zero_copy_bytes: u64,
     pub zero_copy_write_bytes: u64,
+    /// (kind, count) of error recovery ([`Recovery`]).
+    pub error_recovery: Vec<(&'static str, u64)>,
 }

@@ -271,6 +271,14 @@ impl Collector for Families {
         )?;
         counter(
             &mut enc,
+            "ironsan_error_recovery",
+            "Error recovery within connections at ErrorRecoveryLevel 1, by kind: recovery_r2t (lost Data-Out asked for again), header_dropped (a PDU with a header digest error dropped), snack (a SNACK answered), snack_refused (a SNACK rejected)",
+            g.error_recovery
+                .iter()
+                .map(|(kind, v)| (vec![("kind", kind.to_string())], *v)),
+        )?;
+        counter(
+            &mut enc,
             "ironsan_zero_copy_read_bytes",
             "Data-In bytes sent straight from file LUNs' page cache (sendfile, or a mapping of a tmpfs file) or as the kernel's zero page (reads of nothing stored in RAM and NULL LUNs); zero_copy_reads",
             [(vec![], g.zero_copy_bytes)],

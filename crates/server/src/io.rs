@@ -17,16 +17,18 @@ pub struct Digests {
     pub data: bool,
 }
 
-/// Why a PDU could not be read. `HeaderDigest` and `Io` are fatal to the connection (the
-/// length can no longer be trusted); the others allow a Reject.
+/// Why a PDU could not be read. `Io` is fatal to the connection, and `HeaderDigest` below
+/// ErrorRecoveryLevel 1 (the length can no longer be trusted); the others allow a Reject.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
     #[error("connection closed")]
     Closed,
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    /// The header digest did not match: with where the PDU's data would end if its length
+    /// field is right (`None`: the damaged header describes no valid PDU).
     #[error("header digest error")]
-    HeaderDigest,
+    HeaderDigest(Option<ReceivePlan>),
     #[error("data segment too long: {0}")]
     TooLong(#[from] ironsan_proto::pdu::LengthError),
     /// The data digest did not match; the header is returned so the caller can Reject it.
@@ -65,7 +67,9 @@ pub async fn read_header<R: AsyncRead + Unpin>(
         r.read_exact(&mut d).await?;
         let crc = digest::crc32c_append(digest::crc32c(&bhs.0), &ahs);
         if crc != u32::from_le_bytes(d) {
-            return Err(ReadError::HeaderDigest);
+            return Err(ReadError::HeaderDigest(
+                bhs.plan(digests.header, digests.data, max_data).ok(),
+            ));
         }
     }
     let plan = bhs.plan(digests.header, digests.data, max_data)?;

@@ -57,6 +57,10 @@ pub struct TargetDef {
     /// The most connections a session with this target may have (MaxConnections, RFC 7143
     /// §13.2); `None`: [`ServerConfig::negotiation`]'s.
     pub max_connections: Option<u16>,
+    /// The highest ErrorRecoveryLevel its sessions may agree (RFC 7143 §13.20; at most
+    /// [`ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL`]); `None`:
+    /// [`ServerConfig::negotiation`]'s.
+    pub error_recovery_level: Option<u8>,
     pub scsi: Arc<ironsan_scsi::Target>,
 }
 
@@ -182,12 +186,17 @@ impl ServerConfig {
 /// A target as the running server holds it. Sessions keep an `Arc` of it; its LUN map is a
 /// copy-on-write snapshot (`scsi`) read once per command, so `ironsan ctl lun add/remove`
 /// swaps in a new map without stopping I/O (commands in flight keep the LU they started on).
+/// [`LiveTarget`]'s ErrorRecoveryLevel when the target has none of its own.
+const ERL_DEFAULT: u8 = u8::MAX;
+
 #[derive(Debug)]
 pub(crate) struct LiveTarget {
     pub name: String,
     pub alias: Option<String>,
     /// MaxConnections offered for this target's sessions; 0: the server's default.
     max_connections: std::sync::atomic::AtomicU16,
+    /// The highest ErrorRecoveryLevel offered; [`ERL_DEFAULT`]: the server's default.
+    error_recovery_level: std::sync::atomic::AtomicU8,
     scsi: RwLock<Arc<ironsan_scsi::Target>>,
     /// Latency and throughput counters per LUN, made when a LUN first serves a command (or
     /// is first shown); kept after the LUN is removed, until the target is. Connections cache
@@ -201,6 +210,9 @@ impl LiveTarget {
             name: def.name.clone(),
             alias: def.alias.clone(),
             max_connections: std::sync::atomic::AtomicU16::new(def.max_connections.unwrap_or(0)),
+            error_recovery_level: std::sync::atomic::AtomicU8::new(
+                def.error_recovery_level.unwrap_or(ERL_DEFAULT),
+            ),
             scsi: RwLock::new(Arc::clone(&def.scsi)),
             metrics: Mutex::default(),
         }
@@ -217,6 +229,19 @@ impl LiveTarget {
     pub(crate) fn set_max_connections(&self, n: Option<u16>) {
         self.max_connections
             .store(n.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// The highest ErrorRecoveryLevel this target offers (`None`: the server's default).
+    pub(crate) fn error_recovery_level(&self) -> Option<u8> {
+        match self.error_recovery_level.load(Ordering::Relaxed) {
+            ERL_DEFAULT => None,
+            n => Some(n),
+        }
+    }
+
+    pub(crate) fn set_error_recovery_level(&self, n: Option<u8>) {
+        self.error_recovery_level
+            .store(n.unwrap_or(ERL_DEFAULT), Ordering::Relaxed);
     }
 
     /// The counters of a LUN (made on first use).

@@ -92,7 +92,14 @@ pub struct TxStats {
     pub server_zero_copy_bytes: Arc<std::sync::atomic::AtomicU64>,
 }
 
-/// Stamp sequence numbers on `pdus` and add them to the batch.
+/// What a connection at ErrorRecoveryLevel 1 keeps of what it sent, for SNACKs
+/// ([`ironsan_proto::recovery`]); the writer fills it as it stamps, the reader empties it.
+pub(crate) type Retained = ironsan_proto::recovery::Retained<
+    std::hash::BuildHasherDefault<ironsan_backend::int_map::IntHasher>,
+>;
+
+/// Stamp sequence numbers on `pdus` and add them to the batch (and, at ErrorRecoveryLevel 1,
+/// to what the connection keeps: Data-In marked for DataACK first, RFC 7143 §11.7.2).
 fn push(
     pdus: Vec<OutPdu>,
     batch: &mut WriteBatch,
@@ -100,10 +107,31 @@ fn push(
     session: &Option<Arc<Session>>,
     digests: Digests,
     stats: &TxStats,
+    retained: Option<&Mutex<Retained>>,
 ) {
+    let mut kept = retained.map(|r| r.lock().unwrap_or_else(|p| p.into_inner()));
     for mut p in pdus {
         let window = session.as_ref().map(|s| s.window_sn());
+        if kept.is_some() && p.mode != SnMode::Resend {
+            ironsan_proto::recovery::mark_ack(&mut p.header);
+        }
         stat_sn.stamp(&mut p.header, p.mode, window);
+        if let Some(kept) = kept.as_mut().filter(|_| p.mode != SnMode::Resend) {
+            // What is kept must be the bytes sent (a file range is read now; the connection
+            // asks for none at this level).
+            if let DataIn::File(range) = &p.data {
+                match range.to_bytes() {
+                    Ok(data) => p.data = DataIn::Memory(data),
+                    Err(e) => {
+                        batch.fail(e);
+                        continue;
+                    }
+                }
+            }
+            if let DataIn::Memory(data) = &p.data {
+                kept.record(&p.header, data, p.mode == SnMode::Status);
+            }
+        }
         match p.data {
             DataIn::Memory(data) => {
                 let pdu = Pdu::new(p.header, data);
@@ -150,7 +178,12 @@ struct Core {
 impl Core {
     /// Stamp and encode PDUs or a command's response; other messages (only the writer task
     /// handles them) come back.
-    fn add(&mut self, msg: Out, stats: &TxStats) -> Option<Out> {
+    fn add(
+        &mut self,
+        msg: Out,
+        stats: &TxStats,
+        retained: &std::sync::OnceLock<Mutex<Retained>>,
+    ) -> Option<Out> {
         let (pdus, permit, timing) = match msg {
             Out::Pdus(pdus) => (pdus, None, None),
             Out::Command {
@@ -167,6 +200,7 @@ impl Core {
             &self.session,
             self.digests,
             stats,
+            retained.get(),
         );
         self.held.extend(permit);
         self.timed.extend(timing);
@@ -214,6 +248,8 @@ pub(crate) struct Writer {
     pub stats: Arc<TxStats>,
     /// The connection's share of its session ([`crate::fair`]), set after login.
     pub pacer: std::sync::OnceLock<Arc<crate::fair::Pacer>>,
+    /// What the connection keeps for SNACKs, set after login at ErrorRecoveryLevel 1.
+    pub retained: std::sync::OnceLock<Mutex<Retained>>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -237,6 +273,7 @@ impl Writer {
             sock,
             stats,
             pacer: std::sync::OnceLock::new(),
+            retained: std::sync::OnceLock::new(),
         })
     }
 
@@ -268,7 +305,7 @@ impl Writer {
         }
         for m in batch {
             // Only responses and PDUs (checked above): nothing comes back.
-            let _ = core.add(m, &self.stats);
+            let _ = core.add(m, &self.stats, &self.retained);
         }
         Ok(match core.try_write(&self.sock, &self.stats) {
             Ok(true) => DirectOutcome::Written,
@@ -395,14 +432,14 @@ async fn serve(
 
 /// Encode one message, or act on it (writer task).
 async fn handle(w: &Writer, msg: Out, close: &mut bool) -> std::io::Result<()> {
-    let rest = lock(&w.core).add(msg, &w.stats);
+    let rest = lock(&w.core).add(msg, &w.stats, &w.retained);
     match rest {
         None | Some(Out::Kick) | Some(Out::Pdus(_)) | Some(Out::Command { .. }) => {}
         Some(Out::Batch(v)) => {
             // A reader's batch: PDUs and responses only (what `Connection::flush` keeps).
             let mut core = lock(&w.core);
             for m in v {
-                let rest = core.add(m, &w.stats);
+                let rest = core.add(m, &w.stats, &w.retained);
                 debug_assert!(rest.is_none(), "only PDUs and responses in a batch");
             }
         }

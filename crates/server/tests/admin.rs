@@ -57,6 +57,7 @@ async fn start(name: &str) -> (SocketAddr, PathBuf, tokio::sync::oneshot::Sender
         alias: Some("adm".into()),
         tpgt: 1,
         max_connections: None,
+        error_recovery_level: None,
         scsi: Arc::new(scsi),
     };
     let cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);

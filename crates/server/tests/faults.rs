@@ -49,6 +49,7 @@ async fn start_on(inner: Arc<dyn BlockDevice>, rules: &[&str], seed: u64) -> Rig
         alias: None,
         tpgt: 1,
         max_connections: None,
+        error_recovery_level: None,
         scsi: Arc::new(scsi),
     };
     let cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);

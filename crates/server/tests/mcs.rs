@@ -402,22 +402,34 @@ async fn a_known_cid_reinstates_its_connection() {
     assert_eq!(a.logout().await.unwrap(), LogoutResponseCode::CLOSED);
 }
 
-/// At ErrorRecoveryLevel 0 a connection that fails takes its session with it (RFC 7143
-/// §7.14: session recovery): the other connections are closed.
+/// Below ErrorRecoveryLevel 2 a connection that fails takes its session with it (RFC 7143
+/// §7.1.5: session recovery; level 1 recovers within a connection only): the other
+/// connections are closed.
 #[tokio::test]
 async fn a_failed_connection_ends_the_whole_session() {
     let (addr, _stop) = start().await;
-    let mut conns = session(addr, 2, 8).await;
-    let b = conns.pop().unwrap();
-    b.reset().unwrap();
-    let gone = tokio::time::timeout(Duration::from_secs(10), conns[0].recv()).await;
-    assert!(matches!(gone, Ok(Err(_))), "{gone:?}");
-    // A new leading login with the same ISID gets a fresh session.
-    let mut again = Client::login(addr, &opts(2, 8)).await.unwrap();
-    assert_eq!(
-        again.command(0, &[0u8; 6], None, 0).await.unwrap().status,
-        0
-    );
+    for erl in [0u8, 1] {
+        let isid = 8 + erl;
+        let mut o = opts(2, isid);
+        o.error_recovery_level = erl;
+        let leader = Client::login(addr, &o).await.unwrap();
+        assert_eq!(
+            leader.negotiated_u32("ErrorRecoveryLevel"),
+            Some(u32::from(erl))
+        );
+        let b = Client::join(addr, &o, &leader, 1).await.unwrap();
+        let mut conns = vec![leader];
+        b.reset().unwrap();
+        let gone = tokio::time::timeout(Duration::from_secs(10), conns[0].recv()).await;
+        assert!(matches!(gone, Ok(Err(_))), "level {erl}: {gone:?}");
+        conns.clear();
+        // A new leading login with the same ISID gets a fresh session.
+        let mut again = Client::login(addr, &o).await.unwrap();
+        assert_eq!(
+            again.command(0, &[0u8; 6], None, 0).await.unwrap().status,
+            0
+        );
+    }
 }
 
 /// TARGET COLD RESET closes every connection of every session of the target, the resetting

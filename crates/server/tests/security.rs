@@ -33,6 +33,7 @@ fn target(name: &str) -> TargetDef {
         alias: None,
         tpgt: 1,
         max_connections: None,
+        error_recovery_level: None,
         scsi: Arc::new(scsi),
     }
 }

@@ -14,6 +14,7 @@ fn params(first_burst: u32, max_burst: u32, max_r2t: u32, mrdsl: u32) -> WritePa
         max_burst_length: max_burst,
         max_outstanding_r2t: max_r2t,
         max_recv_data_segment_length: mrdsl,
+        recovery: false,
     }
 }
 

@@ -66,6 +66,7 @@ impl LoginPolicy for Policy {
                     tpgt: self.tag,
                     alias: t.alias.clone(),
                     max_connections: t.max_connections(),
+                    error_recovery_level: t.error_recovery_level(),
                 }
             }
             Some(_) => TargetLookup::Denied,

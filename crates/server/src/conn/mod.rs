@@ -22,6 +22,7 @@ mod exec;
 pub(crate) use exec::abort_preempted;
 mod keepalive;
 mod login;
+mod recovery;
 mod text;
 mod tmf;
 mod write;
@@ -212,6 +213,11 @@ struct Connection {
     not_polling: Arc<AtomicBool>,
     /// This connection's share of its session ([`crate::fair`]).
     pacer: Arc<crate::fair::Pacer>,
+    /// ErrorRecoveryLevel above 0 (RFC 7143 §7.1.5): lost data is asked for again, damaged
+    /// headers are dropped, SNACKs are answered.
+    recovery: bool,
+    /// Header digest errors in a row (a dropped PDU's successor must be sound).
+    bad_headers: u8,
 }
 
 /// Serve one accepted TCP connection until it closes.
@@ -290,6 +296,16 @@ pub(crate) async fn run(
             .join(Arc::clone(&conn_stats), Arc::clone(&direct_writer.stats)),
     );
     let _ = direct_writer.pacer.set(Arc::clone(&pacer));
+    let recovery = session.params.error_recovery_level > 0;
+    if recovery {
+        // Kept PDUs are bounded by the connection's transmit budget (and a count of
+        // statuses): an initiator that never acknowledges cannot grow them.
+        let limit =
+            usize::try_from(shared.cfg.limits.tx_buffer_per_connection).unwrap_or(usize::MAX);
+        let _ = direct_writer
+            .retained
+            .set(std::sync::Mutex::new(writer::Retained::new(limit)));
+    }
     let mut conn = Connection {
         pacer,
         shared: Arc::clone(&shared),
@@ -320,8 +336,15 @@ pub(crate) async fn run(
         writer: direct_writer,
         polling: Arc::new(AtomicBool::new(false)),
         not_polling: Arc::new(AtomicBool::new(false)),
-        place_min: write::place_min(shared.cfg.limits.zero_copy_writes, &params),
-        in_place: exec::in_place_reads(shared.cfg.limits.zero_copy_reads, &params, fd),
+        // At ErrorRecoveryLevel 1 data may be asked for again: writes go through a buffer
+        // (a damaged segment must not reach the medium) and reads through memory (a SNACK
+        // resends what was sent, not what the file holds by then).
+        place_min: write::place_min(shared.cfg.limits.zero_copy_writes, &params)
+            .filter(|_| !recovery),
+        in_place: exec::in_place_reads(shared.cfg.limits.zero_copy_reads, &params, fd)
+            .filter(|_| !recovery),
+        recovery,
+        bad_headers: 0,
     };
     let keepalive = tokio::spawn(keepalive::run(
         conn.tx.clone(),
@@ -665,13 +688,35 @@ impl Connection {
                 // the stream cannot be resynchronised safely.
                 return Err(ConnError::Protocol(e.to_string()));
             }
-            Err(e) => {
-                if matches!(e, ReadError::HeaderDigest) {
-                    self.count_digest_error();
+            Err(ReadError::HeaderDigest(plan)) => {
+                self.count_digest_error();
+                // RFC 7143 §7.9: discard the PDU, or close the connection. At
+                // ErrorRecoveryLevel 1 the PDU is dropped when its length field still
+                // describes a valid PDU (what it carried is recovered as lost: a DataSN gap,
+                // a command retried, a SNACK); a second damaged header in a row means the
+                // stream is out of step, and closes.
+                self.bad_headers += 1;
+                match plan {
+                    Some(plan) if self.recovery && self.bad_headers < 2 => {
+                        tracing::warn!(peer = %self.peer, initiator = %self.session.initiator_name, tsih = self.session.tsih.0, cid = self.cid, "header digest error; PDU dropped");
+                        self.count_recovery(crate::counters::Recovery::HeaderDropped);
+                        io::skip_data(rd, &plan).await?;
+                        return Ok(());
+                    }
+                    _ => return Err(ReadError::HeaderDigest(plan).into()),
                 }
-                return Err(e.into());
             }
+            Err(e) => return Err(e.into()),
         };
+        self.bad_headers = 0;
+        if let Some(kept) = self.writer.retained.get() {
+            // Every initiator PDU carries ExpStatSN at bytes 28..32 (RFC 7143 §11): what it
+            // acknowledges need not be kept for SNACKs any more.
+            if let Some(b) = bhs.0.get(28..32).and_then(|b| <[u8; 4]>::try_from(b).ok()) {
+                let sn = StatSn(u32::from_be_bytes(b));
+                kept.lock().unwrap_or_else(|p| p.into_inner()).ack(sn);
+            }
+        }
         self.stats.received(48 + ahs.len() + plan.data_len);
         // One clock read per PDU: the NOP-Out timer's last receive and a command's first stage.
         let t_header = Stamp::now();
@@ -704,6 +749,10 @@ impl Connection {
             self.pacer.wait_turn().await;
         }
         Ok(())
+    }
+
+    fn count_recovery(&self, kind: crate::counters::Recovery) {
+        self.shared.stats.recovered(kind);
     }
 
     fn count_digest_error(&self) {
@@ -786,11 +835,7 @@ impl Connection {
             Header::TextRequest(t) => self.on_text(bhs, t, data).await,
             Header::TaskMgmtRequest(t) => self.on_task_management(t).await?,
             Header::LogoutRequest(l) => self.on_logout(l).await?,
-            Header::SnackRequest(_) => {
-                // No SNACK at ErrorRecoveryLevel 0 (RFC 7143 §11.16).
-                self.send(vec![reject(RejectReason::SNACK_REJECT, bhs)])
-                    .await;
-            }
+            Header::SnackRequest(s) => self.on_snack(bhs, s).await,
             Header::LoginRequest(_) => {
                 // A login on a connection already in full feature phase (RFC 7143 §6.3).
                 self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])

@@ -13,7 +13,7 @@ use ironsan_proto::connection::{DataOutPlan, Next, Write};
 use ironsan_proto::negotiate::ConnParams;
 use ironsan_proto::pdu::*;
 use ironsan_proto::session::Admission;
-use ironsan_proto::task::WriteParams;
+use ironsan_proto::task::{DataOutError, WriteParams};
 use ironsan_proto::DataSn;
 use ironsan_scsi::{Response, SenseReason};
 use std::sync::atomic::Ordering;
@@ -39,6 +39,7 @@ pub(super) fn write_params(session: &Session, params: &ConnParams) -> WriteParam
         max_burst_length: p.max_burst_length,
         max_outstanding_r2t: p.max_outstanding_r2t,
         max_recv_data_segment_length: params.max_recv_data_segment_length,
+        recovery: p.error_recovery_level > 0,
     }
 }
 
@@ -277,7 +278,16 @@ impl Connection {
             true
         };
         let fail = Response::check_condition;
-        let start = if !digest_ok {
+        // At ErrorRecoveryLevel 1 damaged immediate data is asked for again by R2T (RFC 7143
+        // §7.8); the command goes on.
+        let immediate_lost = !digest_ok && self.recovery && cmd.write && edtl > 0;
+        if immediate_lost {
+            let r = self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs);
+            self.send(vec![r]).await;
+            shared = None;
+            buf.clear();
+        }
+        let start = if !digest_ok && !immediate_lost {
             // RFC 7143 §7.8: discard, Reject, and fail the command (its CmdSN was received).
             let r = self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs);
             self.send(vec![r]).await;
@@ -296,7 +306,20 @@ impl Connection {
         } else if !cmd.write || edtl == 0 {
             Start::Run(Bytes::new(), DataSn(0))
         } else {
-            match self.core.begin_write(edtl, immediate_len, cmd.final_bit) {
+            let begun = self
+                .core
+                .begin_write(edtl, immediate_len, cmd.final_bit)
+                .and_then(|mut t| {
+                    if immediate_lost {
+                        t.lost_immediate(immediate_len)?;
+                        self.count_recovery(crate::counters::Recovery::R2t);
+                    }
+                    Ok(t)
+                });
+            match begun {
+                Err(DataOutError::TooManyRecoveries | DataOutError::NoRecovery) => {
+                    Start::Fail(fail(SenseReason::ProtocolCrcError))
+                }
                 Err(_) => {
                     self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
                         .await;
@@ -530,8 +553,16 @@ impl Connection {
         } else if !io::read_data_at(rd, plan, &mut pw.buf, offset).await? {
             let r = self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs);
             self.send(vec![r]).await;
-            if let Some(w) = self.core.take(d.itt) {
-                self.write_failed(w, SenseReason::ProtocolCrcError);
+            // RFC 7143 §7.8: at ErrorRecoveryLevel 1 the range is asked for again by a
+            // recovery R2T; at 0 (or past the recovery limit) the command fails.
+            match self.core.data_damaged(d.itt, offset as u32, len) {
+                Some((_, w)) => self.write_failed(w, SenseReason::ProtocolCrcError),
+                None => {
+                    self.count_recovery(crate::counters::Recovery::R2t);
+                    if let Next::Complete(w) = self.core.after_data(d.itt) {
+                        self.write_complete(w);
+                    }
+                }
             }
             return Ok(());
         }
