@@ -18,6 +18,9 @@
 #                     ignored, IOPS = COUNT / the run's wall time
 #   --prefill         before measuring, write the first GiB of the LUN with 1 MiB writes
 #                     (so reads of a RAM LUN read data, not holes)
+#   --old-arg A, --new-arg A
+#                     one more client argument for the old / new runs only (repeatable;
+#                     e.g. the same binary twice with --old-arg --erl=0 --new-arg --erl=1)
 #   CLIENT_ARGS       iscsi-perf arguments (default: -m 32 -b 8 -r, 4K QD32 random read)
 #
 # Per run it prints IOPS, target CPU % and CPU us per I/O (utime+stime from /proc/PID/stat)
@@ -27,6 +30,7 @@
 set -euo pipefail
 
 rounds=3 secs=5 lun=ram:1G load=0 qemu=0 prefill=0
+old_extra=() new_extra=()
 while [[ $# -gt 0 ]]; do
     case $1 in
         --rounds) rounds=$2; shift 2 ;;
@@ -35,7 +39,9 @@ while [[ $# -gt 0 ]]; do
         --load) load=1; shift ;;
         --qemu) qemu=1; shift ;;
         --prefill) prefill=1; shift ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        --old-arg) old_extra+=("$2"); shift 2 ;;
+        --new-arg) new_extra+=("$2"); shift 2 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) break ;;
     esac
 done
@@ -76,6 +82,8 @@ cpu_ticks() { awk '{sub(/^.*\) /, ""); print $12 + $13}' "/proc/$1/stat"; }
 
 run_one() {
     local label=$1 bin=$2
+    shift 2
+    local extra=("$@")
     taskset -c 0 "$bin" serve --listen "127.0.0.1:$port" --control "$work/ctl.sock" \
         --lun "$lun" >"$work/serve.log" 2>&1 &
     pid=$!
@@ -91,14 +99,16 @@ run_one() {
     local t0 run_secs=$secs
     t0=$(date +%s.%N)
     if [[ $load -eq 1 ]]; then
-        taskset -c 1 "$new" load "$url" "${perf_args[@]}" -t "$secs" --json >"$work/perf.log" 2>&1 || true
+        taskset -c 1 "$new" load "$url" "${perf_args[@]}" "${extra[@]}" -t "$secs" --json >"$work/perf.log" 2>&1 || true
     elif [[ $qemu -eq 1 ]]; then
-        taskset -c 1 qemu-img bench -f raw "${perf_args[@]}" "$url" >"$work/perf.log" 2>&1 || true
+        taskset -c 1 qemu-img bench -f raw "${perf_args[@]}" "${extra[@]}" "$url" >"$work/perf.log" 2>&1 || true
         run_secs=$(python3 -c "print($(date +%s.%N) - $t0)")
     else
-        taskset -c 1 iscsi-perf "${perf_args[@]}" -t "$secs" "$url" >"$work/perf.log" 2>&1 || true
+        taskset -c 1 iscsi-perf "${perf_args[@]}" "${extra[@]}" -t "$secs" "$url" >"$work/perf.log" 2>&1 || true
     fi
     w1=$(field syscw "$pid"); c1=$(cpu_ticks "$pid")
+    local rss
+    rss=$(awk '$1 == "VmHWM:" {print int($2 / 1024)}' "/proc/$pid/status")
     kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
     if [[ $load -eq 1 ]]; then
         iops=$(python3 -c 'import json, sys; print(round(json.load(sys.stdin)["iops"]))' <"$work/perf.log" 2>/dev/null || echo 0)
@@ -108,14 +118,15 @@ run_one() {
     else
         iops=$(grep -o 'iops average [0-9]*' "$work/perf.log" | tail -n 1 | awk '{print $3}')
     fi
-    python3 - "$label" "${iops:-0}" $((c1 - c0)) $((w1 - w0)) "$run_secs" <<'EOF'
+    python3 - "$label" "${iops:-0}" $((c1 - c0)) $((w1 - w0)) "$run_secs" "${rss:-0}" <<'EOF'
 import os, sys
-label, iops, ticks, writes, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+label, iops, ticks, writes, secs, rss = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
 hz = os.sysconf("SC_CLK_TCK")
 cpu_s = ticks / hz
 ios = iops * secs
 print(f"{label:4} {iops:>9} IOPS  CPU {100 * cpu_s / secs:5.1f} %  "
-      f"{(1e6 * cpu_s / ios) if ios else 0:8.2f} us/IO  {ios / max(writes, 1):6.1f} IO/write")
+      f"{(1e6 * cpu_s / ios) if ios else 0:8.2f} us/IO  {ios / max(writes, 1):6.1f} IO/write  "
+      f"peak RSS {rss} MiB")
 EOF
 }
 
@@ -123,7 +134,9 @@ client=iscsi-perf; [[ $load -eq 1 ]] && client="ironsan load"; [[ $qemu -eq 1 ]]
 echo "ab: lun $lun, $client ${perf_args[*]}, ${secs}s x $rounds rounds; target CPU 0, client CPU 1"
 echo "old: $old"
 echo "new: $new"
+[[ ${#old_extra[@]} -gt 0 ]] && echo "old client args: ${old_extra[*]}"
+[[ ${#new_extra[@]} -gt 0 ]] && echo "new client args: ${new_extra[*]}"
 for _ in $(seq "$rounds"); do
-    run_one old "$old"
-    run_one new "$new"
+    run_one old "$old" "${old_extra[@]}"
+    run_one new "$new" "${new_extra[@]}"
 done

@@ -49,6 +49,10 @@ pub(crate) struct LoadArgs {
     /// target's reservation check: what that check costs.
     #[arg(long)]
     reserve: bool,
+    /// ErrorRecoveryLevel to offer (0 or 1): at 1 the target keeps what it sends for SNACKs
+    /// (what that costs); the load generator never asks for anything again.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    erl: u8,
     /// Seed of the random LBAs.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -86,6 +90,7 @@ pub(crate) fn main(a: LoadArgs) -> Result<()> {
     spec.count = a.count;
     spec.verify = a.verify;
     spec.reserve = a.reserve;
+    spec.error_recovery_level = a.erl;
     spec.seed = a.seed;
     spec.initiator_name = a.initiator_name;
     // One thread: the figures mean "one client core".

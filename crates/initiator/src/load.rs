@@ -177,6 +177,9 @@ pub struct Spec {
     /// persistent reservation, so that every command meets a reservation (and passes the
     /// target's check); cleared after the run.
     pub reserve: bool,
+    /// ErrorRecoveryLevel offered (RFC 7143 §13.20): at 1 the target keeps what it sends
+    /// for SNACKs, which is what this measures; the load generator itself never SNACKs.
+    pub error_recovery_level: u8,
     /// Seed of the random LBAs.
     pub seed: u64,
     pub initiator_name: String,
@@ -196,6 +199,7 @@ impl Spec {
             count: None,
             verify: false,
             reserve: false,
+            error_recovery_level: 0,
             seed: 1,
             initiator_name: "iqn.2026-11.org.ironsan:load".into(),
         }
@@ -701,6 +705,7 @@ impl Session {
         let url = &urls[index as usize % urls.len()];
         let mut o = LoginOptions::new(Some(&url.target));
         o.initiator_name = spec.initiator_name.clone();
+        o.error_recovery_level = spec.error_recovery_level;
         // Random-qualifier format (0x80) with this process's id and the session index, so two
         // runs at once do not reinstate each other's sessions.
         let pid = (std::process::id() as u16).to_be_bytes();
