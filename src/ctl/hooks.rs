@@ -784,6 +784,7 @@ listen = ["127.0.0.1:0"]
 [[target]]
 name = "iqn.2026-11.org.x:old"
 portal_groups = [2]
+error_recovery_level = 0
 [[target.lun]]
 spec = "ram:1M"
 [[target.lun]]
@@ -831,6 +832,7 @@ shutdown_grace = "2500ms"
             format!("serial = \"{derived:016x}\"\nnaa = \"0x{derived:016x}\""),
             "serial = \"S1\"\nnaa = \"0x5000000000000042\"".to_string(),
             "portal_groups = [2]".to_string(),
+            "error_recovery_level = 0".to_string(),
             format!("[[portal_group]]\ntag = 2\nlisten = [\"{}\"]", bound[1]),
             format!("[[portal_group]]\ntag = 3\nlisten = [\"{p3}\"]"),
             "[limits]\n".to_string(),
