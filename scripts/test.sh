@@ -82,6 +82,9 @@ if [[ $QUICK -eq 0 ]]; then
     if ! command -v cargo-deny >/dev/null; then
         cargo install --locked --no-default-features cargo-deny --version 0.20.2
     fi
+    # cargo-deny reads `cargo metadata` for every platform, offline: the crates of other
+    # platforms (never built here) must be in the local registry too.
+    cargo fetch --locked
     cargo deny --offline check licenses bans sources
 
     section "shellcheck"

@@ -56,8 +56,9 @@ pub enum DataOutPlan<W> {
     /// Reject with Invalid PDU field).
     NoTask,
     /// The header breaks the data sequence: discard the payload, Reject (Protocol error) and
-    /// end the command with CHECK CONDITION (ErrorRecoveryLevel 0 cannot ask for the data
-    /// again). The write is removed and handed back.
+    /// end the command with CHECK CONDITION (a wrong offset, TTT or length is not lost data:
+    /// even ErrorRecoveryLevel 1 has nothing to ask for again). The write is removed and
+    /// handed back.
     Refused(DataOutError, Write<W>),
     /// Put the payload at `offset` of the write's data, then call [`Connection::after_data`].
     Accept { offset: u32 },

@@ -147,8 +147,8 @@ pub struct Joined<T, C> {
 pub struct Left<T, C> {
     /// The connection's own tasks, terminated.
     pub terminated: Terminated<T>,
-    /// The session ended: it was the last connection, or it failed at ErrorRecoveryLevel 0
-    /// (session recovery, RFC 7143 §7.1.5): these are the other connections, to close.
+    /// The session ended: it was the last connection, or it failed below ErrorRecoveryLevel
+    /// 2 (session recovery, RFC 7143 §7.1.5): these are the other connections, to close.
     pub session_ended: Option<Vec<ConnSlot<C>>>,
 }
 

@@ -627,7 +627,7 @@ mod tests {
         );
     }
 
-    /// At ErrorRecoveryLevel 0 a failed connection takes its session with it, and the other
+    /// Below ErrorRecoveryLevel 2 a failed connection takes its session with it, and the other
     /// connections are told to close.
     #[test]
     fn a_failed_connection_ends_its_session_and_closes_the_others() {

@@ -77,8 +77,8 @@ pub(crate) enum ConnError {
 }
 
 impl ConnError {
-    /// Routine endings (logged at info); the rest are failures (a warning, and at
-    /// ErrorRecoveryLevel 0 the end of the session).
+    /// Routine endings (logged at info); the rest are failures (a warning, and below
+    /// ErrorRecoveryLevel 2 the end of the session).
     fn routine(&self) -> bool {
         matches!(
             self,
@@ -375,7 +375,7 @@ pub(crate) async fn run(
     conn.tasks.abort_all();
     signals.mark_stopped();
     if session.leave(id, failed) {
-        // The session ends with its last connection, and at ErrorRecoveryLevel 0 with any
+        // The session ends with its last connection, and below ErrorRecoveryLevel 2 with any
         // that failed (session recovery); no login can join it from now on.
         shared
             .sessions

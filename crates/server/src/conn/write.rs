@@ -514,8 +514,9 @@ impl Connection {
             DataOutPlan::Refused(e, w) => {
                 io::skip_data(rd, plan).await?;
                 tracing::debug!(itt = d.itt.0, "Data-Out refused: {e}");
-                // ErrorRecoveryLevel 0 cannot recover a broken data sequence: Reject the PDU
-                // and end the command with CHECK CONDITION, so nothing is written.
+                // A broken data sequence (not a gap or damaged data, which level 1 asks for
+                // again) cannot be recovered: Reject the PDU and end the command with CHECK
+                // CONDITION, so nothing is written.
                 self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
                     .await;
                 self.write_failed(w, SenseReason::DataPhaseError);
