@@ -9,6 +9,10 @@
 //! reinstatement may have replaced by then (a late retransmission), and several connections
 //! per session (MC/S): connections join with new CIDs or reinstate one with a known CID,
 //! commands go on any of them (CmdSN is the session's), and a Logout names any CID.
+//! The session offers ErrorRecoveryLevel 0 or 1 (the target agrees to 1): PDUs go out with a
+//! damaged header or data segment (their digest no longer matches; the target drops them,
+//! asks for the data again with a recovery R2T, fails the command or closes), and SNACKs of
+//! any type name our tasks, the Data-In whose A bit asked for a DataACK, or anything.
 //! The LUNs are the data paths the performance work built: a RAM LUN (copy-on-write chunks,
 //! reads of holes as the zero page), a tmpfs file LUN with 4096-byte blocks (Data-Out received
 //! straight into the file's pages; reads with `sendfile` or from the mapping, one server
@@ -16,7 +20,8 @@
 //!
 //! Invariants besides "no panic in any server task" (libFuzzer's panic hook aborts):
 //! - every PDU the target sends parses, carries valid digests and a target opcode, and its
-//!   data segment fits the MaxRecvDataSegmentLength we declared;
+//!   data segment fits the MaxRecvDataSegmentLength we declared; no Data-In has the A bit at
+//!   ErrorRecoveryLevel 0;
 //! - once we close our side the target closes the connection within 5 s (nothing hangs);
 //! - afterwards a new session logs in and reads back what it wrote (the server still works);
 //! - with `verify` (arbitrary CDBs and raw commands then go to the NULL LUN or an absent one,
@@ -27,7 +32,8 @@
 //!   response). Data-Out
 //!   bytes are a function of (ITT, buffer offset), so skewed or split transfers cannot make
 //!   the expected data ambiguous. An acknowledged write that is lost, torn, misplaced or
-//!   overwritten by an aborted one fails this;
+//!   overwritten by an aborted one fails this, and so does one holding a damaged data
+//!   segment (`Damage` at a byte changes the data, not the digest);
 //! - the process's file descriptors stay bounded (checked every 256 inputs).
 #![no_main]
 
@@ -157,6 +163,8 @@ struct Input {
     small_segments: bool,
     initial_r2t: bool,
     immediate_data: bool,
+    /// ErrorRecoveryLevel 1 offered at login (the target agrees to it), else 0.
+    erl: bool,
     ops: Vec<Op>,
 }
 
@@ -250,6 +258,43 @@ enum Op {
     Switch(u8),
     /// A Logout naming CID `cid % 4` with reason `reason % 4`, on the connection in use.
     LogoutCid { cid: u8, reason: u8 },
+    /// Damage the next PDU sent: its header (the digest, or BHS byte `at % 48`) or its data
+    /// segment (the digest, or data byte `at`), so that its digest no longer matches. Only
+    /// with that digest negotiated; otherwise (or with no data) the PDU goes out sound.
+    Damage {
+        header: bool,
+        at: Option<u8>,
+    },
+    /// A SNACK Request (RFC 7143 §11.16) of any type (the low 4 bits are sent), for a tag of
+    /// ours, a Data-In's A bit, or arbitrary; `near` brings BegRun near what the type
+    /// counts (StatSN, the DataSN after the acknowledged Data-In, small DataSNs or R2TSNs) and
+    /// RunLength under 4; `unacked`: its ExpStatSN is `1 + unacked % 4` behind ours, so the
+    /// last statuses stay unacknowledged (and what it asks for may still be kept).
+    Snack {
+        snack_type: u8,
+        tag: SnackTag,
+        beg_run: u32,
+        run_length: u32,
+        near: bool,
+        unacked: Option<u8>,
+    },
+}
+
+/// What a SNACK names.
+#[derive(Arbitrary, Debug)]
+enum SnackTag {
+    /// The `cmd`-th task sent (its ITT and LUN), with a TTT (the SNACK Tag of an R-Data
+    /// SNACK) or the reserved one.
+    Task {
+        cmd: u8,
+        ttt: Option<u32>,
+    },
+    /// The `n`-th Data-In seen with the A bit: a DataACK's reserved ITT, its TTT and LUN.
+    Acked(u8),
+    Raw {
+        itt: u32,
+        ttt: u32,
+    },
 }
 
 /// What the reader has seen from the target.
@@ -260,6 +305,19 @@ struct Seen {
     pdus: usize,
     /// ITTs that ended with GOOD in a SCSI Response.
     good: std::collections::HashSet<u32>,
+    /// Data-In with the A bit (a DataACK asked for): LUN, TTT, DataSN.
+    acks: Vec<(Lun, Ttt, DataSn)>,
+}
+
+impl Seen {
+    /// A status with this StatSN arrived: ExpStatSN follows it, but never goes back for a
+    /// status sent again (a Status SNACK's answer keeps its StatSN).
+    fn advance(&mut self, stat_sn: u32) {
+        let next = stat_sn.wrapping_add(1);
+        if next.wrapping_sub(self.exp_stat_sn) < 1 << 31 {
+            self.exp_stat_sn = next;
+        }
+    }
 }
 
 /// A WRITE(16) the session sent to the RAM (0) or file (1) LUN: its CDB's range, and whether
@@ -361,11 +419,20 @@ struct LoggedIn {
     cmd_sn: u32,
     target_mrdsl: u32,
     immediate_data: bool,
+    /// ErrorRecoveryLevel above 0.
+    erl: bool,
 }
 
 /// Log in (a leading login: with the ISID of a live session, that session is reinstated)
-/// and start the connection's reader.
-async fn connect(addr: SocketAddr, o: &LoginOptions, cmd_sn: u32, no: usize) -> Option<LoggedIn> {
+/// and start the connection's reader. `erl`: the session's ErrorRecoveryLevel is above 0
+/// (what a login that does not negotiate it goes on with).
+async fn connect(
+    addr: SocketAddr,
+    o: &LoginOptions,
+    cmd_sn: u32,
+    no: usize,
+    erl: bool,
+) -> Option<LoggedIn> {
     let login = async {
         let mut c = Client::connect(addr).await?;
         c.cmd_sn = CmdSn(cmd_sn);
@@ -376,6 +443,9 @@ async fn connect(addr: SocketAddr, o: &LoginOptions, cmd_sn: u32, no: usize) -> 
         .expect("login: no answer within 5 s")
         .ok()?;
     let tsih = c.tsih;
+    let erl = c
+        .negotiated_value("ErrorRecoveryLevel")
+        .map_or(erl, |v| v != "0");
     let digests = Digests {
         header: c.header_digest,
         data: c.data_digest,
@@ -392,7 +462,13 @@ async fn connect(addr: SocketAddr, o: &LoginOptions, cmd_sn: u32, no: usize) -> 
         ..Default::default()
     }));
     let mrdsl = o.max_recv_data_segment_length;
-    let reader = tokio::spawn(reader(BufReader::new(rd), digests, mrdsl, seen.clone()));
+    let reader = tokio::spawn(reader(
+        BufReader::new(rd),
+        digests,
+        mrdsl,
+        erl,
+        seen.clone(),
+    ));
     Some(LoggedIn {
         conn: Conn {
             no,
@@ -408,6 +484,7 @@ async fn connect(addr: SocketAddr, o: &LoginOptions, cmd_sn: u32, no: usize) -> 
         cmd_sn,
         target_mrdsl,
         immediate_data,
+        erl,
     })
 }
 
@@ -436,8 +513,14 @@ struct Sender {
     /// WRITE(16)s to LUNs 0 and 1, for `verify`.
     sent: Vec<Sent>,
     verify: bool,
-    itts: Vec<Itt>,
+    /// The tasks sent: ITT and LUN.
+    itts: Vec<(Itt, Lun)>,
     target_mrdsl: u32,
+    /// The session's ErrorRecoveryLevel is above 0.
+    erl: bool,
+    /// The next PDU sent is damaged (`Damage`): its header or its data, at the digest or at
+    /// a byte.
+    damage: Option<(bool, Option<u8>)>,
 }
 
 impl Sender {
@@ -456,9 +539,24 @@ impl Sender {
         sn
     }
     async fn send_bhs(&mut self, bhs: &Bhs, data: &[u8]) -> std::io::Result<()> {
-        let buf = wire_pdu(bhs, data, self.digests.header, self.digests.data);
+        let mut buf = wire_pdu(bhs, data, self.digests.header, self.digests.data);
         if self.conn.stalled {
             return Ok(());
+        }
+        if let Some((header, at)) = self.damage.take() {
+            // The header digest is bytes 48..52, the data digest the last 4 (RFC 7143 §11.1).
+            let hd = if self.digests.header { 4 } else { 0 };
+            let i = match (header, at) {
+                (true, _) if !self.digests.header => None,
+                (true, None) => Some(48 + 3),
+                (true, Some(b)) => Some(usize::from(b) % 48),
+                (false, _) if !self.digests.data || data.is_empty() => None,
+                (false, None) => Some(buf.len() - 1),
+                (false, Some(b)) => Some(48 + hd + usize::from(b) % data.len()),
+            };
+            if let Some(b) = i.and_then(|i| buf.get_mut(i)) {
+                *b ^= 0x5a;
+            }
         }
         if let Some(cut) = self.split_next.take() {
             let cut = 1 + usize::from(cut) % buf.len();
@@ -489,7 +587,7 @@ impl Sender {
         attr: u8,
     ) -> std::io::Result<()> {
         let itt = self.itt();
-        self.itts.push(itt);
+        self.itts.push((itt, lun));
         if write {
             self.writes.push((itt, lun, edtl));
         }
@@ -692,7 +790,7 @@ impl Sender {
                 let referenced = if self.itts.is_empty() {
                     Itt(u32::from(cmd))
                 } else {
-                    self.itts[usize::from(cmd) % self.itts.len()]
+                    self.itts[usize::from(cmd) % self.itts.len()].0
                 };
                 let itt = self.itt();
                 let t = TaskMgmtRequest {
@@ -800,7 +898,8 @@ impl Sender {
                 let mut o = self.login.clone();
                 o.tsih = Tsih(0);
                 o.cid = Cid(0);
-                let Some(l) = connect(self.addr, &o, self.cmd_sn, self.next_no).await else {
+                let Some(l) = connect(self.addr, &o, self.cmd_sn, self.next_no, self.erl).await
+                else {
                     return Ok(());
                 };
                 self.next_no += 1;
@@ -815,13 +914,15 @@ impl Sender {
                 self.digests = l.digests;
                 self.cmd_sn = l.cmd_sn;
                 self.target_mrdsl = l.target_mrdsl;
+                self.erl = l.erl;
                 Ok(())
             }
             Op::Join { cid } => {
                 let mut o = self.login.clone();
                 o.tsih = self.tsih;
                 o.cid = Cid(u16::from(cid % 4));
-                let Some(l) = connect(self.addr, &o, self.cmd_sn, self.next_no).await else {
+                let Some(l) = connect(self.addr, &o, self.cmd_sn, self.next_no, self.erl).await
+                else {
                     return Ok(());
                 };
                 self.next_no += 1;
@@ -871,6 +972,70 @@ impl Sender {
                 }
                 Ok(())
             }
+            Op::Damage { header, at } => {
+                self.damage = Some((header, at));
+                Ok(())
+            }
+            Op::Snack {
+                snack_type,
+                tag,
+                beg_run,
+                run_length,
+                near,
+                unacked,
+            } => {
+                let exp_stat_sn = self.exp_stat_sn();
+                let (lun, itt, ttt, acked) = match tag {
+                    SnackTag::Task { cmd, ttt } => {
+                        let (itt, lun) = if self.itts.is_empty() {
+                            (Itt(u32::from(cmd)), Lun::default())
+                        } else {
+                            self.itts[usize::from(cmd) % self.itts.len()]
+                        };
+                        (lun, itt, ttt.map_or(Ttt::RESERVED, Ttt), None)
+                    }
+                    SnackTag::Acked(n) => {
+                        let seen = self
+                            .conn
+                            .seen
+                            .lock()
+                            .map_err(|_| std::io::ErrorKind::Other)?;
+                        let Some(&(lun, ttt, sn)) = (!seen.acks.is_empty())
+                            .then(|| &seen.acks[usize::from(n) % seen.acks.len()])
+                        else {
+                            return Ok(());
+                        };
+                        (lun, Itt::RESERVED, ttt, Some(sn))
+                    }
+                    SnackTag::Raw { itt, ttt } => (Lun::default(), Itt(itt), Ttt(ttt), None),
+                };
+                let (beg_run, run_length) = if near {
+                    let beg = match (snack_type & 0x0f, acked) {
+                        // Status: StatSNs already sent.
+                        (1, _) => exp_stat_sn.0.wrapping_sub(1 + beg_run % 8),
+                        // DataACK: the DataSN after the acknowledged Data-In, or before it.
+                        (_, Some(sn)) => sn.0.wrapping_add(1).wrapping_sub(beg_run % 3),
+                        _ => beg_run % 8,
+                    };
+                    (beg, run_length % 4)
+                } else {
+                    (beg_run, run_length)
+                };
+                let s = SnackRequest {
+                    snack_type,
+                    lun,
+                    itt,
+                    ttt,
+                    exp_stat_sn: StatSn(
+                        exp_stat_sn
+                            .0
+                            .wrapping_sub(unacked.map_or(0, |k| 1 + u32::from(k % 4))),
+                    ),
+                    beg_run,
+                    run_length,
+                };
+                self.send(Header::SnackRequest(s), Bytes::new()).await
+            }
             Op::Split(cut) => {
                 self.split_next = Some(cut);
                 Ok(())
@@ -912,6 +1077,7 @@ async fn reader(
     mut rd: BufReader<OwnedReadHalf>,
     digests: Digests,
     our_mrdsl: u32,
+    erl: bool,
     seen: Arc<Mutex<Seen>>,
 ) -> Result<(), String> {
     loop {
@@ -941,17 +1107,28 @@ async fn reader(
                 if r.status == 0 && r.response == ServiceResponse::COMMAND_COMPLETED {
                     s.good.insert(r.itt.0);
                 }
-                s.exp_stat_sn = stat_sn.wrapping_add(1)
+                s.advance(stat_sn)
             }
             Header::NopIn(_)
             | Header::TaskMgmtResponse(_)
             | Header::TextResponse(_)
             | Header::LogoutResponse(_)
             | Header::AsyncMessage(_)
-            | Header::Reject(_) => s.exp_stat_sn = stat_sn.wrapping_add(1),
+            | Header::Reject(_) => s.advance(stat_sn),
             Header::DataIn(d) => {
                 if d.status.is_some() {
-                    s.exp_stat_sn = stat_sn.wrapping_add(1)
+                    s.advance(stat_sn)
+                }
+                if d.ack {
+                    if !erl {
+                        // RFC 7143 §11.7.2: the A bit MUST NOT be set at ErrorRecoveryLevel 0.
+                        return Err(format!(
+                            "Data-In with the A bit at ErrorRecoveryLevel 0: {d:?}"
+                        ));
+                    }
+                    if s.acks.len() < 256 {
+                        s.acks.push((d.lun, d.ttt, d.data_sn));
+                    }
                 }
             }
             other => return Err(format!("the target sent a non-target PDU: {other:?}")),
@@ -1063,7 +1240,8 @@ async fn session(addr: SocketAddr, i: Input) -> Outcome {
     o.max_outstanding_r2t = 4;
     o.max_burst_length = 1 << 20;
     o.max_connections = 4;
-    let l = connect(addr, &o, 1, 0).await.expect("login");
+    o.error_recovery_level = u8::from(i.erl);
+    let l = connect(addr, &o, 1, 0, false).await.expect("login");
     let imm = l.immediate_data;
     let mut s = Sender {
         addr,
@@ -1084,6 +1262,8 @@ async fn session(addr: SocketAddr, i: Input) -> Outcome {
         verify: i.verify,
         itts: Vec::new(),
         target_mrdsl: l.target_mrdsl,
+        erl: l.erl,
+        damage: None,
     };
     for op in i.ops.into_iter().take(64) {
         match tokio::time::timeout(WAIT, s.op(op, imm)).await {

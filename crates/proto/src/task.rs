@@ -249,8 +249,14 @@ impl WriteTransfer {
         edtl: u32,
         immediate_len: u32,
         cmd_final: bool,
-        params: WriteParams,
+        mut params: WriteParams,
     ) -> Result<Self, DataOutError> {
+        if params.recovery {
+            // Recovery needs one sequence at a time (RFC 7143 §13.19: negotiation makes
+            // MaxOutstandingR2T 1 above ErrorRecoveryLevel 0); a recovery R2T never overlaps
+            // an open one.
+            params.max_outstanding_r2t = 1;
+        }
         let first_burst = params.first_burst_length.min(edtl);
         if immediate_len > 0 && (!params.immediate_data || immediate_len > first_burst) {
             return Err(DataOutError::BadImmediateData);
@@ -378,7 +384,9 @@ impl WriteTransfer {
             }
             !inside
         });
-        self.received -= (to - from) - lost;
+        self.received = self
+            .received
+            .saturating_sub((to - from).saturating_sub(lost));
         Some(r)
     }
 
