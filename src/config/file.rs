@@ -438,41 +438,41 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
                 Some(tags)
             }
         };
-        let connections_per_session = match &t.connections_per_session {
-            None => None,
-            Some(n) => Some(
-                u16::try_from(*n.get_ref())
-                    .ok()
-                    .filter(|n| (1..=MAX_CONNECTIONS_PER_SESSION).contains(n))
-                    .ok_or_else(|| {
-                        at(
-                            n.span(),
-                            format!(
-                                "connections_per_session must be between 1 and \
-                                 {MAX_CONNECTIONS_PER_SESSION}"
-                            ),
-                        )
-                    })?,
-            ),
-        };
+        // An optional integer key within `range`, or an error naming its line.
+        fn ranged<T: TryFrom<i64> + PartialOrd>(
+            v: &Option<Spanned<i64>>,
+            range: std::ops::RangeInclusive<T>,
+            error: impl FnOnce(std::ops::Range<usize>) -> ConfigError,
+        ) -> Result<Option<T>, ConfigError> {
+            let Some(n) = v else { return Ok(None) };
+            match T::try_from(*n.get_ref()) {
+                Ok(x) if range.contains(&x) => Ok(Some(x)),
+                _ => Err(error(n.span())),
+            }
+        }
+        let connections_per_session = ranged(
+            &t.connections_per_session,
+            1..=MAX_CONNECTIONS_PER_SESSION,
+            |span| {
+                at(
+                    span,
+                    format!(
+                        "connections_per_session must be between 1 and \
+                         {MAX_CONNECTIONS_PER_SESSION}"
+                    ),
+                )
+            },
+        )?;
         let max_erl = ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL;
-        let error_recovery_level = match &t.error_recovery_level {
-            None => None,
-            Some(n) => Some(
-                u8::try_from(*n.get_ref())
-                    .ok()
-                    .filter(|n| *n <= max_erl)
-                    .ok_or_else(|| {
-                        at(
-                            n.span(),
-                            format!(
-                                "error_recovery_level must be between 0 and {max_erl} \
-                                 (connection recovery, level 2, is not implemented)"
-                            ),
-                        )
-                    })?,
-            ),
-        };
+        let error_recovery_level = ranged(&t.error_recovery_level, 0..=max_erl, |span| {
+            at(
+                span,
+                format!(
+                    "error_recovery_level must be between 0 and {max_erl} \
+                     (connection recovery, level 2, is not implemented)"
+                ),
+            )
+        })?;
         let serving: Vec<u16> = groups
             .clone()
             .unwrap_or_else(|| portal_groups.iter().map(|p| p.tag).collect());

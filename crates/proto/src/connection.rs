@@ -237,12 +237,6 @@ impl<W, S: BuildHasher + Default> Connection<W, S> {
         }
     }
 
-    /// The immediate data of the write `itt` failed its data digest: as
-    /// [`Connection::data_damaged`] for its range.
-    pub fn immediate_damaged(&mut self, itt: Itt, len: u32) -> Option<(DataOutError, Write<W>)> {
-        self.data_damaged(itt, 0, len)
-    }
-
     /// An R2T SNACK (RFC 7143 §11.16.1) for the write `itt`: the R2Ts numbered from `beg`
     /// (`run` of them; 0: every one from `beg`) again, their sequences started over. `None`
     /// when the write is unknown or one of those R2Ts was never sent or has all its data

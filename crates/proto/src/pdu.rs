@@ -735,7 +735,33 @@ impl Reject {
     }
 }
 
+impl Bhs {
+    /// ExpStatSN (bytes 28..32), where every initiator PDU carries it (RFC 7143 §11: SCSI
+    /// Command, Data-Out, NOP-Out, Task Management, Text, Logout, SNACK; §4.2.2.2).
+    pub fn exp_stat_sn(&self) -> StatSn {
+        StatSn(self.u32_at(28))
+    }
+}
+
 impl Header {
+    /// A target PDU's StatSN, ExpCmdSN and MaxCmdSN (the PDUs of
+    /// [`Header::target_sn_mut`]).
+    pub fn target_sn(&self) -> Option<TargetSn> {
+        match self {
+            Header::NopIn(p) => Some(p.sn),
+            Header::ScsiResponse(p) => Some(p.sn),
+            Header::TaskMgmtResponse(p) => Some(p.sn),
+            Header::LoginResponse(p) => Some(p.sn),
+            Header::TextResponse(p) => Some(p.sn),
+            Header::DataIn(p) => Some(p.sn),
+            Header::LogoutResponse(p) => Some(p.sn),
+            Header::R2t(p) => Some(p.sn),
+            Header::AsyncMessage(p) => Some(p.sn),
+            Header::Reject(p) => Some(p.sn),
+            _ => None,
+        }
+    }
+
     /// Where a target PDU keeps its StatSN, ExpCmdSN and MaxCmdSN.
     pub fn target_sn_mut(&mut self) -> Option<&mut TargetSn> {
         match self {

@@ -107,7 +107,7 @@
 
 use crate::pdu::{
     DataIn, Header, Itt, Pdu, RejectReason, Residual, ScsiResponse, ServiceResponse, SnackRequest,
-    TargetSn, Ttt, MAX_DSL, RESERVED_TAG,
+    Ttt, MAX_DSL, RESERVED_TAG,
 };
 use crate::serial::{CmdSn, DataSn, StatSn};
 use bytes::{Bytes, BytesMut};
@@ -320,22 +320,6 @@ pub struct Retained<S = std::hash::RandomState> {
     floor: Option<StatSn>,
 }
 
-fn target_sn(h: &Header) -> Option<TargetSn> {
-    match h {
-        Header::NopIn(p) => Some(p.sn),
-        Header::ScsiResponse(p) => Some(p.sn),
-        Header::TaskMgmtResponse(p) => Some(p.sn),
-        Header::LoginResponse(p) => Some(p.sn),
-        Header::TextResponse(p) => Some(p.sn),
-        Header::DataIn(p) => Some(p.sn),
-        Header::LogoutResponse(p) => Some(p.sn),
-        Header::R2t(p) => Some(p.sn),
-        Header::AsyncMessage(p) => Some(p.sn),
-        Header::Reject(p) => Some(p.sn),
-        _ => None,
-    }
-}
-
 impl<S: BuildHasher + Default> Retained<S> {
     /// An empty store keeping at most `limit_bytes` of data segments (and at most
     /// [`MAX_STATUSES`] statuses), for one connection (RFC 7143 §4.2.2.2: StatSN and SNACK are
@@ -384,7 +368,7 @@ impl<S: BuildHasher + Default> Retained<S> {
             _ => None,
         };
         if took_stat_sn {
-            if let Some(sn) = target_sn(header) {
+            if let Some(sn) = header.target_sn() {
                 self.record_status(sn.stat_sn, header, data, link);
             }
         }

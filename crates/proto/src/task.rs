@@ -413,48 +413,6 @@ impl WriteTransfer {
     /// (At ErrorRecoveryLevel 1, a DataSN gap in a sequence, left by a Data-Out dropped for
     /// a header digest error, RFC 7143 §7.9, is accepted: the skipped range is lost data.)
     pub fn accept(&mut self, h: &DataOut, len: u32) -> Result<(), DataOutError> {
-        self.take(h, len)
-    }
-
-    /// The payload of a Data-Out [`WriteTransfer::accept`] took, `len` bytes at `offset`,
-    /// failed its data digest (RFC 7143 §7.8): the sequence goes on, and the range is asked
-    /// for again by a recovery R2T once the sequence is over. At ErrorRecoveryLevel 0, or past
-    /// [`RECOVERY_LIMIT`], an error: the command must fail.
-    pub fn damaged(&mut self, offset: u32, len: u32) -> Result<(), DataOutError> {
-        let len = len.min(self.received);
-        self.recover(offset, offset.saturating_add(len))?;
-        self.received -= len;
-        Ok(())
-    }
-
-    /// Recoveries so far (lost ranges asked for again).
-    pub fn recoveries(&self) -> u32 {
-        self.recoveries
-    }
-
-    /// The immediate data was lost (a data digest error on the command PDU): its range is
-    /// asked for again by R2T (RFC 7143 §7.8).
-    pub fn lost_immediate(&mut self, len: u32) -> Result<(), DataOutError> {
-        self.damaged(0, len)
-    }
-
-    /// Note `[start, end)` as lost, counting a recovery.
-    fn recover(&mut self, start: u32, end: u32) -> Result<(), DataOutError> {
-        if !self.params.recovery {
-            return Err(DataOutError::NoRecovery);
-        }
-        self.recoveries += 1;
-        if self.recoveries > RECOVERY_LIMIT {
-            return Err(DataOutError::TooManyRecoveries);
-        }
-        if start < end {
-            let at = self.holes.partition_point(|h| h.0 < start);
-            self.holes.insert(at, (start, end));
-        }
-        Ok(())
-    }
-
-    fn take(&mut self, h: &DataOut, len: u32) -> Result<(), DataOutError> {
         if len > self.params.max_recv_data_segment_length {
             return Err(DataOutError::TooLong);
         }
@@ -517,6 +475,44 @@ impl WriteTransfer {
                 let ttt = h.ttt;
                 self.outstanding.retain(|s| s.ttt != ttt);
             }
+        }
+        Ok(())
+    }
+
+    /// The payload of a Data-Out [`WriteTransfer::accept`] took, `len` bytes at `offset`,
+    /// failed its data digest (RFC 7143 §7.8): the sequence goes on, and the range is asked
+    /// for again by a recovery R2T once the sequence is over. At ErrorRecoveryLevel 0, or past
+    /// [`RECOVERY_LIMIT`], an error: the command must fail.
+    pub fn damaged(&mut self, offset: u32, len: u32) -> Result<(), DataOutError> {
+        let len = len.min(self.received);
+        self.recover(offset, offset.saturating_add(len))?;
+        self.received -= len;
+        Ok(())
+    }
+
+    /// Recoveries so far (lost ranges asked for again).
+    pub fn recoveries(&self) -> u32 {
+        self.recoveries
+    }
+
+    /// The immediate data was lost (a data digest error on the command PDU): its range is
+    /// asked for again by R2T (RFC 7143 §7.8).
+    pub fn lost_immediate(&mut self, len: u32) -> Result<(), DataOutError> {
+        self.damaged(0, len)
+    }
+
+    /// Note `[start, end)` as lost, counting a recovery.
+    fn recover(&mut self, start: u32, end: u32) -> Result<(), DataOutError> {
+        if !self.params.recovery {
+            return Err(DataOutError::NoRecovery);
+        }
+        self.recoveries += 1;
+        if self.recoveries > RECOVERY_LIMIT {
+            return Err(DataOutError::TooManyRecoveries);
+        }
+        if start < end {
+            let at = self.holes.partition_point(|h| h.0 < start);
+            self.holes.insert(at, (start, end));
         }
         Ok(())
     }

@@ -143,7 +143,7 @@ fn r_data(itt: u32, tag: u32) -> SnackRequest {
 }
 
 fn stat_sn(p: &Pdu) -> StatSn {
-    target_sn(&p.header).map(|s| s.stat_sn).unwrap_or_default()
+    p.header.target_sn().map(|s| s.stat_sn).unwrap_or_default()
 }
 
 fn data_in(p: &Pdu) -> &DataIn {
@@ -936,7 +936,7 @@ impl Model {
                     .data_in
                     .get(&d.itt.0)
                     .and_then(|v| v.get(d.data_sn.0 as usize)),
-                h => self.statuses.get(&target_sn(h).unwrap().stat_sn.0),
+                h => self.statuses.get(&h.target_sn().unwrap().stat_sn.0),
             };
             let want = want.unwrap_or_else(|| panic!("never sent: {p:?}"));
             assert_eq!(wire(p), wire(want));

@@ -218,6 +218,8 @@ struct Connection {
     recovery: bool,
     /// Header digest errors in a row (a dropped PDU's successor must be sound).
     bad_headers: u8,
+    /// The last ExpStatSN handed to what the writer keeps for SNACKs.
+    acked: Option<StatSn>,
 }
 
 /// Serve one accepted TCP connection until it closes.
@@ -345,6 +347,7 @@ pub(crate) async fn run(
             .filter(|_| !recovery),
         recovery,
         bad_headers: 0,
+        acked: None,
     };
     let keepalive = tokio::spawn(keepalive::run(
         conn.tx.clone(),
@@ -710,10 +713,11 @@ impl Connection {
         };
         self.bad_headers = 0;
         if let Some(kept) = self.writer.retained.get() {
-            // Every initiator PDU carries ExpStatSN at bytes 28..32 (RFC 7143 §11): what it
-            // acknowledges need not be kept for SNACKs any more.
-            if let Some(b) = bhs.0.get(28..32).and_then(|b| <[u8; 4]>::try_from(b).ok()) {
-                let sn = StatSn(u32::from_be_bytes(b));
+            // What an initiator PDU's ExpStatSN acknowledges need not be kept for SNACKs any
+            // more; most PDUs repeat the last one, which costs no lock.
+            let sn = bhs.exp_stat_sn();
+            if self.acked != Some(sn) {
+                self.acked = Some(sn);
                 kept.lock().unwrap_or_else(|p| p.into_inner()).ack(sn);
             }
         }

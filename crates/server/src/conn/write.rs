@@ -278,19 +278,16 @@ impl Connection {
             true
         };
         let fail = Response::check_condition;
-        // At ErrorRecoveryLevel 1 damaged immediate data is asked for again by R2T (RFC 7143
-        // §7.8); the command goes on.
-        let immediate_lost = !digest_ok && self.recovery && cmd.write && edtl > 0;
-        if immediate_lost {
+        // RFC 7143 §7.8: damaged immediate data is discarded and Rejected; the command fails
+        // (its CmdSN was received), or at ErrorRecoveryLevel 1 asks for it again by R2T.
+        if !digest_ok {
             let r = self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs);
             self.send(vec![r]).await;
             shared = None;
             buf.clear();
         }
+        let immediate_lost = !digest_ok && self.recovery && cmd.write && edtl > 0;
         let start = if !digest_ok && !immediate_lost {
-            // RFC 7143 §7.8: discard, Reject, and fail the command (its CmdSN was received).
-            let r = self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs);
-            self.send(vec![r]).await;
             Start::Fail(fail(SenseReason::ProtocolCrcError))
         } else if oversize {
             Start::Fail(fail(SenseReason::InvalidFieldInCdb { byte: 0, bit: None }))
