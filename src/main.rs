@@ -156,9 +156,9 @@ struct ServeArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=config::MAX_CONNECTIONS_PER_SESSION as i64))]
     connections_per_session: Option<u16>,
     /// The highest ErrorRecoveryLevel sessions may agree (RFC 7143 §13.20): 0 (a damaged PDU
-    /// or a lost connection ends the session) or 1 (lost data asked for again, damaged
-    /// headers dropped, SNACKs answered), for every target that does not set
-    /// `error_recovery_level`. Default: 1.
+    /// or a lost connection ends the session), 1 (lost data asked for again, damaged headers
+    /// dropped, SNACKs answered) or 2 (also: a lost connection's tasks wait for TASK REASSIGN
+    /// on another), for every target that does not set `error_recovery_level`. Default: 2.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=i64::from(ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL)))]
     error_recovery_level: Option<u8>,
     /// The connections of a session with several (MC/S) move data in equal shares: one that

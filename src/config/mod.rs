@@ -16,7 +16,7 @@
 //! alias = "disk1"
 //! # portal_groups = [1, 2]  # default: every portal
 //! # connections_per_session = 4   # MaxConnections offered (MC/S), 1-64
-//! # error_recovery_level = 1      # highest ErrorRecoveryLevel agreed, 0-1
+//! # error_recovery_level = 2      # highest ErrorRecoveryLevel agreed, 0-2
 //!
 //! [[target.lun]]
 //! backend = "file"          # null | ram | file
@@ -118,7 +118,7 @@ pub(crate) struct TargetPlan {
     /// §13.2); `None`: the server's default (`--connections-per-session`, else 4).
     pub connections_per_session: Option<u16>,
     /// The highest ErrorRecoveryLevel its sessions may agree (RFC 7143 §13.20, 0 or 1);
-    /// `None`: the server's default (`--error-recovery-level`, else 1).
+    /// `None`: the server's default (`--error-recovery-level`, else 2).
     pub error_recovery_level: Option<u8>,
     /// ALUA target port groups (`[[target.alua_group]]`), ports named by portal group tag;
     /// `None`: one group per portal group, active/optimized.

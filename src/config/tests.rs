@@ -614,7 +614,7 @@ fn access_control_errors_name_file_and_line() {
         ("[[target]]\nname = \"iqn.2026-11.org.x:a\"\nchap = { user = \"u\", secret = \"a-long-secret-1\", secret_env = \"X\" }\n[[target.lun]]\nspec = \"ram:1G\"\n".to_string(), 3, "exactly one"),
         ("[[target]]\nname = \"iqn.2026-11.org.x:a\"\nchap = { user = \"u\", secret_env = \"IRONSAN_TEST_UNSET_VAR\" }\n[[target.lun]]\nspec = \"ram:1G\"\n".to_string(), 3, "not set"),
         (format!("[limits]\nmax_connections = 0\n{base}"), 2, "max_connections"),
-        ("[[target]]\nname = \"iqn.2026-11.org.x:a\"\nerror_recovery_level = 2\n[[target.lun]]\nspec = \"ram:1G\"\n".to_string(), 3, "error_recovery_level must be between 0 and 1"),
+        ("[[target]]\nname = \"iqn.2026-11.org.x:a\"\nerror_recovery_level = 3\n[[target.lun]]\nspec = \"ram:1G\"\n".to_string(), 3, "error_recovery_level must be between 0 and 2"),
         (format!("[limits]\nwrite_buffer_per_session = \"1M\"\n{base}"), 2, "write_buffer_per_session"),
         (format!("[discovery]\nmutual_chap = {{ user = \"t\", secret = \"a-long-secret-1\" }}\n{base}"), 2, "needs chap"),
     ];

@@ -162,6 +162,10 @@ pub struct LoginOptions {
     pub max_connections: u16,
     /// ErrorRecoveryLevel offered in a leading login (RFC 7143 §13.20).
     pub error_recovery_level: u8,
+    /// DefaultTime2Wait and DefaultTime2Retain offered in a leading login (RFC 7143 §13.15,
+    /// §13.16; default 2 and 0: no connection recovery).
+    pub time2wait: u16,
+    pub time2retain: u16,
     /// Extra key=value pairs to send in the login.
     pub extra: Vec<(String, String)>,
     /// Authenticate with CHAP in a security stage.
@@ -257,6 +261,8 @@ impl LoginOptions {
             max_outstanding_r2t: 1,
             max_connections: 1,
             error_recovery_level: 0,
+            time2wait: 2,
+            time2retain: 0,
             extra: Vec::new(),
             chap: None,
             auth_method: None,
@@ -536,8 +542,8 @@ impl Client {
                     "ErrorRecoveryLevel".into(),
                     opts.error_recovery_level.to_string(),
                 ),
-                ("DefaultTime2Wait".into(), "2".into()),
-                ("DefaultTime2Retain".into(), "0".into()),
+                ("DefaultTime2Wait".into(), opts.time2wait.to_string()),
+                ("DefaultTime2Retain".into(), opts.time2retain.to_string()),
                 ("MaxConnections".into(), opts.max_connections.to_string()),
                 ("DataPDUInOrder".into(), "Yes".into()),
                 ("DataSequenceInOrder".into(), "Yes".into()),
@@ -1087,6 +1093,68 @@ impl Client {
                 Header::TaskMgmtResponse(r) if r.itt == itt => {
                     self.note_sn(&r.sn, true);
                     return Ok(r.response);
+                }
+                other => self.unsolicited.push(Pdu::new(other, pdu.data)),
+            }
+        }
+    }
+
+    /// TASK REASSIGN (RFC 7143 §11.5.1, ErrorRecoveryLevel 2) of the task `referenced` to
+    /// this connection, with `exp_data_sn` the next Data-In DataSN wanted (0: all not
+    /// acknowledged); returns the response code. What resumes the task (Data-In, R2Ts, its
+    /// status) follows; read it with [`recv`](Self::recv).
+    pub async fn task_reassign(
+        &mut self,
+        referenced: Itt,
+        exp_data_sn: DataSn,
+    ) -> Result<TmfResponseCode> {
+        let itt = self.itt();
+        let t = TaskMgmtRequest {
+            immediate: true,
+            function: TmfFunction::TASK_REASSIGN,
+            itt,
+            referenced_task_tag: referenced,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: self.exp_stat_sn,
+            exp_data_sn,
+            ..Default::default()
+        };
+        self.send(Header::TaskMgmtRequest(t), Bytes::new()).await?;
+        loop {
+            let pdu = self.recv().await?;
+            match pdu.header {
+                Header::TaskMgmtResponse(r) if r.itt == itt => {
+                    self.note_sn(&r.sn, true);
+                    return Ok(r.response);
+                }
+                other => self.unsolicited.push(Pdu::new(other, pdu.data)),
+            }
+        }
+    }
+
+    /// Log out with `reason` for the connection `cid` (RFC 7143 §11.14); returns the response
+    /// code and its Time2Wait and Time2Retain.
+    pub async fn logout_for(
+        &mut self,
+        reason: LogoutReason,
+        cid: u16,
+    ) -> Result<(LogoutResponseCode, u16, u16)> {
+        let itt = self.itt();
+        let l = LogoutRequest {
+            immediate: true,
+            reason,
+            itt,
+            cid: Cid(cid),
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: self.exp_stat_sn,
+        };
+        self.send(Header::LogoutRequest(l), Bytes::new()).await?;
+        loop {
+            let pdu = self.recv().await?;
+            match pdu.header {
+                Header::LogoutResponse(r) if r.itt == itt => {
+                    self.note_sn(&r.sn, true);
+                    return Ok((r.response, r.time2wait, r.time2retain));
                 }
                 other => self.unsolicited.push(Pdu::new(other, pdu.data)),
             }

@@ -308,6 +308,17 @@ impl<W, S: BuildHasher + Default> Connection<W, S> {
         Some(w)
     }
 
+    /// Take over a delivered write reassigned from a failed connection of the session (TASK
+    /// REASSIGN, RFC 7143 §11.5.1): its whole data is asked for again by R2T from this
+    /// connection, with this connection's Target Transfer Tags.
+    pub fn adopt_write(&mut self, mut w: Write<W>) {
+        w.transfer.reassigned();
+        w.delivered = true;
+        let itt = w.itt;
+        self.writes.insert(itt, w);
+        self.issue_r2ts(itt);
+    }
+
     /// Remove every write that matches `pred`.
     pub fn take_where(&mut self, mut pred: impl FnMut(&Write<W>) -> bool) -> Vec<Write<W>> {
         let itts: Vec<Itt> = self

@@ -298,11 +298,11 @@ impl Default for TargetDefaults {
     }
 }
 
-/// The highest ErrorRecoveryLevel (RFC 7143 §13.20) this target implements: 1, recovery
-/// within a command and within a connection (§7.1.5, §7.2: recovery R2Ts, dropped PDUs,
-/// SNACKs). Connection recovery (level 2, TASK REASSIGN) is not implemented: a setting of 2 is
-/// answered 1.
-pub const MAX_ERROR_RECOVERY_LEVEL: u8 = 1;
+/// The highest ErrorRecoveryLevel (RFC 7143 §13.20) this target implements: 2, recovery
+/// within a command and within a connection (level 1, §7.1.5, §7.2: recovery R2Ts, dropped
+/// PDUs, SNACKs) and connection recovery (level 2, §7.2.2: tasks of a failed connection kept
+/// for TASK REASSIGN, logout for recovery).
+pub const MAX_ERROR_RECOVERY_LEVEL: u8 = 2;
 
 impl TargetDefaults {
     /// Bring every value into its RFC range and FirstBurstLength under MaxBurstLength, so that no
@@ -1072,7 +1072,7 @@ mod tests {
         );
         assert_eq!(
             answer(&mut n, "ErrorRecoveryLevel", "2").as_deref(),
-            Some("1")
+            Some("2")
         );
         assert_eq!(answer(&mut n, "MaxConnections", "8").as_deref(), Some("4"));
         assert_eq!(
@@ -1098,7 +1098,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             out,
-            p(&[("MaxOutstandingR2T", "1"), ("ErrorRecoveryLevel", "1")])
+            p(&[("MaxOutstandingR2T", "1"), ("ErrorRecoveryLevel", "2")])
         );
         // A MaxOutstandingR2T above 1 agreed in an earlier request keeps the level at 0.
         let mut n = fresh();
@@ -1110,7 +1110,7 @@ mod tests {
             answer(&mut n, "ErrorRecoveryLevel", "1").as_deref(),
             Some("0")
         );
-        // A target set to 0 (or 2, answered as the highest implemented level).
+        // A target set to 0 or 1 answers its own level.
         let mut n = fresh();
         n.set_error_recovery_level(0);
         assert_eq!(
@@ -1122,10 +1122,10 @@ mod tests {
             Some("8")
         );
         let mut n = fresh();
-        n.set_error_recovery_level(2);
+        n.set_error_recovery_level(1);
         assert_eq!(
             answer(&mut n, "ErrorRecoveryLevel", "2").as_deref(),
-            Some(MAX_ERROR_RECOVERY_LEVEL.to_string().as_str())
+            Some("1")
         );
     }
 

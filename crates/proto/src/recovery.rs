@@ -410,6 +410,51 @@ impl<S: BuildHasher + Default> Retained<S> {
         }
     }
 
+    /// What a TASK REASSIGN of `itt` to another connection sends there (RFC 7143 §11.5.1,
+    /// §7.2.2), once this connection has failed: the task's Data-In from `exp_data_sn` (0:
+    /// from the first not acknowledged by a DataACK) and its status, as first sent; the caller
+    /// stamps them anew on the new connection (the status takes that connection's next
+    /// StatSN). `None` while no status of the task is held (still running, or let go): the
+    /// caller waits or answers that the task does not exist. The task is let go here.
+    pub fn reassign(&mut self, itt: Itt, exp_data_sn: DataSn) -> Option<Vec<(Header, Bytes)>> {
+        let status = self
+            .statuses
+            .iter()
+            .rev()
+            .find(|s| match (&s.body, s.task) {
+                (Body::InTask(_), Some((i, _))) => i == itt,
+                (Body::Own(Header::ScsiResponse(r), _), _) => r.itt == itt,
+                _ => false,
+            })?;
+        let (own, carrier) = match &status.body {
+            Body::Own(h, d) => (Some((h.clone(), d.clone())), None),
+            Body::InTask(dsn) => (None, Some(*dsn)),
+            Body::Dropped => (None, None),
+        };
+        let linked = status.task.map(|(_, gen)| gen);
+        let mut out = Vec::new();
+        if let Some(t) = self.tasks.get(&itt).filter(|t| Some(t.gen) == linked) {
+            let from = if exp_data_sn == DataSn(0) {
+                t.acked
+            } else {
+                exp_data_sn
+            };
+            out.extend(
+                t.data
+                    .iter()
+                    // The status goes again even when its data was acknowledged.
+                    .filter(|(h, _)| !h.data_sn.lt(from) || Some(h.data_sn) == carrier)
+                    .map(|(h, d)| (Header::DataIn(h.clone()), d.clone())),
+            );
+            self.remove_task(itt);
+        } else if own.is_none() {
+            // Its Data-In were let go: nothing to resume from.
+            return None;
+        }
+        out.extend(own);
+        Some(out)
+    }
+
     /// Answer a SNACK Request (RFC 7143 §11.16): the PDUs to send again, a DataACK taken, a
     /// Data/R2T SNACK this store cannot answer, or a refusal. `max_xmit` is the initiator's
     /// current MaxRecvDataSegmentLength (for an R-Data SNACK's resegmentation, §11.16.3).

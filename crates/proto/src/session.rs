@@ -19,6 +19,18 @@
 //!           removed: completed, aborted (TMF), or terminated (C gone, session ended)
 //! ```
 //!
+//! # Connection recovery (ErrorRecoveryLevel 2, RFC 7143 §7.1.5, §7.2.2, §6.2.2)
+//!
+//! At level 2 a connection that fails, is logged out for recovery (reason 2) or is reinstated
+//! does not take its tasks with it: [`Session::leave_for_recovery`] keeps every delivered task
+//! allegiant to it for DefaultTime2Wait + DefaultTime2Retain on the caller's clock (plain
+//! milliseconds: the core reads no clock), and the session lives on even with no connection
+//! left. [`Session::reassign`] (TASK REASSIGN, §11.5.1) moves such a task to the connection
+//! asking; [`Session::expire`] terminates what was not reassigned in time and ends a session
+//! left with no connection. Commands held ahead of a CmdSN gap on the failed connection are
+//! terminated at once (never delivered, their CmdSNs consumed): reassigning finds no task, and
+//! the initiator issues them again.
+//!
 //! Generic over `T`, what the caller keeps per task (how to abort it), `C`, what it keeps per
 //! connection (how to close or wake it), and the hasher `S` of the task table. A caller that
 //! shares a session between threads puts it behind one lock; every call is short and none
@@ -138,8 +150,49 @@ pub struct Joined<T, C> {
     pub id: ConnId,
     /// Connection reinstatement (RFC 7143 §6.3.4): the connection that had the CID before. It
     /// must be closed, and its reader stopped, before the new one is answered; its tasks are
-    /// terminated (ErrorRecoveryLevel below 2: no task reassignment).
+    /// terminated below ErrorRecoveryLevel 2, and kept for reassignment at 2 (§6.2.2: the
+    /// terminated list is then empty and the old connection is a [`Failed`] one).
     pub replaced: Option<(ConnSlot<C>, Terminated<T>)>,
+}
+
+/// A connection that failed, was logged out for recovery or was reinstated at
+/// ErrorRecoveryLevel 2: its tasks stay allegiant to it until `until` (RFC 7143 §6.2.2,
+/// DefaultTime2Wait + DefaultTime2Retain after it went), for a TASK REASSIGN to move them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Failed {
+    pub id: ConnId,
+    pub cid: Cid,
+    /// On the caller's clock (milliseconds).
+    pub until: u64,
+}
+
+/// The answer to a TASK REASSIGN (RFC 7143 §11.5.1, function 8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reassign {
+    /// ErrorRecoveryLevel below 2: response 4, task allegiance reassignment not supported.
+    NotSupported,
+    /// No task with that tag in the table: the caller looks for a response it still holds
+    /// for it (completed while its connection was failing), else response 1, task does not
+    /// exist.
+    Unknown,
+    /// Its connection is still in the session (not failed, not logged out): response 3,
+    /// task still allegiant.
+    StillAllegiant,
+    /// Moved to the asking connection (response 0): it was allegiant to the failed
+    /// connection `from`; resume it there (Data-In from the initiator's ExpDataSN, R2Ts for
+    /// the data not received).
+    Moved { from: ConnId },
+}
+
+/// The outcome of [`Session::expire`].
+#[derive(Debug)]
+pub struct Expired<T, C> {
+    /// Failed connections whose retention ended: the caller lets go of what it kept for them.
+    pub conns: Vec<ConnId>,
+    /// Their tasks, never reassigned: terminated.
+    pub terminated: Terminated<T>,
+    /// The session ended (no connection left): the other connections (none), to close.
+    pub session_ended: Option<Vec<ConnSlot<C>>>,
 }
 
 /// The outcome of [`Session::leave`].
@@ -188,6 +241,12 @@ pub enum LogoutPlan<T, C> {
         slot: ConnSlot<C>,
         terminated: Terminated<T>,
     },
+    /// Reason 2 naming the requesting connection (ErrorRecoveryLevel 2): answer CLOSED, then
+    /// close it as failed ([`Session::leave_for_recovery`]): its tasks wait for reassignment.
+    RecoverSelf,
+    /// Reason 2 naming another connection still in the session: close it (its reader must
+    /// stop, then it leaves for recovery), then answer CLOSED.
+    RecoverOther(ConnId),
     /// Answer with this code and close nothing.
     Respond(LogoutResponseCode),
 }
@@ -202,6 +261,10 @@ pub struct Session<T, C, S = std::hash::RandomState> {
     max_connections: u16,
     error_recovery_level: u8,
     ended: bool,
+    /// Failed connections whose tasks are kept for reassignment (level 2).
+    failed: Vec<Failed>,
+    /// How long they are kept: DefaultTime2Wait + DefaultTime2Retain, in milliseconds.
+    retain_ms: u64,
 }
 
 impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
@@ -221,7 +284,31 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
             max_connections: max_connections.max(1),
             error_recovery_level,
             ended: false,
+            failed: Vec::new(),
+            retain_ms: 0,
         }
+    }
+
+    /// How long a failed connection's tasks wait for reassignment at ErrorRecoveryLevel 2
+    /// (RFC 7143 §6.2.2: DefaultTime2Wait + DefaultTime2Retain as negotiated), in the
+    /// milliseconds of the caller's clock. 0 (the default, and DefaultTime2Retain=0)
+    /// terminates them at once, as below level 2.
+    pub fn set_retention(&mut self, ms: u64) {
+        self.retain_ms = ms;
+    }
+
+    /// Connections kept for reassignment (level 2), with their deadlines.
+    pub fn failed(&self) -> &[Failed] {
+        &self.failed
+    }
+
+    /// When [`Session::expire`] next has something to do.
+    pub fn next_expiry(&self) -> Option<u64> {
+        self.failed.iter().map(|f| f.until).min()
+    }
+
+    fn recovers(&self) -> bool {
+        self.error_recovery_level >= 2 && self.retain_ms > 0
     }
 
     /// (ExpCmdSN, MaxCmdSN), the same on every connection (RFC 7143 §4.2.2.1).
@@ -271,7 +358,7 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     /// and TSIH). An existing CID is a connection reinstatement (§6.3.4). Refused with
     /// SESSION DOES NOT EXIST (0x020A) once the session has ended, and TOO MANY CONNECTIONS
     /// (0x0206) beyond MaxConnections.
-    pub fn join(&mut self, cid: Cid, payload: C) -> Result<Joined<T, C>, LoginStatus> {
+    pub fn join(&mut self, cid: Cid, payload: C, now: u64) -> Result<Joined<T, C>, LoginStatus> {
         if self.ended {
             return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
         }
@@ -281,7 +368,11 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
         }
         let replaced = old.map(|i| {
             let slot = self.conns.swap_remove(i);
-            let terminated = self.terminate_conn(slot.id);
+            let terminated = if self.recovers() {
+                self.keep_for_recovery(slot.id, slot.cid, now)
+            } else {
+                self.terminate_conn(slot.id)
+            };
             (slot, terminated)
         });
         let id = ConnId(self.next_conn);
@@ -310,9 +401,17 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
             }
             None => false,
         };
-        let terminated = self.terminate_conn(id);
+        // A connection kept for reassignment (reinstated at level 2) keeps its tasks when its
+        // reader ends.
+        let kept = !was_member && self.failed.iter().any(|f| f.id == id);
+        let terminated = if kept {
+            Vec::new()
+        } else {
+            self.terminate_conn(id)
+        };
         let end = !self.ended
-            && (self.conns.is_empty() || (was_member && failed && self.error_recovery_level < 2));
+            && ((self.conns.is_empty() && self.failed.is_empty())
+                || (was_member && failed && self.error_recovery_level < 2));
         let session_ended = end.then(|| {
             let others = std::mem::take(&mut self.conns);
             (others, self.end())
@@ -333,10 +432,84 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
         }
     }
 
+    /// The connection `id` failed or was logged out for recovery at ErrorRecoveryLevel 2 (RFC
+    /// 7143 §7.1.5, §6.2.2): its delivered tasks stay allegiant to it until `now` plus the
+    /// retention ([`Session::set_retention`]), for [`Session::reassign`]; commands it held
+    /// ahead of a CmdSN gap are terminated. The session goes on, even with no connection left,
+    /// until [`Session::expire`]. Below level 2 (or with no retention) this is
+    /// [`Session::leave`] with `failed`.
+    pub fn leave_for_recovery(&mut self, id: ConnId, now: u64) -> Left<T, C> {
+        if !self.recovers() || self.ended {
+            return self.leave(id, true);
+        }
+        let Some(i) = self.conns.iter().position(|c| c.id == id) else {
+            return self.leave(id, true);
+        };
+        let slot = self.conns.swap_remove(i);
+        Left {
+            terminated: self.keep_for_recovery(slot.id, slot.cid, now),
+            session_ended: None,
+        }
+    }
+
+    /// Keep `id`'s delivered tasks for reassignment; its held ones are terminated (returned).
+    fn keep_for_recovery(&mut self, id: ConnId, cid: Cid, now: u64) -> Terminated<T> {
+        self.window.drop_held_where(|h| h.conn == id);
+        let held = self.remove_tasks_where(|_, t| t.conn == id && t.state == TaskState::Held);
+        self.failed.push(Failed {
+            id,
+            cid,
+            until: now.saturating_add(self.retain_ms),
+        });
+        held
+    }
+
+    /// Terminate the tasks of failed connections whose retention has ended by `now` (RFC 7143
+    /// §6.2.2: not reassigned within DefaultTime2Retain); a session left with no connection
+    /// and nothing retained ends.
+    pub fn expire(&mut self, now: u64) -> Expired<T, C> {
+        let (gone, kept): (Vec<Failed>, Vec<Failed>) =
+            self.failed.iter().partition(|f| f.until <= now);
+        self.failed = kept;
+        let conns: Vec<ConnId> = gone.iter().map(|f| f.id).collect();
+        let mut terminated = self.remove_tasks_where(|_, t| conns.contains(&t.conn));
+        let end = !self.ended && self.conns.is_empty() && self.failed.is_empty();
+        let session_ended = end.then(|| {
+            terminated.append(&mut self.end());
+            Vec::new()
+        });
+        Expired {
+            conns,
+            terminated,
+            session_ended,
+        }
+    }
+
+    /// TASK REASSIGN of the task `itt` to connection `conn` (RFC 7143 §11.5.1, §7.2.2): moved
+    /// when it is allegiant to a failed connection.
+    pub fn reassign(&mut self, conn: ConnId, itt: Itt) -> Reassign {
+        if self.error_recovery_level < 2 {
+            return Reassign::NotSupported;
+        }
+        let Some(t) = self.tasks.get_mut(&itt) else {
+            return Reassign::Unknown;
+        };
+        let from = t.conn;
+        if from == conn || self.conns.iter().any(|c| c.id == from) {
+            return Reassign::StillAllegiant;
+        }
+        if !self.failed.iter().any(|f| f.id == from) {
+            return Reassign::Unknown;
+        }
+        t.conn = conn;
+        Reassign::Moved { from }
+    }
+
     /// End the session (reinstated, reset away, or its connections gone): every task is
     /// removed and returned, and nothing is admitted or joined from now on.
     pub fn end(&mut self) -> Terminated<T> {
         self.ended = true;
+        self.failed.clear();
         self.window.clear_held();
         for c in &mut self.conns {
             c.events.clear();
@@ -629,7 +802,8 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
                 },
             },
             TmfFunction::CLEAR_ACA => done(TmfResponseCode::NOT_SUPPORTED, Vec::new()),
-            // §11.5.1: at ErrorRecoveryLevel below 2, reassignment is not supported.
+            // §11.5.1: at ErrorRecoveryLevel below 2, reassignment is not supported; at 2 the
+            // caller answers it with `Session::reassign`, which needs the asking connection.
             TmfFunction::TASK_REASSIGN => {
                 done(TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED, Vec::new())
             }
@@ -640,7 +814,12 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     /// A Logout Request on connection `conn`, after its CmdSN was admitted (RFC 7143 §11.14).
     pub fn logout(&mut self, conn: ConnId, req: &LogoutRequest) -> LogoutPlan<T, C> {
         match req.reason {
-            LogoutReason::CLOSE_SESSION => LogoutPlan::CloseSession,
+            LogoutReason::CLOSE_SESSION => {
+                // Nothing waits for reassignment any more: the session ends with its last
+                // connection, taking the failed connections' tasks with it.
+                self.failed.clear();
+                LogoutPlan::CloseSession
+            }
             LogoutReason::CLOSE_CONNECTION => {
                 let named = self.conns.iter().position(|c| c.cid == req.cid);
                 match named {
@@ -653,7 +832,19 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
                     }
                 }
             }
-            // Reason 2 (and reserved reasons): connection recovery needs ErrorRecoveryLevel 2.
+            // Reason 2: connection recovery needs ErrorRecoveryLevel 2 (§11.14.1).
+            LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY if self.recovers() => {
+                match self.conns.iter().find(|c| c.cid == req.cid) {
+                    Some(c) if c.id == conn => LogoutPlan::RecoverSelf,
+                    Some(c) => LogoutPlan::RecoverOther(c.id),
+                    // Already failed (§11.14.1: the target has noticed it): closed.
+                    None if self.failed.iter().any(|f| f.cid == req.cid) => {
+                        LogoutPlan::Respond(LogoutResponseCode::CLOSED)
+                    }
+                    None => LogoutPlan::Respond(LogoutResponseCode::CID_NOT_FOUND),
+                }
+            }
+            // Reason 2 below level 2, and reserved reasons.
             _ => LogoutPlan::Respond(LogoutResponseCode::RECOVERY_NOT_SUPPORTED),
         }
     }

@@ -390,6 +390,20 @@ impl WriteTransfer {
         Some(r)
     }
 
+    /// The transfer after a TASK REASSIGN (RFC 7143 §7.2.2, §11.5.1): the new connection asks
+    /// for the whole of the data again by R2T (what arrived on the failed connection is not
+    /// trusted to be complete: the initiator keeps a write's data until its status), R2TSNs
+    /// continuing where they were. Returns the outstanding R2Ts it drops.
+    pub fn reassigned(&mut self) -> usize {
+        let dropped = self.outstanding.len();
+        self.received = 0;
+        self.unsolicited = None;
+        self.next_r2t_offset = 0;
+        self.outstanding.clear();
+        self.holes.clear();
+        dropped
+    }
+
     /// R2Ts issued whose data has not all arrived.
     pub fn outstanding_r2ts(&self) -> usize {
         self.outstanding.len()

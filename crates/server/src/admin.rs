@@ -992,6 +992,11 @@ fn session_view(s: &Arc<Session>) -> Value {
         "commands": info.commands,
         "params": params,
         "connections": conns,
+        "kept_connections": info.kept.iter().map(|(cid, tasks, left_ms)| json!({
+            "cid": cid,
+            "tasks": tasks,
+            "expires_in_ms": left_ms,
+        })).collect::<Vec<_>>(),
     })
 }
 

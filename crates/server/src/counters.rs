@@ -68,7 +68,7 @@ pub struct ServerStats {
     pub zero_copy_bytes: Arc<AtomicU64>,
     /// Data-Out bytes received straight into file LUNs' pages (zero_copy_writes).
     pub zero_copy_write_bytes: AtomicU64,
-    /// Error recovery within connections (ErrorRecoveryLevel 1), by [`Recovery`] kind.
+    /// Error recovery (ErrorRecoveryLevels 1 and 2), by [`Recovery`] kind.
     pub recovery: [AtomicU64; Recovery::ALL.len()],
 }
 
@@ -83,14 +83,24 @@ pub enum Recovery {
     Snack,
     /// A SNACK refused with a Reject.
     SnackRefused,
+    /// A connection kept for reassignment (ErrorRecoveryLevel 2): failed, logged out for
+    /// recovery, or reinstated.
+    ConnectionKept,
+    /// A task moved to another connection by TASK REASSIGN.
+    Reassigned,
+    /// A task of a kept connection terminated because nothing reassigned it in time.
+    Expired,
 }
 
 impl Recovery {
-    pub const ALL: [Recovery; 4] = [
+    pub const ALL: [Recovery; 7] = [
         Recovery::R2t,
         Recovery::HeaderDropped,
         Recovery::Snack,
         Recovery::SnackRefused,
+        Recovery::ConnectionKept,
+        Recovery::Reassigned,
+        Recovery::Expired,
     ];
 
     /// The label of the metric and the key of `ctl counters`.
@@ -100,14 +110,21 @@ impl Recovery {
             Recovery::HeaderDropped => "header_dropped",
             Recovery::Snack => "snack",
             Recovery::SnackRefused => "snack_refused",
+            Recovery::ConnectionKept => "connection_kept",
+            Recovery::Reassigned => "task_reassigned",
+            Recovery::Expired => "task_expired",
         }
     }
 }
 
 impl ServerStats {
     pub(crate) fn recovered(&self, kind: Recovery) {
+        self.recovered_n(kind, 1);
+    }
+
+    pub(crate) fn recovered_n(&self, kind: Recovery, n: u64) {
         if let Some(c) = self.recovery.get(kind as usize) {
-            c.fetch_add(1, Relaxed);
+            c.fetch_add(n, Relaxed);
         }
     }
 

@@ -272,7 +272,7 @@ impl Collector for Families {
         counter(
             &mut enc,
             "ironsan_error_recovery",
-            "Error recovery within connections at ErrorRecoveryLevel 1, by kind: recovery_r2t (lost Data-Out asked for again), header_dropped (a PDU with a header digest error dropped), snack (a SNACK answered), snack_refused (a SNACK rejected)",
+            "Error recovery (ErrorRecoveryLevels 1 and 2), by kind: recovery_r2t (lost Data-Out asked for again), header_dropped (a PDU with a header digest error dropped), snack (a SNACK answered), snack_refused (a SNACK rejected), connection_kept (a failed connection's tasks kept for reassignment), task_reassigned (a task moved by TASK REASSIGN), task_expired (a kept task not reassigned in time)",
             g.error_recovery
                 .iter()
                 .map(|(kind, v)| (vec![("kind", kind.to_string())], *v)),

@@ -502,6 +502,9 @@ impl Server {
         let drained = tokio::time::timeout(grace, self.shared.wait_idle())
             .await
             .is_ok();
+        // Sessions left with no connection wait for a reassignment that can no longer come
+        // (ErrorRecoveryLevel 2): they end now.
+        self.shared.end_idle_sessions();
         if drained {
             tracing::info!("shutdown: every session has ended");
             return;
@@ -537,10 +540,25 @@ impl Shared {
         self.connections.load(Ordering::Relaxed)
     }
 
-    /// Until no session and no connection is left.
+    /// Until no connection is left, nor a session with one (a session whose connections
+    /// are only kept for reassignment needs nothing from its initiator to end).
     async fn wait_idle(&self) {
-        while self.session_count() > 0 || self.open_connections() > 0 {
+        while self.open_connections() > 0 || self.all_sessions().iter().any(|s| !s.is_idle()) {
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// End the sessions with no connection (kept for reassignment at ErrorRecoveryLevel 2).
+    fn end_idle_sessions(&self) {
+        for s in self.all_sessions().into_iter().filter(|s| s.is_idle()) {
+            s.end();
+            self.sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&s);
+            if let Some(t) = &s.target {
+                t.scsi().nexus_lost(s.nexus.id);
+            }
         }
     }
 }

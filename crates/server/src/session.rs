@@ -96,6 +96,9 @@ pub(crate) enum Close {
     ByTarget,
     /// The initiator did not answer a NOP-In ping (a connection failure).
     NopTimeout,
+    /// Removed for recovery at ErrorRecoveryLevel 2 (a logout with reason 2 from another
+    /// connection, or a reinstatement): it leaves as failed, its tasks kept for reassignment.
+    ForRecovery,
 }
 
 /// How other threads reach a connection's reader: events due on it (a held command released
@@ -192,6 +195,12 @@ pub(crate) struct Session {
     /// Connections whose full-feature reader is running, and a wake-up when one stops.
     readers: AtomicUsize,
     reader_stopped: Notify,
+    /// The zero of the protocol core's clock (milliseconds, for connection recovery).
+    started: tokio::time::Instant,
+    /// ErrorRecoveryLevel 2 with a DefaultTime2Retain: failed connections' tasks are kept.
+    recovers: bool,
+    /// What kept connections left for TASK REASSIGN ([`crate::conn::Orphans`]).
+    orphans: Mutex<crate::conn::Orphans>,
 }
 
 impl Session {
@@ -203,10 +212,22 @@ impl Session {
         target: Option<Arc<LiveTarget>>,
         params: SessionParams,
         nexus: ironsan_scsi::Nexus,
-        core: Core,
+        mut core: Core,
         fairness: bool,
     ) -> Self {
+        // RFC 7143 §6.2.2: a failed connection's tasks wait DefaultTime2Wait, then up to
+        // DefaultTime2Retain more, for reassignment (0: no reassignment).
+        let recovers = params.error_recovery_level >= 2 && params.default_time2retain > 0;
+        if recovers {
+            core.set_retention(
+                1000 * (u64::from(params.default_time2wait)
+                    + u64::from(params.default_time2retain)),
+            );
+        }
         let s = Session {
+            started: tokio::time::Instant::now(),
+            recovers,
+            orphans: Mutex::new(crate::conn::Orphans::default()),
             tsih,
             isid,
             initiator_name,
@@ -238,6 +259,57 @@ impl Session {
         r
     }
 
+    /// The protocol core's clock: milliseconds since the session began.
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// The instant a time of the core's clock stands for.
+    pub(crate) fn instant_at(&self, ms: u64) -> tokio::time::Instant {
+        self.started + std::time::Duration::from_millis(ms)
+    }
+
+    /// Failed connections' tasks are kept for reassignment (ErrorRecoveryLevel 2).
+    pub(crate) fn recovers(&self) -> bool {
+        self.recovers
+    }
+
+    /// How long a failed connection's tasks are kept (DefaultTime2Wait + DefaultTime2Retain).
+    pub(crate) fn retention(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(
+            u64::from(self.params.default_time2wait) + u64::from(self.params.default_time2retain),
+        )
+    }
+
+    /// Run `f` on what kept connections left (ErrorRecoveryLevel 2).
+    pub(crate) fn orphans<R>(&self, f: impl FnOnce(&mut crate::conn::Orphans) -> R) -> R {
+        f(&mut lock(&self.orphans))
+    }
+
+    /// A response of connection `id` that could not be queued (its writer had stopped): kept
+    /// for a TASK REASSIGN when the session recovers connections, else dropped.
+    pub(crate) fn park(&self, id: ConnId, out: crate::writer::Out) {
+        if self.recovers {
+            lock(&self.orphans).park(id, out);
+        }
+    }
+
+    /// Terminate what kept connections left past their time (RFC 7143 §6.2.2). Returns how
+    /// many tasks ended that way, and whether the session ended (no connection left).
+    pub(crate) fn expire(&self) -> (usize, bool) {
+        let e = self.with_core(|c| c.expire(self.now_ms()));
+        lock(&self.orphans).forget(&e.conns);
+        let n = e.terminated.len();
+        if e.session_ended.is_some() {
+            lock(&self.orphans).clear();
+            self.abort_tasks(e.terminated);
+            (n, true)
+        } else {
+            self.terminated_by_iscsi_event(e.terminated);
+            (n, false)
+        }
+    }
+
     /// (ExpCmdSN, MaxCmdSN) to stamp on outgoing PDUs, the same on every connection.
     pub(crate) fn window_sn(&self) -> (CmdSn, CmdSn) {
         let w = self.window.load(Ordering::Acquire);
@@ -252,9 +324,15 @@ impl Session {
         cid: Cid,
         info: ConnInfo,
     ) -> Result<(ConnId, Option<ConnInfo>), LoginStatus> {
-        let Joined { id, replaced } = self.with_core(|c| c.join(cid, info))?;
+        let now = self.now_ms();
+        let Joined { id, replaced } = self.with_core(|c| c.join(cid, info, now))?;
         let replaced = replaced.map(|(slot, terminated)| {
-            slot.payload.close(Close::ByTarget);
+            // At ErrorRecoveryLevel 2 the old connection's tasks wait for reassignment.
+            slot.payload.close(if self.recovers {
+                Close::ForRecovery
+            } else {
+                Close::ByTarget
+            });
             self.terminated_by_iscsi_event(terminated);
             slot.payload
         });
@@ -264,13 +342,23 @@ impl Session {
     /// The connection `id` has stopped reading; `failed` unless it ended by a logout or was
     /// closed by the target. Returns `true` when the session ended with it: every task is then
     /// aborted and the other connections are told to close.
+    /// At ErrorRecoveryLevel 2 a failed connection's tasks are kept instead (see
+    /// [`Core::leave_for_recovery`]).
     pub(crate) fn leave(&self, id: ConnId, failed: bool) -> bool {
-        let left = self.with_core(|c| c.leave(id, failed));
+        let now = self.now_ms();
+        let left = self.with_core(|c| {
+            if failed && self.recovers {
+                c.leave_for_recovery(id, now)
+            } else {
+                c.leave(id, failed)
+            }
+        });
         match left.session_ended {
             Some(others) => {
                 for c in &others {
                     c.payload.close(Close::ByTarget);
                 }
+                lock(&self.orphans).clear();
                 self.abort_tasks(left.terminated);
                 true
             }
@@ -305,6 +393,7 @@ impl Session {
     /// from now on. Returns how many tasks were aborted. The caller closes the connections.
     pub(crate) fn end(&self) -> usize {
         let tasks = self.with_core(|c| c.end());
+        lock(&self.orphans).clear();
         self.abort_tasks(tasks)
     }
 
@@ -432,8 +521,29 @@ impl Session {
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
             connections,
+            kept: self.kept(),
             commands: self.commands.load(Ordering::Relaxed),
         }
+    }
+
+    /// Connections kept for reassignment (ErrorRecoveryLevel 2): (CID, tasks still allegiant
+    /// to it, milliseconds until they end).
+    pub(crate) fn kept(&self) -> Vec<(u16, usize, u64)> {
+        let now = self.now_ms();
+        self.with_core(|c| {
+            c.failed()
+                .iter()
+                .map(|f| {
+                    let tasks = c.tasks().filter(|(_, t)| t.conn == f.id).count();
+                    (f.cid.0, tasks, f.until.saturating_sub(now))
+                })
+                .collect()
+        })
+    }
+
+    /// No connection is left in the session (its connections may be kept for reassignment).
+    pub(crate) fn is_idle(&self) -> bool {
+        lock(&self.core).conns().is_empty()
     }
 }
 
@@ -447,6 +557,8 @@ pub struct SessionInfo {
     pub params: Vec<(String, String)>,
     /// (CID, initiator address, portal address) per connection.
     pub connections: Vec<(u16, SocketAddr, SocketAddr)>,
+    /// (CID, tasks, milliseconds left) per connection kept for reassignment.
+    pub kept: Vec<(u16, usize, u64)>,
     pub commands: u64,
 }
 

@@ -377,14 +377,17 @@ pub(crate) enum DirectOutcome {
 /// connection fairness control is on; responses alone never do.
 const BATCH_TURN: usize = 16 * 1024;
 
-/// Run the writer task until the queue closes, a `Close` arrives, or the socket fails.
+/// Run the writer task until the queue closes, a `Close` arrives, or the socket fails. Returns
+/// how it ended and what was still queued, not encoded (the queue is closed first, so nothing
+/// more can be queued: a sender then gets its message back). At ErrorRecoveryLevel 2 those
+/// are responses of tasks a TASK REASSIGN may still ask for.
 pub(crate) async fn run(
     w: Arc<Writer>,
-    rx: mpsc::Receiver<Out>,
+    mut rx: mpsc::Receiver<Out>,
     pending: Arc<std::sync::atomic::AtomicUsize>,
     first_stat_sn: StatSn,
-) -> std::io::Result<()> {
-    let res = serve(&w, rx, pending, first_stat_sn).await;
+) -> (std::io::Result<()>, Vec<Out>) {
+    let res = serve(&w, &mut rx, pending, first_stat_sn).await;
     if res.is_err() {
         // Nothing more can be sent in order (a peer gone, or a Data-In whose file range
         // could not be read after its header left): close both directions, so the reader
@@ -393,12 +396,17 @@ pub(crate) async fn run(
         use std::os::fd::AsRawFd;
         crate::sys::shutdown(w.sock.as_ref().as_raw_fd());
     }
-    res
+    rx.close();
+    let mut left = Vec::new();
+    while let Ok(m) = rx.try_recv() {
+        left.push(m);
+    }
+    (res, left)
 }
 
 async fn serve(
     w: &Arc<Writer>,
-    mut rx: mpsc::Receiver<Out>,
+    rx: &mut mpsc::Receiver<Out>,
     pending: Arc<std::sync::atomic::AtomicUsize>,
     first_stat_sn: StatSn,
 ) -> std::io::Result<()> {

@@ -55,9 +55,12 @@ async fn read_back(c: &mut Client, lba: u64, len: usize) -> Bytes {
 }
 
 #[tokio::test]
-async fn level_1_is_agreed_up_to_the_targets_setting() {
+async fn the_level_is_agreed_up_to_the_targets_setting() {
     let (addr, _stop) = start().await;
+    // The default setting is 2.
     let c = login(addr, 2).await;
+    assert_eq!(c.negotiated_value("ErrorRecoveryLevel"), Some("2"));
+    let c = login(addr, 1).await;
     assert_eq!(c.negotiated_value("ErrorRecoveryLevel"), Some("1"));
     // Above level 0 only the last R2T can be recovered: MaxOutstandingR2T is 1 (§13.19).
     let mut o = opts(1);
@@ -77,6 +80,16 @@ async fn level_1_is_agreed_up_to_the_targets_setting() {
     .await;
     let c = login(addr, 1).await;
     assert_eq!(c.negotiated_value("ErrorRecoveryLevel"), Some("0"));
+    drop(_stop);
+    // A target set to level 1 answers 1 to an offer of 2.
+    let (addr, _stop) = start_with(|cfg| {
+        for t in cfg.targets.iter_mut() {
+            t.error_recovery_level = Some(1);
+        }
+    })
+    .await;
+    let c = login(addr, 2).await;
+    assert_eq!(c.negotiated_value("ErrorRecoveryLevel"), Some("1"));
 }
 
 #[tokio::test]

@@ -1138,3 +1138,33 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn reassignment_takes_a_tasks_data_from_exp_data_sn_and_its_status() {
+    let mut c = Conn::new(usize::MAX);
+    // Still running: no status yet, nothing to take.
+    let first = c.read(7, 40_000, false, 8192, 16384);
+    let other = c.read(8, 9000, true, 8192, 16384);
+    let heads = |v: &[(Header, Bytes)]| -> Vec<(Vec<u8>, Bytes)> {
+        v.iter()
+            .map(|(h, d)| wire(&Pdu::new(h.clone(), d.clone())))
+            .collect()
+    };
+    let got = c.r.reassign(Itt(7), DataSn(2)).expect("status held");
+    assert_eq!(
+        heads(&got),
+        wires(&first[2..]),
+        "from ExpDataSN, the S bit last"
+    );
+    assert_eq!(c.r.reassign(Itt(7), DataSn(0)), None, "let go once taken");
+    // ExpDataSN 0: everything not acknowledged; sense data: the SCSI Response last.
+    let got = c.r.reassign(Itt(8), DataSn(0)).expect("status held");
+    assert_eq!(heads(&got), wires(&other));
+    assert!(matches!(got.last(), Some((Header::ScsiResponse(_), _))));
+    // Everything acknowledged but the status: the status still goes.
+    let third = c.read(9, 20_000, false, 8192, 16384);
+    let got = c.r.reassign(Itt(9), DataSn(50)).expect("status held");
+    assert_eq!(heads(&got), wires(&third[2..]));
+    assert_eq!(c.r.reassign(Itt(10), DataSn(0)), None, "never seen");
+    check(&c.r);
+}

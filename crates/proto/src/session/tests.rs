@@ -20,7 +20,7 @@ fn session(conns: &[u16]) -> (S, Vec<ConnId>) {
     let mut s = S::new(CmdSn(0), 64, 4, 0);
     let ids = conns
         .iter()
-        .map(|&cid| s.join(Cid(cid), "c").expect("joins").id)
+        .map(|&cid| s.join(Cid(cid), "c", 0).expect("joins").id)
         .collect();
     (s, ids)
 }
@@ -105,7 +105,7 @@ fn a_cmdsn_reused_on_another_connection_is_ignored() {
 #[test]
 fn a_flood_of_early_cmdsns_is_bounded_by_the_window() {
     let mut s = S::new(CmdSn(0), 16, 2, 0);
-    let a = s.join(Cid(1), "a").unwrap().id;
+    let a = s.join(Cid(1), "a", 0).unwrap().id;
     for i in 1..1000u32 {
         let _ = s.admit_command(a, &cmd(i, i), 0, || i);
     }
@@ -221,16 +221,16 @@ fn task_set_functions_need_a_lun_and_reach_every_connection() {
 #[test]
 fn joining_obeys_max_connections_and_a_known_cid_reinstates() {
     let mut s = S::new(CmdSn(0), 8, 2, 0);
-    let a = s.join(Cid(1), "a").unwrap().id;
-    s.join(Cid(2), "b").unwrap();
+    let a = s.join(Cid(1), "a", 0).unwrap().id;
+    s.join(Cid(2), "b", 0).unwrap();
     assert_eq!(
-        s.join(Cid(3), "c").unwrap_err(),
+        s.join(Cid(3), "c", 0).unwrap_err(),
         LoginStatus::TOO_MANY_CONNECTIONS
     );
     s.admit_command(a, &cmd(1, 0), 0, || 1);
     s.admit_command(a, &cmd(2, 2), 0, || 2);
     // CID 1 again: connection reinstatement replaces it and terminates its tasks.
-    let j = s.join(Cid(1), "a2").unwrap();
+    let j = s.join(Cid(1), "a2", 0).unwrap();
     let (old, terminated) = j.replaced.expect("replaces");
     assert_eq!((old.id, old.payload), (a, "a"));
     assert_eq!(terminated.len(), 2);
@@ -253,7 +253,7 @@ fn a_failed_connection_ends_the_session_at_erl_0() {
     assert_eq!(left.terminated.len(), 1, "every task of the session ends");
     assert!(s.is_ended());
     assert_eq!(
-        s.join(Cid(3), "x").unwrap_err(),
+        s.join(Cid(3), "x", 0).unwrap_err(),
         LoginStatus::SESSION_DOES_NOT_EXIST
     );
     assert_eq!(
@@ -351,7 +351,7 @@ proptest! {
     fn delivers_every_command_once_in_cmdsn_order_on_its_own_connection(sc in script()) {
         let mut s = S::new(CmdSn(1000), 16, 4, 0);
         let ids: Vec<ConnId> = (0..sc.conns)
-            .map(|i| s.join(Cid(i as u16), "c").unwrap().id)
+            .map(|i| s.join(Cid(i as u16), "c", 0).unwrap().id)
             .collect();
         // Per connection, the CmdSNs it carries, in order, with duplicates appended.
         let mut queues: Vec<std::collections::VecDeque<u32>> = vec![Default::default(); sc.conns];
@@ -427,5 +427,266 @@ proptest! {
             prop_assert_eq!(sc.owner[sn as usize], c);
         }
         prop_assert_eq!(s.held(), 0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Connection recovery (ErrorRecoveryLevel 2)
+// ---------------------------------------------------------------------------------------
+
+fn level2(conns: &[u16], retain_ms: u64) -> (S, Vec<ConnId>) {
+    let mut s = S::new(CmdSn(0), 64, 4, 2);
+    s.set_retention(retain_ms);
+    let ids = conns
+        .iter()
+        .map(|&cid| s.join(Cid(cid), "c", 0).expect("joins").id)
+        .collect();
+    (s, ids)
+}
+
+fn tmf_reassign(itt: u32) -> TaskMgmtRequest {
+    TaskMgmtRequest {
+        immediate: true,
+        function: TmfFunction::TASK_REASSIGN,
+        referenced_task_tag: Itt(itt),
+        ..Default::default()
+    }
+}
+
+fn logout(reason: LogoutReason, cid: u16) -> LogoutRequest {
+    LogoutRequest {
+        immediate: true,
+        reason,
+        cid: Cid(cid),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn below_level_2_reassignment_and_recovery_logout_are_not_supported() {
+    let (mut s, ids) = session(&[1, 2]);
+    assert_eq!(s.reassign(ids[1], Itt(5)), Reassign::NotSupported);
+    let out = s.task_management(&tmf_reassign(5), true);
+    assert_eq!(out.response, TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED);
+    assert!(matches!(
+        s.logout(
+            ids[0],
+            &logout(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 2)
+        ),
+        LogoutPlan::Respond(LogoutResponseCode::RECOVERY_NOT_SUPPORTED)
+    ));
+}
+
+#[test]
+fn a_failed_connections_tasks_wait_for_reassignment_then_expire() {
+    let (mut s, ids) = level2(&[1, 2], 5_000);
+    let (a, b) = (ids[0], ids[1]);
+    assert_eq!(
+        s.admit_command(a, &cmd(10, 0), 0, || 10),
+        Admission::Deliver
+    );
+    assert_eq!(
+        s.admit_command(a, &cmd(11, 1), 0, || 11),
+        Admission::Deliver
+    );
+    // Still in the session: still allegiant.
+    assert_eq!(s.reassign(b, Itt(10)), Reassign::StillAllegiant);
+    assert_eq!(s.reassign(a, Itt(10)), Reassign::StillAllegiant);
+    let left = s.leave_for_recovery(a, 1_000);
+    assert!(left.terminated.is_empty() && left.session_ended.is_none());
+    assert_eq!(
+        s.failed(),
+        &[Failed {
+            id: a,
+            cid: Cid(1),
+            until: 6_000
+        }]
+    );
+    assert_eq!(s.next_expiry(), Some(6_000));
+    assert_eq!(s.reassign(b, Itt(10)), Reassign::Moved { from: a });
+    assert_eq!(s.task(Itt(10)).map(|t| t.conn), Some(b));
+    // Moved once: now allegiant to a live connection.
+    assert_eq!(s.reassign(b, Itt(10)), Reassign::StillAllegiant);
+    assert_eq!(s.reassign(b, Itt(99)), Reassign::Unknown);
+    // Nothing expires early.
+    let e = s.expire(5_999);
+    assert!(e.conns.is_empty() && e.terminated.is_empty());
+    let e = s.expire(6_000);
+    assert_eq!(e.conns, vec![a]);
+    let gone: Vec<Itt> = e.terminated.iter().map(|(i, _)| *i).collect();
+    assert_eq!(gone, vec![Itt(11)], "the task not reassigned is terminated");
+    assert!(e.session_ended.is_none());
+    assert!(s.task(Itt(10)).is_some(), "the reassigned task lives on");
+    assert_eq!(s.reassign(b, Itt(11)), Reassign::Unknown);
+    assert_eq!(s.next_expiry(), None);
+}
+
+#[test]
+fn a_session_whose_connections_all_failed_waits_for_a_new_one() {
+    let (mut s, ids) = level2(&[1], 2_000);
+    let a = ids[0];
+    assert_eq!(
+        s.admit_command(a, &cmd(10, 0), 0, || 10),
+        Admission::Deliver
+    );
+    // CmdSN 2 ahead of a gap: held, then terminated with the connection.
+    assert_eq!(s.admit_command(a, &cmd(12, 2), 0, || 12), Admission::Held);
+    let left = s.leave_for_recovery(a, 0);
+    let held: Vec<Itt> = left.terminated.iter().map(|(i, _)| *i).collect();
+    assert_eq!(held, vec![Itt(12)]);
+    assert!(left.session_ended.is_none(), "the session waits");
+    assert!(!s.is_ended());
+    // A new connection joins (the same CID: the failed one is gone already) and takes it.
+    let b = s.join(Cid(1), "b", 500).expect("joins").id;
+    assert_eq!(s.reassign(b, Itt(10)), Reassign::Moved { from: a });
+    assert_eq!(s.reassign(b, Itt(12)), Reassign::Unknown);
+    // CmdSN 2 was consumed: 1 fills the gap and the window moves past both.
+    assert_eq!(
+        s.admit_command(b, &cmd(13, 1), 0, || 13),
+        Admission::Deliver
+    );
+    assert_eq!(s.window_sn().0, CmdSn(3));
+    let e = s.expire(2_000);
+    assert_eq!(e.conns, vec![a]);
+    assert!(e.terminated.is_empty() && e.session_ended.is_none());
+}
+
+#[test]
+fn with_nothing_reassigned_the_session_ends_at_expiry() {
+    let (mut s, ids) = level2(&[1], 2_000);
+    assert_eq!(
+        s.admit_command(ids[0], &cmd(10, 0), 0, || 10),
+        Admission::Deliver
+    );
+    assert!(s.leave_for_recovery(ids[0], 100).session_ended.is_none());
+    let e = s.expire(2_100);
+    assert_eq!(e.terminated.len(), 1);
+    assert!(e.session_ended.is_some());
+    assert!(s.is_ended());
+    assert_eq!(
+        s.join(Cid(1), "late", 2_200).unwrap_err(),
+        LoginStatus::SESSION_DOES_NOT_EXIST
+    );
+}
+
+#[test]
+fn no_retention_means_level_0_behaviour() {
+    let (mut s, ids) = level2(&[1, 2], 0);
+    assert_eq!(
+        s.admit_command(ids[0], &cmd(10, 0), 0, || 10),
+        Admission::Deliver
+    );
+    let left = s.leave_for_recovery(ids[0], 0);
+    assert_eq!(left.terminated.len(), 1);
+    assert!(s.failed().is_empty());
+}
+
+#[test]
+fn reinstating_a_connection_at_level_2_keeps_its_tasks() {
+    let (mut s, ids) = level2(&[1, 2], 1_000);
+    assert_eq!(
+        s.admit_command(ids[0], &cmd(10, 0), 0, || 10),
+        Admission::Deliver
+    );
+    let j = s.join(Cid(1), "again", 50).expect("joins");
+    let (old, terminated) = j.replaced.expect("replaced");
+    assert_eq!(old.id, ids[0]);
+    assert!(terminated.is_empty());
+    assert_eq!(s.reassign(j.id, Itt(10)), Reassign::Moved { from: ids[0] });
+}
+
+#[test]
+fn logout_for_recovery_names_a_connection() {
+    let (mut s, ids) = level2(&[1, 2], 1_000);
+    let (a, b) = (ids[0], ids[1]);
+    let r = LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY;
+    assert!(matches!(
+        s.logout(a, &logout(r, 1)),
+        LogoutPlan::RecoverSelf
+    ));
+    assert!(matches!(s.logout(a, &logout(r, 2)), LogoutPlan::RecoverOther(x) if x == b));
+    assert!(matches!(
+        s.logout(a, &logout(r, 9)),
+        LogoutPlan::Respond(LogoutResponseCode::CID_NOT_FOUND)
+    ));
+    s.leave_for_recovery(b, 0);
+    assert!(matches!(
+        s.logout(a, &logout(r, 2)),
+        LogoutPlan::Respond(LogoutResponseCode::CLOSED)
+    ));
+    // Closing the session lets go of what waits for reassignment.
+    assert!(matches!(
+        s.logout(a, &logout(LogoutReason::CLOSE_SESSION, 1)),
+        LogoutPlan::CloseSession
+    ));
+    assert!(s.failed().is_empty());
+    assert!(s.leave(a, false).session_ended.is_some());
+}
+
+proptest! {
+    /// Commands spread over two connections; connection A fails after any prefix of them,
+    /// and a TASK REASSIGN for every command follows on B at any time before, at or after
+    /// the deadline. Every delivered task is either moved exactly once (and then completes
+    /// once) or terminated exactly once at expiry; a held one is terminated at the failure;
+    /// nothing stays past the deadline; no task is both completed and terminated.
+    #[test]
+    fn every_task_ends_exactly_once_whatever_the_cut(
+        on_a in proptest::collection::vec(any::<bool>(), 1..12),
+        gap in any::<bool>(),
+        cut in 0usize..12,
+        late in 0u64..3,
+    ) {
+        let (mut s, ids) = level2(&[1, 2], 1_000);
+        let (a, b) = (ids[0], ids[1]);
+        let n = on_a.len();
+        let cut = cut.min(n);
+        let mut ends: std::collections::HashMap<u32, u32> = Default::default();
+        let mut admitted = Vec::new();
+        for (i, &here) in on_a.iter().enumerate().take(cut) {
+            // With `gap`, CmdSN 0 is skipped until after the cut: everything is held.
+            let sn = if gap { i as u32 + 1 } else { i as u32 };
+            let c = if here { a } else { b };
+            let adm = s.admit_command(c, &cmd(100 + i as u32, sn), 0, || 100 + i as u32);
+            prop_assert!(matches!(adm, Admission::Deliver | Admission::Held));
+            admitted.push((100 + i as u32, here));
+        }
+        let left = s.leave_for_recovery(a, 0);
+        for (itt, _) in &left.terminated {
+            *ends.entry(itt.0).or_default() += 1;
+        }
+        let now = [500u64, 1_000, 1_500][late as usize];
+        let e = s.expire(now);
+        for (itt, _) in &e.terminated {
+            *ends.entry(itt.0).or_default() += 1;
+        }
+        for &(itt, here) in &admitted {
+            match s.reassign(b, Itt(itt)) {
+                Reassign::Moved { from } => {
+                    prop_assert!(here);
+                    prop_assert_eq!(from, a);
+                    prop_assert!(now < 1_000, "moved after its deadline");
+                    prop_assert!(s.remove(Itt(itt)).is_some());
+                    *ends.entry(itt).or_default() += 1;
+                }
+                Reassign::StillAllegiant => prop_assert!(!here),
+                Reassign::Unknown => prop_assert!(ends.contains_key(&itt)),
+                Reassign::NotSupported => prop_assert!(false),
+            }
+        }
+        // Past the deadline nothing of A is kept.
+        let e = s.expire(2_000);
+        for (itt, _) in &e.terminated {
+            *ends.entry(itt.0).or_default() += 1;
+        }
+        prop_assert!(s.failed().is_empty());
+        prop_assert!(s.tasks().all(|(_, t)| t.conn == b));
+        for &(itt, here) in &admitted {
+            let n = ends.get(&itt).copied().unwrap_or(0);
+            if here {
+                prop_assert_eq!(n, 1, "task {} of A ended {} times", itt, n);
+            } else {
+                prop_assert_eq!(n, 0);
+            }
+        }
     }
 }

@@ -318,11 +318,16 @@ impl Connection {
             std::task::Poll::Ready(None) => {}
             std::task::Poll::Pending => {
                 let tx = self.tx.clone();
+                let (session, id) = (Arc::clone(&self.session), self.id);
                 // Polled again by the task, every future in `body` registers the task's
                 // waker in place of the no-op one.
                 let handle = self.tasks.spawn(async move {
                     if let Some(out) = body.await {
-                        let _ = tx.send(out).await;
+                        if let Err(e) = tx.send(out).await {
+                            // Its connection has gone: kept for a TASK REASSIGN at
+                            // ErrorRecoveryLevel 2 (`conn::reassign`).
+                            session.park(id, e.0);
+                        }
                     }
                 });
                 let mut handle = Some(handle);

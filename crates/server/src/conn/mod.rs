@@ -22,6 +22,8 @@ mod exec;
 pub(crate) use exec::abort_preempted;
 mod keepalive;
 mod login;
+mod reassign;
+pub(crate) use reassign::Orphans;
 mod recovery;
 mod text;
 mod tmf;
@@ -67,6 +69,10 @@ pub(crate) enum ConnError {
     NopTimeout,
     #[error("target cold reset")]
     ColdReset,
+    /// Logged out (`by_logout`) or closed for recovery at ErrorRecoveryLevel 2: it leaves as
+    /// failed, its tasks kept for reassignment (RFC 7143 §11.14.1 reason 2, §6.2.2).
+    #[error("removed for recovery")]
+    Recovery { by_logout: bool },
     /// A PDU that breaks the protocol in a way the stream cannot recover from (RFC 7143 §7.1.3:
     /// a length beyond what was negotiated; a header digest error: the length can no longer
     /// be trusted).
@@ -82,7 +88,10 @@ impl ConnError {
     fn routine(&self) -> bool {
         matches!(
             self,
-            ConnError::Logout | ConnError::ClosedByTarget | ConnError::Shutdown
+            ConnError::Logout
+                | ConnError::ClosedByTarget
+                | ConnError::Shutdown
+                | ConnError::Recovery { .. }
         )
     }
     /// The connection failed (RFC 7143 §7.14): anything but a logout or a close the target
@@ -372,10 +381,23 @@ pub(crate) async fn run(
         tracing::warn!(%peer, initiator = %session.initiator_name, tsih = session.tsih.0, cid, "connection closed: {reason}");
     }
     keepalive.abort();
-    // Writes waiting for data and held commands go with the connection.
+    // At ErrorRecoveryLevel 2 a failed connection's tasks wait for a TASK REASSIGN
+    // (`reassign`): its commands keep running, its writes waiting for data are kept with
+    // their data, its writer's record of what it sent is kept.
+    let recover = failed && session.recovers() && !*shared.shutdown.borrow();
+    if recover {
+        let writes = conn.core.take_where(|w| w.is_delivered());
+        session.orphans(|o| o.keep(id, Arc::clone(&conn.writer), writes));
+        conn.tasks.detach_all();
+        shared
+            .stats
+            .recovered(crate::counters::Recovery::ConnectionKept);
+    } else {
+        conn.tasks.abort_all();
+    }
+    // Writes waiting for data (the rest of them) and held commands go with the connection.
     let _ = conn.core.take_where(|_| true);
     conn.held.clear();
-    conn.tasks.abort_all();
     signals.mark_stopped();
     if session.leave(id, failed) {
         // The session ends with its last connection, and below ErrorRecoveryLevel 2 with any
@@ -389,7 +411,10 @@ pub(crate) async fn run(
             t.scsi().nexus_lost(session.nexus.id);
         }
     }
-    if matches!(reason, ConnError::Logout) {
+    if matches!(
+        reason,
+        ConnError::Logout | ConnError::Recovery { by_logout: true }
+    ) {
         // RFC 7143 §11.15: after a Logout Response both ends close. Initiators close first
         // once they have read it; one that notices our close before it reads the response
         // (iscsi-client-rs does) fails the logout, so its close is waited for, briefly.
@@ -397,7 +422,18 @@ pub(crate) async fn run(
     }
     let _ = conn.tx.send(Out::Close).await;
     drop(conn);
-    let _ = writer.await;
+    let unsent = writer.await;
+    if recover {
+        for out in unsent {
+            session.park(id, out);
+        }
+        tokio::spawn(reassign::expire_later(
+            Arc::clone(&session),
+            Arc::clone(&shared),
+        ));
+    } else {
+        session.orphans(|o| o.forget(&[id]));
+    }
 }
 
 /// How long a connection that answered a Logout waits for the initiator to close it.
@@ -416,7 +452,7 @@ struct LazyWriter {
     writer: Arc<writer::Writer>,
     rx: Option<mpsc::Receiver<Out>>,
     pending: Arc<std::sync::atomic::AtomicUsize>,
-    handle: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    handle: Option<WriterTask>,
     stats: Arc<TxStats>,
 }
 
@@ -435,16 +471,20 @@ impl LazyWriter {
     }
 }
 
-/// The running writer, to wait for at the end of the connection.
-struct WriterHandle(Option<tokio::task::JoinHandle<std::io::Result<()>>>);
+type WriterTask = tokio::task::JoinHandle<(std::io::Result<()>, Vec<Out>)>;
+
+/// The running writer, to wait for at the end of the connection: what it had not encoded
+/// when it stopped.
+struct WriterHandle(Option<WriterTask>);
 
 impl std::future::IntoFuture for WriterHandle {
-    type Output = ();
-    type IntoFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+    type Output = Vec<Out>;
+    type IntoFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Vec<Out>> + Send>>;
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(async move {
-            if let Some(h) = self.0 {
-                let _ = h.await;
+            match self.0 {
+                Some(h) => h.await.map(|(_, unsent)| unsent).unwrap_or_default(),
+                None => Vec::new(),
             }
         })
     }
@@ -503,7 +543,10 @@ impl Connection {
                     let _ = self.tx.send(Out::Kick).await;
                 }
                 Err(batch) => {
-                    let _ = self.tx.send(Out::Batch(batch)).await;
+                    if let Err(e) = self.tx.send(Out::Batch(batch)).await {
+                        // The writer has stopped: responses kept for a TASK REASSIGN.
+                        self.session.park(self.id, e.0);
+                    }
                 }
             }
             if large {
@@ -578,6 +621,7 @@ impl Connection {
         }
         match why {
             Some(Close::NopTimeout) => ConnError::NopTimeout,
+            Some(Close::ForRecovery) => ConnError::Recovery { by_logout: false },
             _ => ConnError::ClosedByTarget,
         }
     }

@@ -41,8 +41,15 @@ fn tmf_response_name(c: TmfResponseCode) -> &'static str {
     }
 }
 
+/// How long a logout for recovery waits for the connection it names to stop reading.
+const RECOVERY_CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Connection {
     pub(super) async fn on_task_management(&mut self, t: TaskMgmtRequest) -> ConnResult {
+        if t.function == TmfFunction::TASK_REASSIGN && self.session.params.error_recovery_level >= 2
+        {
+            return self.on_reassign(t).await;
+        }
         let code = self.task_management(&t);
         // An LU several nodes serve: their I_T nexuses are its too, told before the response.
         if t.function == TmfFunction::LOGICAL_UNIT_RESET && code == TmfResponseCode::COMPLETE {
@@ -167,7 +174,27 @@ impl Connection {
         let plan = self.sess(|c| c.logout(id, &l));
         let mut code = LogoutResponseCode::CLOSED;
         let mut close_self = false;
+        let mut recover_self = false;
         match plan {
+            LogoutPlan::RecoverSelf => {
+                // Its tasks stay, for reassignment on another connection (RFC 7143 §11.14.1
+                // reason 2): nothing is waited for.
+                recover_self = true;
+            }
+            LogoutPlan::RecoverOther(other) => {
+                // Closed as failed: its reader stops, then it leaves with its tasks kept.
+                let signals = self.session.with_conns(|conns| {
+                    conns.iter().find(|c| c.id == other).map(|c| {
+                        c.payload.close(crate::session::Close::ForRecovery);
+                        Arc::clone(&c.payload.signals)
+                    })
+                });
+                if let Some(s) = signals {
+                    if !s.stopped(RECOVERY_CLOSE_LIMIT).await {
+                        code = LogoutResponseCode::CLEANUP_FAILED;
+                    }
+                }
+            }
             LogoutPlan::CloseSession => {
                 close_self = true;
                 // Let this connection's commands finish and send their responses first.
@@ -201,14 +228,25 @@ impl Connection {
             response = code.0,
             "logout"
         );
+        // §11.15: after a logout for recovery at level 2, Time2Retain is how long the tasks
+        // wait for reassignment after Time2Wait.
+        let for_recovery = l.reason == LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY
+            && code == LogoutResponseCode::CLOSED;
         let resp = Header::LogoutResponse(LogoutResponse {
             response: code,
             itt: l.itt,
             time2wait: self.session.params.default_time2wait,
-            time2retain: 0,
+            time2retain: if for_recovery {
+                self.session.params.default_time2retain
+            } else {
+                0
+            },
             ..Default::default()
         });
         self.send(vec![OutPdu::status(resp, Bytes::new())]).await;
+        if recover_self {
+            return Err(ConnError::Recovery { by_logout: true });
+        }
         if close_self {
             return Err(ConnError::Logout);
         }

@@ -107,7 +107,7 @@ impl Drop for Slot {
 
 /// What the driver keeps for a write waiting for its Data-Out (the protocol core tracks the
 /// transfer itself).
-pub(super) struct PendingWrite {
+pub(crate) struct PendingWrite {
     cmd: ScsiCommand,
     cdb: Bytes,
     buf: BytesMut,

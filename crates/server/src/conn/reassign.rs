@@ -1,0 +1,318 @@
+//! Connection recovery at ErrorRecoveryLevel 2 (RFC 7143 §7.2.2, §6.2.2, §11.5.1 TASK
+//! REASSIGN, §11.14 logout reason 2).
+//!
+//! When a connection of such a session fails (or is logged out for recovery, or reinstated),
+//! the protocol core keeps its delivered tasks allegiant to it for DefaultTime2Wait +
+//! DefaultTime2Retain ([`ironsan_proto::session::Session::leave_for_recovery`]), and this part
+//! keeps what the server needs to resume them on another connection, in [`Kept`]:
+//!
+//! * its writer, whose [`crate::writer::Retained`] holds every response it stamped (sent or
+//!   not) that the initiator has not acknowledged;
+//! * responses it never stamped: what was still queued when the writer stopped, and what its
+//!   commands (which keep running: detached, not aborted) produce afterwards, parked by task;
+//! * writes still waiting for Data-Out, with what arrived of their data.
+//!
+//! A TASK REASSIGN then moves the task to the asking connection: a write waiting for data asks
+//! for all of it again by R2T there; a finished task's Data-In from the initiator's ExpDataSN
+//! and its status (with the new connection's StatSN) go out after the TMF response; a task
+//! still running has them forwarded as soon as it finishes. A timer ends what nobody
+//! reassigned in time, and the session too when no connection is left.
+
+use super::{ConnResult, Connection};
+use crate::counters::Recovery;
+use crate::session::Session;
+use crate::writer::{Out, OutPdu, SnMode, Writer};
+use crate::Shared;
+use ironsan_proto::connection::Write;
+use ironsan_proto::pdu::*;
+use ironsan_proto::session::{ConnId, Reassign};
+use ironsan_proto::DataSn;
+use ironsan_scsi::DataIn as Segment;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What one kept connection left behind.
+#[derive(Default)]
+struct Kept {
+    writer: Option<Arc<Writer>>,
+    /// Responses never stamped, by task.
+    parked: HashMap<Itt, Vec<OutPdu>>,
+    /// Delivered writes that were waiting for Data-Out.
+    writes: Vec<Write<super::write::PendingWrite>>,
+}
+
+/// What the session's kept connections left behind, by connection.
+#[derive(Default)]
+pub(crate) struct Orphans {
+    conns: HashMap<ConnId, Kept>,
+}
+
+impl std::fmt::Debug for Orphans {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Orphans")
+            .field("conns", &self.conns.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether a response PDU took a StatSN when first built (a SCSI Response, a Data-In with
+/// the status).
+fn carries_status(h: &Header) -> bool {
+    match h {
+        Header::ScsiResponse(_) => true,
+        Header::DataIn(d) => d.status.is_some(),
+        _ => false,
+    }
+}
+
+fn task_of(h: &Header) -> Option<Itt> {
+    match h {
+        Header::ScsiResponse(r) => Some(r.itt),
+        Header::DataIn(d) => Some(d.itt),
+        _ => None,
+    }
+}
+
+impl Orphans {
+    /// Keep responses of the connection `id` that were never stamped (Data-In and statuses
+    /// by task; anything else is dropped: the initiator gave up on that connection).
+    pub(crate) fn park(&mut self, id: ConnId, out: Out) {
+        let kept = self.conns.entry(id).or_default();
+        let mut stack = vec![out];
+        while let Some(o) = stack.pop() {
+            match o {
+                Out::Pdus(pdus) | Out::Command { pdus, .. } => {
+                    for p in pdus {
+                        if let Some(itt) = task_of(&p.header) {
+                            kept.parked.entry(itt).or_default().push(p);
+                        }
+                    }
+                }
+                // In order: the batch's first message is handled first.
+                Out::Batch(v) => stack.extend(v.into_iter().rev()),
+                _ => {}
+            }
+        }
+    }
+
+    /// The connection `id` is kept: its writer and its writes waiting for data.
+    pub(crate) fn keep(
+        &mut self,
+        id: ConnId,
+        writer: Arc<Writer>,
+        writes: Vec<Write<super::write::PendingWrite>>,
+    ) {
+        let kept = self.conns.entry(id).or_default();
+        kept.writer = Some(writer);
+        kept.writes.extend(writes);
+    }
+
+    /// Let go of what the connections `ids` left.
+    pub(crate) fn forget(&mut self, ids: &[ConnId]) {
+        for id in ids {
+            self.conns.remove(id);
+        }
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.conns.clear();
+    }
+
+    fn take_write(&mut self, from: ConnId, itt: Itt) -> Option<Write<super::write::PendingWrite>> {
+        let kept = self.conns.get_mut(&from)?;
+        let i = kept.writes.iter().position(|w| w.itt == itt)?;
+        Some(kept.writes.swap_remove(i))
+    }
+
+    /// The response of task `itt` to send on the connection it was reassigned to, from the
+    /// kept connection `from` (any, when `None`): Data-In from `exp_data_sn` (0: all held)
+    /// and the status, stamped anew there. `None` until its status is held.
+    fn take_output(
+        &mut self,
+        from: Option<ConnId>,
+        itt: Itt,
+        exp_data_sn: DataSn,
+    ) -> Option<Vec<OutPdu>> {
+        for (id, kept) in self.conns.iter_mut() {
+            if from.is_some_and(|f| f != *id) {
+                continue;
+            }
+            let done = kept
+                .parked
+                .get(&itt)
+                .is_some_and(|v| v.iter().any(|p| carries_status(&p.header)));
+            if done {
+                let pdus = kept.parked.remove(&itt).unwrap_or_default();
+                return Some(
+                    pdus.into_iter()
+                        .filter(|p| match &p.header {
+                            Header::DataIn(d) => !d.data_sn.lt(exp_data_sn) || d.status.is_some(),
+                            _ => true,
+                        })
+                        .map(|p| OutPdu {
+                            mode: mode_of(&p.header),
+                            ..p
+                        })
+                        .collect(),
+                );
+            }
+            let retained = kept
+                .writer
+                .as_ref()
+                .and_then(|w| w.retained.get())
+                .and_then(|r| {
+                    r.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .reassign(itt, exp_data_sn)
+                });
+            if let Some(v) = retained {
+                return Some(
+                    v.into_iter()
+                        .map(|(header, data)| OutPdu {
+                            mode: mode_of(&header),
+                            header,
+                            data: Segment::Memory(data),
+                        })
+                        .collect(),
+                );
+            }
+        }
+        None
+    }
+}
+
+/// How a resumed response PDU is stamped on its new connection: the status takes that
+/// connection's next StatSN (RFC 7143 §7.2.2).
+fn mode_of(h: &Header) -> SnMode {
+    if carries_status(h) {
+        SnMode::Status
+    } else {
+        SnMode::Current
+    }
+}
+
+/// How often a reassigned task still running is looked at for its response.
+const FORWARD_POLL: Duration = Duration::from_millis(5);
+/// How long a reassigned task that left the task table may take to park its response.
+const FORWARD_GRACE: Duration = Duration::from_secs(2);
+
+impl Connection {
+    /// TASK REASSIGN at ErrorRecoveryLevel 2 (RFC 7143 §11.5.1): the TMF response, then
+    /// whatever resumes the task here.
+    pub(super) async fn on_reassign(&mut self, t: TaskMgmtRequest) -> ConnResult {
+        let id = self.id;
+        let itt = t.referenced_task_tag;
+        let exp = t.exp_data_sn;
+        let r = self.sess(|c| c.reassign(id, itt));
+        let mut resume = Vec::new();
+        let mut adopt = None;
+        let mut forward = None;
+        let code = match r {
+            Reassign::NotSupported => TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED,
+            Reassign::StillAllegiant => TmfResponseCode::TASK_STILL_ALLEGIANT,
+            Reassign::Unknown => {
+                // Finished while its connection was failing: its response is all that is left.
+                match self.session.orphans(|o| o.take_output(None, itt, exp)) {
+                    Some(p) => {
+                        resume = p;
+                        TmfResponseCode::COMPLETE
+                    }
+                    None => TmfResponseCode::TASK_DOES_NOT_EXIST,
+                }
+            }
+            Reassign::Moved { from } => {
+                let (w, out) = self.session.orphans(|o| match o.take_write(from, itt) {
+                    Some(w) => (Some(w), None),
+                    None => (None, o.take_output(Some(from), itt, exp)),
+                });
+                match (w, out) {
+                    (Some(w), _) => adopt = Some(w),
+                    (None, Some(p)) => resume = p,
+                    (None, None) => forward = Some(from),
+                }
+                TmfResponseCode::COMPLETE
+            }
+        };
+        tracing::info!(
+            peer = %self.peer,
+            initiator = %self.session.initiator_name,
+            tsih = self.session.tsih.0,
+            cid = self.cid,
+            itt = itt.0,
+            exp_data_sn = exp.0,
+            response = code.0,
+            resume = if adopt.is_some() { "R2T" } else if forward.is_some() { "when done" } else { "now" },
+            "task reassign"
+        );
+        if code == TmfResponseCode::COMPLETE {
+            self.count_recovery(Recovery::Reassigned);
+        }
+        let resp = Header::TaskMgmtResponse(TaskMgmtResponse {
+            response: code,
+            itt: t.itt,
+            ..Default::default()
+        });
+        self.send(vec![OutPdu::status(resp, bytes::Bytes::new())])
+            .await;
+        if let Some(w) = adopt {
+            // Its R2Ts follow the response (kept after this PDU is handled).
+            self.core.adopt_write(w);
+        }
+        if !resume.is_empty() {
+            self.send(resume).await;
+        }
+        if let Some(from) = forward {
+            // Behind the TMF response: what the reader kept goes first.
+            self.flush().await;
+            let session = Arc::clone(&self.session);
+            let tx = self.tx.clone();
+            let limit = session.retention();
+            tokio::spawn(async move {
+                let deadline = tokio::time::Instant::now() + limit;
+                let mut gone_since = None;
+                while tokio::time::Instant::now() < deadline {
+                    if let Some(p) = session.orphans(|o| o.take_output(Some(from), itt, exp)) {
+                        let _ = tx.send(Out::Pdus(p)).await;
+                        return;
+                    }
+                    // A task leaves the table just before its response is built and parked;
+                    // one gone for long with no response was aborted (a task management
+                    // function): nothing will come.
+                    if session.with_core(|c| c.task(itt).is_none()) {
+                        let since = *gone_since.get_or_insert_with(tokio::time::Instant::now);
+                        if since.elapsed() > FORWARD_GRACE {
+                            return;
+                        }
+                    }
+                    tokio::time::sleep(FORWARD_POLL).await;
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+/// End, when their time has come, the kept connections of `session` and the tasks nobody
+/// reassigned (RFC 7143 §6.2.2); the session too when no connection is left.
+pub(super) async fn expire_later(session: Arc<Session>, shared: Arc<Shared>) {
+    while let Some(at) = session.with_core(|c| c.next_expiry()) {
+        tokio::time::sleep_until(session.instant_at(at)).await;
+        let (expired, ended) = session.expire();
+        if expired > 0 {
+            shared.stats.recovered_n(Recovery::Expired, expired as u64);
+        }
+        if ended {
+            tracing::info!(initiator = %session.initiator_name, tsih = session.tsih.0, "session ended: no connection reassigned its tasks in time");
+            shared
+                .sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&session);
+            if let Some(t) = &session.target {
+                t.scsi().nexus_lost(session.nexus.id);
+            }
+            return;
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! ErrorRecoveryLevel 2 over real sockets with ironsan's initiator (RFC 7143 §7.2.2, §6.2.2,
+//! §11.5.1 TASK REASSIGN, §11.14 logout reason 2): a connection cut in the middle of a read or
+//! a write, logged out for recovery from another connection of the session, and its task
+//! reassigned there and finished; a session whose only connection failed taken up again by a
+//! new one; what is not reassigned in time ends; the refusals the RFC asks for.
+//!
+//! LUN 0 is a [`FaultBackend`] over RAM: reads and writes of LBAs 2000-2007 take 1.5 s, so a
+//! command is still running when its connection is cut.
+
+mod support;
+
+use bytes::{Bytes, BytesMut};
+use ironsan_backend::{BlockDevice, FaultBackend, FaultRule, RamBackend};
+use ironsan_initiator::{Client, Error, LoginOptions};
+use ironsan_proto::pdu::*;
+use ironsan_proto::DataSn;
+use ironsan_server::{Server, ServerConfig};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use support::{pattern, TARGET};
+
+const BS: u32 = 512;
+/// LBAs whose I/O takes 1.5 s.
+const SLOW: u64 = 2000;
+const WAIT: Duration = Duration::from_secs(15);
+
+async fn rig(
+    tune: impl FnOnce(&mut ServerConfig),
+) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let inner: Arc<dyn BlockDevice> = Arc::new(RamBackend::new(16 << 20));
+    let rules = vec![FaultRule::parse(&format!("rw@{SLOW}-{}:delay=1500ms", SLOW + 7)).unwrap()];
+    let fault = FaultBackend::new(inner, rules, BS, 1);
+    let t = support::target_on(TARGET, Arc::new(fault), 0x3000_0000_0000_0030);
+    let mut cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
+    tune(&mut cfg);
+    let server = Server::bind(cfg).await.unwrap();
+    let addr = server.local_addrs()[0];
+    (addr, support::run_in_background(server))
+}
+
+/// Level 2 offered, tasks kept 20 s, two connections, 64 KiB segments, writes by R2T only.
+fn opts(isid: u8) -> LoginOptions {
+    let mut o = LoginOptions::new(Some(TARGET));
+    o.isid.0[5] = isid;
+    o.error_recovery_level = 2;
+    o.time2retain = 20;
+    o.max_connections = 2;
+    o.max_recv_data_segment_length = 65536;
+    o.max_burst_length = 65536;
+    o.initial_r2t = true;
+    o.immediate_data = false;
+    o
+}
+
+async fn pair(addr: SocketAddr, o: &LoginOptions) -> (Client, Client) {
+    let a = Client::login(addr, o).await.unwrap();
+    assert_eq!(a.negotiated_value("ErrorRecoveryLevel"), Some("2"));
+    let b = Client::join(addr, o, &a, 1).await.unwrap();
+    (a, b)
+}
+
+/// Write `data` at `lba` through R2Ts.
+async fn write(c: &mut Client, lba: u64, data: &Bytes) {
+    let r = c.write16(0, lba, data.clone(), BS, false).await.unwrap();
+    assert_eq!(r.status, 0, "write: {:?}", r.sense_key());
+}
+
+async fn read(c: &mut Client, lba: u64, len: usize) -> Bytes {
+    let r = c.read16(0, lba, (len / 512) as u32, BS).await.unwrap();
+    assert_eq!(r.status, 0, "read: {:?}", r.sense_key());
+    r.data
+}
+
+/// The rest of read `itt` on `c` into `buf`: (DataSNs seen, status).
+async fn finish_read(c: &mut Client, itt: Itt, buf: &mut BytesMut) -> (Vec<u32>, u8) {
+    let mut sns = Vec::new();
+    loop {
+        let p = tokio::time::timeout(WAIT, c.recv())
+            .await
+            .expect("in time")
+            .expect("a PDU");
+        match p.header {
+            Header::DataIn(d) if d.itt == itt => {
+                sns.push(d.data_sn.0);
+                let at = d.buffer_offset as usize;
+                buf[at..at + p.data.len()].copy_from_slice(&p.data);
+                if let Some(s) = d.status {
+                    return (sns, s);
+                }
+            }
+            Header::ScsiResponse(r) if r.itt == itt => return (sns, r.status),
+            Header::NopIn(_) => continue,
+            other => panic!("expected the read's Data-In, got {other:?}"),
+        }
+    }
+}
+
+/// Answer R2Ts for write `itt` of `data` on `c` until its status.
+async fn finish_write(c: &mut Client, itt: Itt, data: &Bytes) -> (Vec<(u32, u32)>, u8) {
+    let mut asked = Vec::new();
+    loop {
+        let p = tokio::time::timeout(WAIT, c.recv())
+            .await
+            .expect("in time")
+            .expect("a PDU");
+        match p.header {
+            Header::R2t(r) if r.itt == itt => {
+                asked.push((r.buffer_offset, r.desired_data_transfer_length));
+                let (from, len) = (
+                    r.buffer_offset as usize,
+                    r.desired_data_transfer_length as usize,
+                );
+                let mut off = from;
+                let mut sn = 0;
+                while off < from + len {
+                    let n = (from + len - off).min(65536);
+                    let d = DataOut {
+                        final_bit: off + n == from + len,
+                        lun: Lun::from_number(0),
+                        itt,
+                        ttt: r.ttt,
+                        data_sn: DataSn(sn),
+                        buffer_offset: off as u32,
+                        ..Default::default()
+                    };
+                    c.send(Header::DataOut(d), data.slice(off..off + n))
+                        .await
+                        .unwrap();
+                    off += n;
+                    sn += 1;
+                }
+            }
+            Header::ScsiResponse(r) if r.itt == itt => return (asked, r.status),
+            Header::NopIn(_) => continue,
+            other => panic!("expected R2Ts or the status, got {other:?}"),
+        }
+    }
+}
+
+async fn recover(b: &mut Client, cid: u16) {
+    let (code, t2w, t2r) = b
+        .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, cid)
+        .await
+        .unwrap();
+    assert_eq!((code, t2w, t2r), (LogoutResponseCode::CLOSED, 2, 20));
+}
+
+#[tokio::test]
+async fn a_read_cut_mid_transfer_resumes_from_exp_data_sn_on_another_connection() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let (mut a, mut b) = pair(addr, &opts(1)).await;
+    let data = pattern(1 << 20, 5);
+    write(&mut a, 4096, &data).await;
+    let (itt, _) = a.send_read16(0, 4096, 2048, BS).await.unwrap();
+    let mut buf = BytesMut::zeroed(data.len());
+    for sn in 0..3 {
+        let p = a.recv().await.unwrap();
+        let Header::DataIn(d) = p.header else {
+            panic!("expected Data-In")
+        };
+        assert_eq!(d.data_sn, DataSn(sn));
+        let at = d.buffer_offset as usize;
+        buf[at..at + p.data.len()].copy_from_slice(&p.data);
+    }
+    b.cmd_sn = a.cmd_sn;
+    drop(a); // the connection is cut with most of the read unsent
+    recover(&mut b, 0).await;
+    assert_eq!(
+        b.task_reassign(itt, DataSn(3)).await.unwrap(),
+        TmfResponseCode::COMPLETE
+    );
+    let (sns, status) = finish_read(&mut b, itt, &mut buf).await;
+    assert_eq!(status, 0);
+    assert_eq!(sns.first(), Some(&3), "from the initiator's ExpDataSN");
+    assert_eq!(&buf[..], &data[..], "the read arrives complete");
+    // The session goes on on B, its StatSN in step.
+    assert_eq!(read(&mut b, 4096, 4096).await, data.slice(..4096));
+    assert_eq!(b.logout().await.unwrap(), LogoutResponseCode::CLOSED);
+}
+
+#[tokio::test]
+async fn a_read_still_running_when_cut_is_answered_when_it_finishes() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let (mut a, mut b) = pair(addr, &opts(2)).await;
+    let data = pattern(4096, 6);
+    write(&mut a, SLOW, &data).await;
+    let (itt, _) = a.send_read16(0, SLOW, 8, BS).await.unwrap();
+    b.cmd_sn = a.cmd_sn;
+    drop(a);
+    recover(&mut b, 0).await;
+    assert_eq!(
+        b.task_reassign(itt, DataSn(0)).await.unwrap(),
+        TmfResponseCode::COMPLETE
+    );
+    let mut buf = BytesMut::zeroed(4096);
+    let (sns, status) = finish_read(&mut b, itt, &mut buf).await;
+    assert_eq!((sns, status), (vec![0], 0));
+    assert_eq!(&buf[..], &data[..]);
+}
+
+#[tokio::test]
+async fn a_write_cut_while_sending_data_is_asked_for_again_and_lands_once() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let (mut a, mut b) = pair(addr, &opts(3)).await;
+    let old = pattern(128 << 10, 1);
+    write(&mut a, 6000, &old).await;
+    let data = pattern(128 << 10, 2);
+    let (itt, _) = a
+        .send_write16(0, 6000, data.len() as u32, BS, Bytes::new())
+        .await
+        .unwrap();
+    let Header::R2t(r2t) = a.recv().await.unwrap().header else {
+        panic!("expected an R2T")
+    };
+    assert_eq!(
+        (r2t.buffer_offset, r2t.desired_data_transfer_length),
+        (0, 65536)
+    );
+    // Half of the first burst, then the connection is cut.
+    let d = DataOut {
+        final_bit: false,
+        lun: Lun::from_number(0),
+        itt,
+        ttt: r2t.ttt,
+        ..Default::default()
+    };
+    a.send(Header::DataOut(d), data.slice(..32768))
+        .await
+        .unwrap();
+    b.cmd_sn = a.cmd_sn;
+    drop(a);
+    recover(&mut b, 0).await;
+    // Nothing of it was written.
+    assert_eq!(read(&mut b, 6000, old.len()).await, old);
+    assert_eq!(
+        b.task_reassign(itt, DataSn(0)).await.unwrap(),
+        TmfResponseCode::COMPLETE
+    );
+    let (asked, status) = finish_write(&mut b, itt, &data).await;
+    assert_eq!(status, 0);
+    assert_eq!(
+        asked,
+        vec![(0, 65536), (65536, 65536)],
+        "all of it again, by R2T"
+    );
+    assert_eq!(read(&mut b, 6000, data.len()).await, data);
+    // Reassigned once: asking again finds no task.
+    assert_eq!(
+        b.task_reassign(itt, DataSn(0)).await.unwrap(),
+        TmfResponseCode::TASK_DOES_NOT_EXIST
+    );
+}
+
+#[tokio::test]
+async fn a_write_running_when_cut_is_applied_once_and_its_status_resent() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let mut o = opts(4);
+    o.immediate_data = true;
+    o.initial_r2t = false;
+    let (mut a, mut b) = pair(addr, &o).await;
+    let data = pattern(4096, 8);
+    let (itt, _) = a
+        .send_write16(0, SLOW, 4096, BS, data.clone())
+        .await
+        .unwrap();
+    b.cmd_sn = a.cmd_sn;
+    drop(a);
+    recover(&mut b, 0).await;
+    assert_eq!(
+        b.task_reassign(itt, DataSn(0)).await.unwrap(),
+        TmfResponseCode::COMPLETE
+    );
+    let (asked, status) = finish_write(&mut b, itt, &data).await;
+    assert_eq!(
+        (asked, status),
+        (vec![], 0),
+        "no data asked for: it had it all"
+    );
+    assert_eq!(read(&mut b, SLOW, 4096).await, data);
+}
+
+#[tokio::test]
+async fn a_session_whose_only_connection_failed_is_taken_up_by_a_new_one() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let o = opts(5);
+    let mut a = Client::login(addr, &o).await.unwrap();
+    let data = pattern(4096, 9);
+    write(&mut a, SLOW, &data).await;
+    let (itt, _) = a.send_read16(0, SLOW, 8, BS).await.unwrap();
+    let sn = a.cmd_sn;
+    let tsih = a.tsih;
+    drop(a);
+    // The same CID in the same session: the old connection is already gone, or reinstated.
+    let mut again = o.clone();
+    again.tsih = tsih;
+    let mut b = Client::connect(addr).await.unwrap();
+    b.cmd_sn = sn;
+    b.login_on(&again).await.unwrap();
+    let mut code = b.task_reassign(itt, DataSn(0)).await.unwrap();
+    for _ in 0..50 {
+        // The target may not have seen the old connection fail yet.
+        if code != TmfResponseCode::TASK_STILL_ALLEGIANT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        code = b.task_reassign(itt, DataSn(0)).await.unwrap();
+    }
+    assert_eq!(code, TmfResponseCode::COMPLETE);
+    let mut buf = BytesMut::zeroed(4096);
+    let (_, status) = finish_read(&mut b, itt, &mut buf).await;
+    assert_eq!(status, 0);
+    assert_eq!(&buf[..], &data[..]);
+}
+
+#[tokio::test]
+async fn what_is_not_reassigned_in_time_ends_and_so_does_the_session() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let mut o = opts(6);
+    // Kept DefaultTime2Wait (2 s) + DefaultTime2Retain (1 s).
+    o.time2retain = 1;
+    let mut a = Client::login(addr, &o).await.unwrap();
+    let data = pattern(4096, 10);
+    write(&mut a, 100, &data).await;
+    let (_itt, _) = a
+        .send_write16(0, 100, 4096, BS, Bytes::new())
+        .await
+        .unwrap();
+    let Header::R2t(_) = a.recv().await.unwrap().header else {
+        panic!("expected an R2T")
+    };
+    let tsih = a.tsih;
+    drop(a);
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    let mut late = o.clone();
+    late.tsih = tsih;
+    late.cid = Cid(1);
+    let mut c = Client::connect(addr).await.unwrap();
+    let e = c.login_on(&late).await.unwrap_err();
+    assert!(
+        matches!(e, Error::Login(2, 0x0a)),
+        "the session ended: {e:?}"
+    );
+    // The write never got its data: the old data stays.
+    let mut fresh = Client::login(addr, &opts(7)).await.unwrap();
+    assert_eq!(read(&mut fresh, 100, 4096).await, data);
+}
+
+#[tokio::test]
+async fn refusals_follow_the_rfc() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let (mut a, mut b) = pair(addr, &opts(8)).await;
+    // A task still on a live connection: still allegiant, on it or on another one.
+    let (itt, _) = a.send_read16(0, SLOW, 8, BS).await.unwrap();
+    b.cmd_sn = a.cmd_sn;
+    assert_eq!(
+        b.task_reassign(itt, DataSn(0)).await.unwrap(),
+        TmfResponseCode::TASK_STILL_ALLEGIANT
+    );
+    assert_eq!(
+        a.task_reassign(itt, DataSn(0)).await.unwrap(),
+        TmfResponseCode::TASK_STILL_ALLEGIANT
+    );
+    // An unknown task.
+    assert_eq!(
+        b.task_reassign(Itt(0x0bad_0001), DataSn(0)).await.unwrap(),
+        TmfResponseCode::TASK_DOES_NOT_EXIST
+    );
+    // A logout for recovery of a CID the session does not have.
+    let (code, _, _) = b
+        .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 7)
+        .await
+        .unwrap();
+    assert_eq!(code, LogoutResponseCode::CID_NOT_FOUND);
+    // The read on A is unharmed.
+    let mut buf = BytesMut::zeroed(4096);
+    assert_eq!(finish_read(&mut a, itt, &mut buf).await.1, 0);
+
+    // Below level 2 (or with DefaultTime2Retain 0): not supported.
+    for (erl, t2r) in [(1, 20), (2, 0)] {
+        let mut o = opts(9);
+        o.error_recovery_level = erl;
+        o.time2retain = t2r;
+        let mut c = Client::login(addr, &o).await.unwrap();
+        let want = if erl < 2 {
+            TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED
+        } else {
+            TmfResponseCode::TASK_DOES_NOT_EXIST
+        };
+        assert_eq!(c.task_reassign(Itt(5), DataSn(0)).await.unwrap(), want);
+        let (code, _, _) = c
+            .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 0)
+            .await
+            .unwrap();
+        assert_eq!(code, LogoutResponseCode::RECOVERY_NOT_SUPPORTED);
+    }
+}
