@@ -5,6 +5,7 @@
 //! [`Client`]; raw PDU access for protocol tests. [`load`] is a pipelined load generator
 //! (`ironsan load`) for benchmarks.
 
+pub mod cuts;
 pub mod load;
 
 use bytes::{Bytes, BytesMut};
@@ -1132,12 +1133,14 @@ impl Client {
         }
     }
 
-    /// Log out with `reason` for the connection `cid` (RFC 7143 §11.14); returns the response
-    /// code and its Time2Wait and Time2Retain.
+    /// Log out with `reason` for the connection `cid` (RFC 7143 §11.14), whose last ExpStatSN
+    /// was `exp_stat_sn` (`None`: this connection's); returns the response code and its
+    /// Time2Wait and Time2Retain.
     pub async fn logout_for(
         &mut self,
         reason: LogoutReason,
         cid: u16,
+        exp_stat_sn: Option<StatSn>,
     ) -> Result<(LogoutResponseCode, u16, u16)> {
         let itt = self.itt();
         let l = LogoutRequest {
@@ -1146,7 +1149,7 @@ impl Client {
             itt,
             cid: Cid(cid),
             cmd_sn: self.cmd_sn,
-            exp_stat_sn: self.exp_stat_sn,
+            exp_stat_sn: exp_stat_sn.unwrap_or(self.exp_stat_sn),
         };
         self.send(Header::LogoutRequest(l), Bytes::new()).await?;
         loop {

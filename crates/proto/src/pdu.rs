@@ -741,6 +741,13 @@ impl Bhs {
     pub fn exp_stat_sn(&self) -> StatSn {
         StatSn(self.u32_at(28))
     }
+
+    /// The CID a Logout Request names (bytes 20..22, RFC 7143 §11.14), when this is one: its
+    /// ExpStatSN is that connection's ("the last ExpStatSN value for the connection to be
+    /// closed"), not the one it arrived on.
+    pub fn logout_cid(&self) -> Option<Cid> {
+        (self.opcode() == Opcode::LOGOUT_REQUEST).then(|| Cid(self.u16_at(20)))
+    }
 }
 
 impl Header {

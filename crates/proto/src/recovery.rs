@@ -410,6 +410,24 @@ impl<S: BuildHasher + Default> Retained<S> {
         }
     }
 
+    /// Let go of everything kept for the tag `itt`, its status included: a new command with
+    /// that tag arrived, so the initiator has the old task's status (RFC 7143 §11.2.1.8) and
+    /// nothing kept for it may answer a later SNACK or TASK REASSIGN.
+    pub fn forget_task(&mut self, itt: Itt) {
+        self.remove_task(itt);
+        let mut freed = 0;
+        for s in self.statuses.iter_mut() {
+            if let Body::Own(Header::ScsiResponse(r), d) = &s.body {
+                if r.itt == itt {
+                    freed += d.len();
+                    s.body = Body::Dropped;
+                    s.task = None;
+                }
+            }
+        }
+        self.bytes -= freed;
+    }
+
     /// What a TASK REASSIGN of `itt` to another connection sends there (RFC 7143 §11.5.1,
     /// §7.2.2), once this connection has failed: the task's Data-In from `exp_data_sn` (0:
     /// from the first not acknowledged by a DataACK) and its status, as first sent; the caller

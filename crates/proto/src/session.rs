@@ -28,8 +28,9 @@
 //! left. [`Session::reassign`] (TASK REASSIGN, §11.5.1) moves such a task to the connection
 //! asking; [`Session::expire`] terminates what was not reassigned in time and ends a session
 //! left with no connection. Commands held ahead of a CmdSN gap on the failed connection are
-//! terminated at once (never delivered, their CmdSNs consumed): reassigning finds no task, and
-//! the initiator issues them again.
+//! forgotten at once, their CmdSNs not received: reassigning finds no task, and the
+//! initiator retries them with the same CmdSN (§6.2.1), as it does commands the target never
+//! received.
 //!
 //! Generic over `T`, what the caller keeps per task (how to abort it), `C`, what it keeps per
 //! connection (how to close or wake it), and the hasher `S` of the task table. A caller that
@@ -452,9 +453,12 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
         }
     }
 
-    /// Keep `id`'s delivered tasks for reassignment; its held ones are terminated (returned).
+    /// Keep `id`'s delivered tasks for reassignment; its held ones are terminated (returned)
+    /// and their CmdSNs, like those of its held non-task PDUs, count as not received: a
+    /// TASK REASSIGN finds no task, and the initiator sends the command again with the same
+    /// CmdSN (RFC 7143 §6.2.1 retry).
     fn keep_for_recovery(&mut self, id: ConnId, cid: Cid, now: u64) -> Terminated<T> {
-        self.window.drop_held_where(|h| h.conn == id);
+        self.window.unreceive_held_where(|h| h.conn == id);
         let held = self.remove_tasks_where(|_, t| t.conn == id && t.state == TaskState::Held);
         self.failed.push(Failed {
             id,

@@ -9,7 +9,8 @@
 //! A CmdSN can also be *consumed* without delivering anything: the referenced command of an
 //! ABORT TASK that never arrived (§11.5.1, §7.11: the target considers it received), and the
 //! commands of a connection that is gone. (A rejected command's CmdSN is not consumed, §7.3:
-//! the initiator plugs that gap.) A consumed CmdSN ahead of a gap is a placeholder that the gap-filling command
+//! the initiator plugs that gap; nor are those of commands held for a connection that failed
+//! at ErrorRecoveryLevel 2, §6.2.1: the initiator retries them.) A consumed CmdSN ahead of a gap is a placeholder that the gap-filling command
 //! releases like any other; a later command with that CmdSN is a duplicate and is ignored.
 //!
 //! MaxCmdSN is `ExpCmdSN + depth - 1 - in_flight`, so an initiator can never have more than
@@ -175,6 +176,24 @@ impl<T> CmdWindow<T> {
             }
         }
         out
+    }
+
+    /// Forget held items that match `pred` as if their commands never arrived: their CmdSNs
+    /// are not received, and the initiator sends them again (RFC 7143 §6.2.1, a retry with
+    /// the same CmdSN after its connection failed at ErrorRecoveryLevel 2); returns them.
+    pub fn unreceive_held_where(&mut self, mut pred: impl FnMut(&T) -> bool) -> Vec<T> {
+        let gone: Vec<u32> = self
+            .held
+            .iter()
+            .filter(|(_, s)| matches!(s, Slot::Item(t) if pred(t)))
+            .map(|(sn, _)| *sn)
+            .collect();
+        gone.into_iter()
+            .filter_map(|sn| match self.held.remove(&sn) {
+                Some(Slot::Item(t)) => Some(t),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Forget everything held (the session has ended).

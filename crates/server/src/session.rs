@@ -201,6 +201,8 @@ pub(crate) struct Session {
     recovers: bool,
     /// What kept connections left for TASK REASSIGN ([`crate::conn::Orphans`]).
     orphans: Mutex<crate::conn::Orphans>,
+    /// `orphans` is empty (read without its lock on every command).
+    no_orphans: AtomicBool,
 }
 
 impl Session {
@@ -228,6 +230,7 @@ impl Session {
             started: tokio::time::Instant::now(),
             recovers,
             orphans: Mutex::new(crate::conn::Orphans::default()),
+            no_orphans: AtomicBool::new(true),
             tsih,
             isid,
             initiator_name,
@@ -283,14 +286,26 @@ impl Session {
 
     /// Run `f` on what kept connections left (ErrorRecoveryLevel 2).
     pub(crate) fn orphans<R>(&self, f: impl FnOnce(&mut crate::conn::Orphans) -> R) -> R {
-        f(&mut lock(&self.orphans))
+        let mut o = lock(&self.orphans);
+        let r = f(&mut o);
+        self.no_orphans.store(o.is_empty(), Ordering::Release);
+        r
     }
 
     /// A response of connection `id` that could not be queued (its writer had stopped): kept
     /// for a TASK REASSIGN when the session recovers connections, else dropped.
     pub(crate) fn park(&self, id: ConnId, out: crate::writer::Out) {
         if self.recovers {
-            lock(&self.orphans).park(id, out);
+            self.orphans(|o| o.park(id, out));
+        }
+    }
+
+    /// A command with the tag `itt` was admitted: what kept connections hold for an earlier
+    /// task with that tag is stale ([`crate::conn::Orphans::tag_reused`]). One atomic load
+    /// while nothing is kept.
+    pub(crate) fn tag_reused(&self, itt: Itt) {
+        if !self.no_orphans.load(Ordering::Acquire) {
+            self.orphans(|o| o.tag_reused(itt));
         }
     }
 
@@ -298,10 +313,10 @@ impl Session {
     /// many tasks ended that way, and whether the session ended (no connection left).
     pub(crate) fn expire(&self) -> (usize, bool) {
         let e = self.with_core(|c| c.expire(self.now_ms()));
-        lock(&self.orphans).forget(&e.conns);
+        self.orphans(|o| o.forget(&e.conns));
         let n = e.terminated.len();
         if e.session_ended.is_some() {
-            lock(&self.orphans).clear();
+            self.orphans(|o| o.clear());
             self.abort_tasks(e.terminated);
             (n, true)
         } else {
@@ -358,9 +373,15 @@ impl Session {
                 for c in &others {
                     c.payload.close(Close::ByTarget);
                 }
-                lock(&self.orphans).clear();
+                self.orphans(|o| o.clear());
                 self.abort_tasks(left.terminated);
                 true
+            }
+            // Kept for reassignment: only commands held ahead of a CmdSN gap went, never
+            // delivered, to be retried by the initiator (no unit attention for them).
+            None if failed && self.recovers => {
+                self.abort_tasks(left.terminated);
+                false
             }
             None => {
                 self.terminated_by_iscsi_event(left.terminated);
@@ -393,7 +414,7 @@ impl Session {
     /// from now on. Returns how many tasks were aborted. The caller closes the connections.
     pub(crate) fn end(&self) -> usize {
         let tasks = self.with_core(|c| c.end());
-        lock(&self.orphans).clear();
+        self.orphans(|o| o.clear());
         self.abort_tasks(tasks)
     }
 

@@ -13,7 +13,7 @@ use bytes::{Bytes, BytesMut};
 use ironsan_backend::{BlockDevice, FaultBackend, FaultRule, RamBackend};
 use ironsan_initiator::{Client, Error, LoginOptions};
 use ironsan_proto::pdu::*;
-use ironsan_proto::DataSn;
+use ironsan_proto::{DataSn, StatSn};
 use ironsan_server::{Server, ServerConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -138,9 +138,14 @@ async fn finish_write(c: &mut Client, itt: Itt, data: &Bytes) -> (Vec<(u32, u32)
     }
 }
 
-async fn recover(b: &mut Client, cid: u16) {
+/// Log the cut connection `cid` out for recovery from `b`, with its last ExpStatSN.
+async fn recover(b: &mut Client, cid: u16, last: StatSn) {
     let (code, t2w, t2r) = b
-        .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, cid)
+        .logout_for(
+            LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY,
+            cid,
+            Some(last),
+        )
         .await
         .unwrap();
     assert_eq!((code, t2w, t2r), (LogoutResponseCode::CLOSED, 2, 20));
@@ -164,8 +169,9 @@ async fn a_read_cut_mid_transfer_resumes_from_exp_data_sn_on_another_connection(
         buf[at..at + p.data.len()].copy_from_slice(&p.data);
     }
     b.cmd_sn = a.cmd_sn;
+    let last = a.exp_stat_sn;
     drop(a); // the connection is cut with most of the read unsent
-    recover(&mut b, 0).await;
+    recover(&mut b, 0, last).await;
     assert_eq!(
         b.task_reassign(itt, DataSn(3)).await.unwrap(),
         TmfResponseCode::COMPLETE
@@ -187,8 +193,9 @@ async fn a_read_still_running_when_cut_is_answered_when_it_finishes() {
     write(&mut a, SLOW, &data).await;
     let (itt, _) = a.send_read16(0, SLOW, 8, BS).await.unwrap();
     b.cmd_sn = a.cmd_sn;
+    let last = a.exp_stat_sn;
     drop(a);
-    recover(&mut b, 0).await;
+    recover(&mut b, 0, last).await;
     assert_eq!(
         b.task_reassign(itt, DataSn(0)).await.unwrap(),
         TmfResponseCode::COMPLETE
@@ -229,8 +236,9 @@ async fn a_write_cut_while_sending_data_is_asked_for_again_and_lands_once() {
         .await
         .unwrap();
     b.cmd_sn = a.cmd_sn;
+    let last = a.exp_stat_sn;
     drop(a);
-    recover(&mut b, 0).await;
+    recover(&mut b, 0, last).await;
     // Nothing of it was written.
     assert_eq!(read(&mut b, 6000, old.len()).await, old);
     assert_eq!(
@@ -265,8 +273,9 @@ async fn a_write_running_when_cut_is_applied_once_and_its_status_resent() {
         .await
         .unwrap();
     b.cmd_sn = a.cmd_sn;
+    let last = a.exp_stat_sn;
     drop(a);
-    recover(&mut b, 0).await;
+    recover(&mut b, 0, last).await;
     assert_eq!(
         b.task_reassign(itt, DataSn(0)).await.unwrap(),
         TmfResponseCode::COMPLETE
@@ -368,7 +377,7 @@ async fn refusals_follow_the_rfc() {
     );
     // A logout for recovery of a CID the session does not have.
     let (code, _, _) = b
-        .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 7)
+        .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 7, None)
         .await
         .unwrap();
     assert_eq!(code, LogoutResponseCode::CID_NOT_FOUND);
@@ -389,9 +398,36 @@ async fn refusals_follow_the_rfc() {
         };
         assert_eq!(c.task_reassign(Itt(5), DataSn(0)).await.unwrap(), want);
         let (code, _, _) = c
-            .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 0)
+            .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 0, None)
             .await
             .unwrap();
         assert_eq!(code, LogoutResponseCode::RECOVERY_NOT_SUPPORTED);
     }
+}
+
+/// A verified stream of reads and writes while one connection of the session is cut every
+/// round, in the middle of its commands, and replaced (`ironsan_initiator::cuts`): every
+/// acknowledged write reads back, none is applied over a later one, every resumed read
+/// arrives whole, every reassignment is answered COMPLETE.
+#[tokio::test]
+async fn a_verified_stream_survives_connections_cut_and_replaced() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let spec = ironsan_initiator::cuts::CutSpec {
+        addr,
+        opts: opts(10),
+        lun: 0,
+        rounds: 24,
+        depth: 8,
+        // 64 KiB commands over 4 MiB: region 15 holds the slow LBAs.
+        blocks: 128,
+        block_size: BS,
+        regions: 64,
+        seed: 0x5eed,
+    };
+    let r = ironsan_initiator::cuts::run(&spec).await.unwrap();
+    assert_eq!(r.rounds, 24);
+    assert!(r.failures.is_empty(), "{:?}", r.failures);
+    assert_eq!(r.mismatches, 0, "of {} blocks", r.verified_blocks);
+    assert!(r.reassigned > 24, "few tasks were cut: {r:?}");
+    assert!(r.verified_blocks >= 64 * 128);
 }

@@ -540,9 +540,15 @@ fn a_session_whose_connections_all_failed_waits_for_a_new_one() {
     let b = s.join(Cid(1), "b", 500).expect("joins").id;
     assert_eq!(s.reassign(b, Itt(10)), Reassign::Moved { from: a });
     assert_eq!(s.reassign(b, Itt(12)), Reassign::Unknown);
-    // CmdSN 2 was consumed: 1 fills the gap and the window moves past both.
+    // CmdSN 2 counts as not received: 1 fills the gap, and the initiator's retry of the
+    // held command with its CmdSN (RFC 7143 §6.2.1) is delivered.
     assert_eq!(
         s.admit_command(b, &cmd(13, 1), 0, || 13),
+        Admission::Deliver
+    );
+    assert_eq!(s.window_sn().0, CmdSn(2));
+    assert_eq!(
+        s.admit_command(b, &cmd(12, 2), 0, || 12),
         Admission::Deliver
     );
     assert_eq!(s.window_sn().0, CmdSn(3));

@@ -387,7 +387,7 @@ pub(crate) async fn run(
     let recover = failed && session.recovers() && !*shared.shutdown.borrow();
     if recover {
         let writes = conn.core.take_where(|w| w.is_delivered());
-        session.orphans(|o| o.keep(id, Arc::clone(&conn.writer), writes));
+        session.orphans(|o| o.keep(id, Cid(cid), Arc::clone(&conn.writer), writes));
         conn.tasks.detach_all();
         shared
             .stats
@@ -756,9 +756,11 @@ impl Connection {
             Err(e) => return Err(e.into()),
         };
         self.bad_headers = 0;
-        if let Some(kept) = self.writer.retained.get() {
+        let other_conn = bhs.logout_cid().is_some_and(|c| c.0 != self.cid);
+        if let Some(kept) = self.writer.retained.get().filter(|_| !other_conn) {
             // What an initiator PDU's ExpStatSN acknowledges need not be kept for SNACKs any
-            // more; most PDUs repeat the last one, which costs no lock.
+            // more; most PDUs repeat the last one, which costs no lock. (A Logout naming
+            // another connection carries that connection's ExpStatSN.)
             let sn = bhs.exp_stat_sn();
             if self.acked != Some(sn) {
                 self.acked = Some(sn);

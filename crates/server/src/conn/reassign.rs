@@ -35,6 +35,7 @@ use std::time::Duration;
 /// What one kept connection left behind.
 #[derive(Default)]
 struct Kept {
+    cid: Option<Cid>,
     writer: Option<Arc<Writer>>,
     /// Responses never stamped, by task.
     parked: HashMap<Itt, Vec<OutPdu>>,
@@ -100,12 +101,46 @@ impl Orphans {
     pub(crate) fn keep(
         &mut self,
         id: ConnId,
+        cid: Cid,
         writer: Arc<Writer>,
         writes: Vec<Write<super::write::PendingWrite>>,
     ) {
         let kept = self.conns.entry(id).or_default();
+        kept.cid = Some(cid);
         kept.writer = Some(writer);
         kept.writes.extend(writes);
+    }
+
+    /// The initiator's last ExpStatSN for the kept connection `cid` (a Logout for its
+    /// recovery, RFC 7143 §11.14): the statuses below it were received; they and their
+    /// tasks' Data-In are let go, so a TASK REASSIGN of a tag used again since cannot find
+    /// them.
+    pub(crate) fn acknowledge(&mut self, cid: Cid, exp_stat_sn: ironsan_proto::StatSn) {
+        // The latest connection with the CID: StatSNs are numbered per connection.
+        let latest = self
+            .conns
+            .iter_mut()
+            .filter(|(_, k)| k.cid == Some(cid))
+            .max_by_key(|(id, _)| **id);
+        if let Some(r) = latest.and_then(|(_, k)| k.writer.as_ref()?.retained.get()) {
+            r.lock().unwrap_or_else(|p| p.into_inner()).ack(exp_stat_sn);
+        }
+    }
+
+    /// A new command with the tag `itt` arrived: the initiator has every earlier task with
+    /// that tag (RFC 7143 §11.2.1.8), so nothing kept for one may answer a TASK REASSIGN.
+    pub(crate) fn tag_reused(&mut self, itt: Itt) {
+        for kept in self.conns.values_mut() {
+            kept.parked.remove(&itt);
+            if let Some(r) = kept.writer.as_ref().and_then(|w| w.retained.get()) {
+                r.lock().unwrap_or_else(|p| p.into_inner()).forget_task(itt);
+            }
+        }
+    }
+
+    /// Whether anything is kept (a cheap test before [`Orphans::tag_reused`]).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.conns.is_empty()
     }
 
     /// Let go of what the connections `ids` left.
@@ -134,10 +169,19 @@ impl Orphans {
         itt: Itt,
         exp_data_sn: DataSn,
     ) -> Option<Vec<OutPdu>> {
-        for (id, kept) in self.conns.iter_mut() {
-            if from.is_some_and(|f| f != *id) {
+        // Newest connection first: a tag the initiator reused after an earlier reassignment
+        // finds its latest task, not one an older connection left behind.
+        let mut ids: Vec<ConnId> = self
+            .conns
+            .keys()
+            .copied()
+            .filter(|id| from.is_none_or(|f| f == *id))
+            .collect();
+        ids.sort_unstable_by(|a, b| b.cmp(a));
+        for id in ids {
+            let Some(kept) = self.conns.get_mut(&id) else {
                 continue;
-            }
+            };
             let done = kept
                 .parked
                 .get(&itt)

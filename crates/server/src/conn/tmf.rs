@@ -214,6 +214,12 @@ impl Connection {
             }
             LogoutPlan::Respond(c) => code = c,
         }
+        if l.reason == LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY && l.cid.0 != self.cid {
+            // §11.14: its ExpStatSN is the named connection's: the statuses it acknowledges
+            // were received and are not resent by a TASK REASSIGN.
+            self.session
+                .orphans(|o| o.acknowledge(l.cid, l.exp_stat_sn));
+        }
         tracing::info!(
             peer = %self.peer,
             initiator = %self.session.initiator_name,

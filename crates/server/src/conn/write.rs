@@ -199,6 +199,9 @@ impl Connection {
                 placed: None,
             })
         });
+        if matches!(admission, Admission::Deliver | Admission::Held) {
+            self.session.tag_reused(cmd.itt);
+        }
         let delivered = match admission {
             Admission::Deliver => true,
             Admission::Held => false,
