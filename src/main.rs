@@ -3,6 +3,7 @@
 mod alloc;
 mod config;
 mod ctl;
+mod cuts;
 mod load;
 mod notify;
 
@@ -38,6 +39,10 @@ enum Cmd {
     /// Load generator: keep --qd READ(16)/WRITE(16) commands in flight against any iSCSI
     /// target and report IOPS, MiB/s, latency percentiles and client CPU.
     Load(load::LoadArgs),
+    /// Connection recovery under load: a verified stream over a session of two connections
+    /// at ErrorRecoveryLevel 2, one connection cut every round and its commands reassigned
+    /// to the other; reports the time from each cut to the recovery. Writes the LUN.
+    Cuts(cuts::CutsArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell) to stdout, e.g.
     /// `ironsan completions bash > /etc/bash_completion.d/ironsan`.
     Completions {
@@ -686,6 +691,7 @@ fn main() -> ExitCode {
         }
         Cmd::Ctl(args) => return ctl::run(args),
         Cmd::Load(args) => load::main(args),
+        Cmd::Cuts(args) => cuts::main(args),
         Cmd::Completions { shell } => {
             clap_complete::generate(
                 shell,

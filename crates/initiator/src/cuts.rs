@@ -9,8 +9,10 @@
 //! its data) and reads of regions whose content is known. It then takes a random number of
 //! the target's PDUs (answering R2Ts, sometimes only in part) and cuts the connection; on the
 //! other one it logs the cut one out for recovery, reassigns every command with no status yet
-//! (a read from the next DataSN it lacks) and finishes them. Every read is compared with what
-//! the acknowledged writes left, and every region is read back at the end: a write lost,
+//! (a read from the next DataSN it lacks), sends again the ones the target never received
+//! (answered "task does not exist": a retry with the same CmdSN, RFC 7143 §6.2.1) and finishes
+//! them. The regions are read once before the run; every read is compared with what the
+//! acknowledged writes left, and every region is read back at the end: a write lost,
 //! applied twice over a later one, or torn, and a read resumed at the wrong place, are
 //! counted as mismatches. The report gives the time from each cut to the logout's answer and
 //! to the last status of its reassigned commands.
@@ -61,6 +63,8 @@ pub struct CutReport {
     pub verified_blocks: u64,
     /// Blocks whose content was not what the acknowledged writes left.
     pub mismatches: u64,
+    /// Where the first of them was found.
+    pub first_mismatch: Option<String>,
     /// Commands that did not end GOOD, reassignments not answered COMPLETE.
     pub failures: Vec<String>,
 }
@@ -116,7 +120,7 @@ const PDU_WAIT: Duration = Duration::from_secs(30);
 /// Run `spec`; errors only when the session itself cannot go on (a login refused, a
 /// connection lost that was not cut).
 pub async fn run(spec: &CutSpec) -> Result<CutReport> {
-    let mut rng = Rng(spec.seed | 1);
+    let mut rng = Rng(spec.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let len = (spec.blocks * spec.block_size) as usize;
     let mut opts = spec.opts.clone();
     opts.error_recovery_level = 2;
@@ -134,14 +138,33 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
             leader.negotiated_value("ErrorRecoveryLevel")
         )));
     }
+    let mut leader = leader;
+    // What the regions hold before the run.
+    let mut known: HashMap<u64, Bytes> = HashMap::new();
+    let regions = spec.regions.max(u64::from(spec.depth) + 1);
+    for region in 0..regions {
+        let r = leader
+            .read16(
+                spec.lun,
+                region * u64::from(spec.blocks),
+                spec.blocks,
+                spec.block_size,
+            )
+            .await?;
+        if r.status != 0 || r.data.len() != len {
+            return Err(Error::Protocol(format!(
+                "reading region {region} before the run: status {:#x}, {} bytes",
+                r.status,
+                r.data.len()
+            )));
+        }
+        known.insert(region, r.data);
+    }
     let other = Client::join(spec.addr, &opts, &leader, 1).await?;
     let mut conns = [Some(leader), Some(other)];
     let mut sn = conns[0].as_ref().map(|c| c.cmd_sn).unwrap_or(CmdSn(0));
     let mut report = CutReport::default();
-    // What the acknowledged writes left, by region (regions never written read as zeros).
-    let mut known: HashMap<u64, Bytes> = HashMap::new();
     let mut writes = 0u64;
-    let regions = spec.regions.max(u64::from(spec.depth) + 1);
     for round in 0..spec.rounds {
         let v = (round % 2) as usize;
         let (Some(mut victim), Some(mut survivor)) = (conns[v].take(), conns[1 - v].take()) else {
@@ -304,13 +327,23 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
                 .push(cut.elapsed().as_secs_f64() * 1000.0);
         }
         // Check the reads against what was known before the round, then learn the writes.
-        let zeros = Bytes::from(vec![0u8; len]);
         for (itt, t) in &tasks {
             match (&t.kind, t.status) {
                 (Kind::Read { region, buf, .. }, Some(0)) => {
-                    let want = known.get(region).unwrap_or(&zeros);
+                    // A region whose last write failed is not checked.
+                    let Some(want) = known.get(region) else {
+                        continue;
+                    };
                     report.verified_blocks += u64::from(spec.blocks);
-                    report.mismatches += mismatched_blocks(buf, want, spec.block_size);
+                    let bad = mismatched_blocks(buf, want, spec.block_size);
+                    if bad > 0 && report.first_mismatch.is_none() {
+                        report.first_mismatch = Some(format!(
+                            "round {round}: read {:#x} (CmdSN {}) of region {region}: {bad} \
+                             blocks differ",
+                            itt.0, t.cmd.cmd_sn.0
+                        ));
+                    }
+                    report.mismatches += bad;
                 }
                 (_, Some(0)) => {}
                 (_, s) => report.failures.push(format!(
@@ -341,7 +374,6 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
         return Err(Error::Protocol("no connection left".into()));
     };
     c.cmd_sn = sn;
-    let zeros = Bytes::from(vec![0u8; len]);
     for region in 0..regions {
         let r = c
             .read16(
@@ -357,9 +389,16 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
                 .push(format!("read-back of region {region}: status {}", r.status));
             continue;
         }
-        let want = known.get(&region).unwrap_or(&zeros);
+        let Some(want) = known.get(&region) else {
+            continue;
+        };
         report.verified_blocks += u64::from(spec.blocks);
-        report.mismatches += mismatched_blocks(&r.data, want, spec.block_size);
+        let bad = mismatched_blocks(&r.data, want, spec.block_size);
+        if bad > 0 && report.first_mismatch.is_none() {
+            report.first_mismatch =
+                Some(format!("read-back of region {region}: {bad} blocks differ"));
+        }
+        report.mismatches += bad;
     }
     let _ = c.logout().await;
     Ok(report)

@@ -435,21 +435,29 @@ impl<S: BuildHasher + Default> Retained<S> {
     /// StatSN). `None` while no status of the task is held (still running, or let go): the
     /// caller waits or answers that the task does not exist. The task is let go here.
     pub fn reassign(&mut self, itt: Itt, exp_data_sn: DataSn) -> Option<Vec<(Header, Bytes)>> {
-        let status = self
+        let at = self
             .statuses
             .iter()
-            .rev()
-            .find(|s| match (&s.body, s.task) {
+            .rposition(|s| match (&s.body, s.task) {
                 (Body::InTask(_), Some((i, _))) => i == itt,
                 (Body::Own(Header::ScsiResponse(r), _), _) => r.itt == itt,
                 _ => false,
             })?;
+        let status = self.statuses.get_mut(at)?;
         let (own, carrier) = match &status.body {
             Body::Own(h, d) => (Some((h.clone(), d.clone())), None),
             Body::InTask(dsn) => (None, Some(*dsn)),
             Body::Dropped => (None, None),
         };
         let linked = status.task.map(|(_, gen)| gen);
+        if own.is_some() {
+            // Taken once: a later TASK REASSIGN of the tag (reused by then) must not find it.
+            status.body = Body::Dropped;
+            status.task = None;
+        }
+        if let Some((_, d)) = &own {
+            self.bytes -= d.len();
+        }
         let mut out = Vec::new();
         if let Some(t) = self.tasks.get(&itt).filter(|t| Some(t.gen) == linked) {
             let from = if exp_data_sn == DataSn(0) {

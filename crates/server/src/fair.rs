@@ -109,6 +109,13 @@ impl Drop for Pacer {
 }
 
 impl Pacer {
+    /// The connection has stopped for good though something still holds this handle (its
+    /// writer, kept for a TASK REASSIGN at ErrorRecoveryLevel 2): it leaves the shares now,
+    /// so the others do not wait for it. Leaving again (on drop) is harmless.
+    pub fn retire(&self) {
+        self.shares.leave(&self.me);
+    }
+
     /// Whether the control may act at all (it is on, and the session has several
     /// connections): a relaxed load or two.
     pub fn active(&self) -> bool {

@@ -1161,6 +1161,19 @@ fn reassignment_takes_a_tasks_data_from_exp_data_sn_and_its_status() {
     let got = c.r.reassign(Itt(8), DataSn(0)).expect("status held");
     assert_eq!(heads(&got), wires(&other));
     assert!(matches!(got.last(), Some((Header::ScsiResponse(_), _))));
+    assert_eq!(
+        c.r.reassign(Itt(8), DataSn(0)),
+        None,
+        "a SCSI Response is taken once too"
+    );
+    // A write's status (no Data-In), taken once.
+    let h = Header::ScsiResponse(ScsiResponse {
+        itt: Itt(11),
+        ..Default::default()
+    });
+    c.send(h, Bytes::new(), true);
+    assert_eq!(c.r.reassign(Itt(11), DataSn(0)).map(|v| v.len()), Some(1));
+    assert_eq!(c.r.reassign(Itt(11), DataSn(0)), None);
     // Everything acknowledged but the status: the status still goes.
     let third = c.read(9, 20_000, false, 8192, 16384);
     let got = c.r.reassign(Itt(9), DataSn(50)).expect("status held");

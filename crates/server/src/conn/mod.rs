@@ -386,6 +386,8 @@ pub(crate) async fn run(
     // their data, its writer's record of what it sent is kept.
     let recover = failed && session.recovers() && !*shared.shutdown.borrow();
     if recover {
+        // Its writer lives on in the session: the fairness control must not wait for it.
+        conn.pacer.retire();
         let writes = conn.core.take_where(|w| w.is_delivered());
         session.orphans(|o| o.keep(id, Cid(cid), Arc::clone(&conn.writer), writes));
         conn.tasks.detach_all();
