@@ -57,6 +57,10 @@ pub(crate) struct Plan {
     /// Time the writers run before the crash: uniformly in this range (ms).
     pub run_ms: (u64, u64),
     pub seed: u64,
+    /// Each writer's session has two connections at ErrorRecoveryLevel 2, and one write in
+    /// three is cut half-way through its data and moved to the other connection
+    /// (`ironsan_initiator::cuts::write_across_a_cut`), which then gets a new partner.
+    pub recovery: bool,
 }
 
 impl Plan {
@@ -82,6 +86,7 @@ impl Plan {
             sync_every: 6,
             run_ms: (100, 600),
             seed,
+            recovery: false,
         }
     }
 }
@@ -92,6 +97,8 @@ pub(crate) struct Report {
     pub cycles: usize,
     /// Write commands acknowledged GOOD.
     pub acked: u64,
+    /// Of those, writes cut half-way and finished on another connection (`Plan::recovery`).
+    pub recovered: u64,
     /// Of those, the ones whose ack promised durability (WCE=0, FUA, or before a SYNC CACHE).
     pub durable_acked: u64,
     /// Records whose durable content was checked after a crash.
@@ -120,7 +127,7 @@ impl Report {
         format!(
             "{name}: {} cycles, {} writes acked ({} durable on ack), {} records checked, \
              lost {}, torn {}, foreign {}, non-zero unwritten {}, partial in-flight {}, \
-             not-yet-durable writes found {}",
+             not-yet-durable writes found {}, acked across a connection cut {}",
             self.cycles,
             self.acked,
             self.durable_acked,
@@ -130,7 +137,8 @@ impl Report {
             self.foreign,
             self.nonzero_unwritten,
             self.partial,
-            self.inflight_landed
+            self.inflight_landed,
+            self.recovered
         )
     }
     fn problem(&mut self, p: String) {
@@ -155,6 +163,8 @@ struct Model {
     inflight_multi: std::collections::HashMap<u64, u64>,
     acked: u64,
     durable_acked: u64,
+    /// Of `acked`, writes cut half-way and finished on another connection.
+    recovered: u64,
 }
 
 fn fnv(data: &[u8], mut h: u64) -> u64 {
@@ -238,10 +248,20 @@ async fn writer(
     seq: Arc<AtomicU64>,
     seed: u64,
 ) -> Result<(), String> {
-    let mut c = match Client::login(addr, &opts(&target, w)).await {
+    let mut o = opts(&target, w);
+    if plan.recovery {
+        o.error_recovery_level = 2;
+        o.time2retain = 20;
+        o.max_connections = 2;
+        o.initial_r2t = true;
+        o.immediate_data = false;
+    }
+    let mut c = match Client::login(addr, &o).await {
         Ok(c) => c,
         Err(_) => return Ok(()), // crashed before we got in
     };
+    // The connection a cut write starts on (CID 1), with recovery.
+    let mut partner = None;
     let mut rng = Rng(seed | 1);
     let base = region_start(&plan, w);
     // Acked, not yet durable writes of this writer: (block, seq).
@@ -262,11 +282,42 @@ async fn writer(
                 m.inflight_multi.insert(s, n);
             }
         }
-        match c.write16(0, first * LBAS, data.into(), 512, fua).await {
+        if plan.recovery && partner.is_none() {
+            partner = match Client::join(addr, &o, &c, 1).await {
+                Ok(p) => Some(p),
+                Err(_) => return Ok(()),
+            };
+        }
+        let cut = partner.is_some() && rng.below(3) == 0;
+        let result = match partner.take().filter(|_| cut) {
+            Some(p) => ironsan_initiator::cuts::write_across_a_cut(
+                p,
+                1,
+                &mut c,
+                0,
+                first * LBAS,
+                data.into(),
+                512,
+                fua,
+            )
+            .await
+            .map(|status| ironsan_initiator::CommandResult {
+                status,
+                data: Default::default(),
+                sense: Default::default(),
+                residual: Default::default(),
+            }),
+            p => {
+                partner = p;
+                c.write16(0, first * LBAS, data.into(), 512, fua).await
+            }
+        };
+        match result {
             Ok(r) if r.status == 0 => {
                 let durable = !plan.wce || fua;
                 let mut m = model.lock().unwrap();
                 m.acked += 1;
+                m.recovered += u64::from(cut);
                 m.inflight_multi.remove(&s);
                 if durable {
                     m.durable_acked += 1;
@@ -419,6 +470,7 @@ async fn verify(plan: &Plan, t: &dyn Crashable, model: &Mutex<Model>, rep: &mut 
     }
     rep.acked = m.acked;
     rep.durable_acked = m.durable_acked;
+    rep.recovered = m.recovered;
 }
 
 /// Run `plan.cycles` write-crash-restart-verify cycles against `t`.

@@ -492,3 +492,102 @@ async fn handle(
     }
     Ok(())
 }
+
+/// One WRITE(16) of `data` at `lba` (FUA when `fua`) issued on `a`, whose connection (CID
+/// `a_cid`) is cut once the command's first R2T is half answered; the command is then moved
+/// to `b`, another connection of the session (logout for recovery, TASK REASSIGN, or a retry
+/// with its CmdSN when the target never received it), and finished there. `a` is consumed;
+/// join a new connection in its place. Needs a session at ErrorRecoveryLevel 2 whose writes
+/// wait for R2Ts (InitialR2T=Yes, ImmediateData=No). Returns the command's status.
+#[allow(clippy::too_many_arguments)]
+pub async fn write_across_a_cut(
+    mut a: Client,
+    a_cid: u16,
+    b: &mut Client,
+    lun: u64,
+    lba: u64,
+    data: Bytes,
+    block_size: u32,
+    fua: bool,
+) -> Result<u8> {
+    let blocks = data.len() as u32 / block_size.max(1);
+    let mut cdb = write16_cdb(lba, blocks);
+    cdb[1] |= if fua { 0x08 } else { 0 };
+    let cmd = crate::simple_command(lun, true, data.len() as u32, cdb);
+    let (itt, sn) = a.send_command(cmd.clone(), Bytes::new()).await?;
+    let cmd = ScsiCommand {
+        itt,
+        cmd_sn: sn,
+        ..cmd
+    };
+    let mut tasks = HashMap::new();
+    tasks.insert(
+        itt,
+        Task {
+            cmd,
+            kind: Kind::Write {
+                region: 0,
+                data: data.clone(),
+            },
+            status: None,
+        },
+    );
+    // The first R2T, half answered.
+    loop {
+        let p = tokio::time::timeout(PDU_WAIT, a.recv())
+            .await
+            .map_err(|_| Error::Protocol("no R2T".into()))??;
+        let r2t = matches!(&p.header, Header::R2t(r) if r.itt == itt);
+        handle(&mut a, lun, &mut tasks, p, true).await?;
+        if r2t {
+            break;
+        }
+        if let Some(s) = tasks.get(&itt).and_then(|t| t.status) {
+            return Ok(s);
+        }
+    }
+    let last = a.exp_stat_sn;
+    b.cmd_sn = a.cmd_sn;
+    drop(a);
+    let (code, _, _) = b
+        .logout_for(
+            LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY,
+            a_cid,
+            Some(last),
+        )
+        .await?;
+    if code != LogoutResponseCode::CLOSED {
+        return Err(Error::Protocol(format!(
+            "logout for recovery answered {}",
+            code.0
+        )));
+    }
+    match b.task_reassign(itt, DataSn(0)).await? {
+        TmfResponseCode::COMPLETE => {}
+        TmfResponseCode::TASK_DOES_NOT_EXIST => {
+            let cmd = ScsiCommand {
+                exp_stat_sn: b.exp_stat_sn,
+                ..tasks[&itt].cmd.clone()
+            };
+            b.send(Header::ScsiCommand(cmd), Bytes::new()).await?;
+        }
+        other => {
+            return Err(Error::Protocol(format!(
+                "TASK REASSIGN answered {}",
+                other.0
+            )))
+        }
+    }
+    for p in std::mem::take(&mut b.unsolicited) {
+        handle(b, lun, &mut tasks, p, false).await?;
+    }
+    loop {
+        if let Some(s) = tasks.get(&itt).and_then(|t| t.status) {
+            return Ok(s);
+        }
+        let p = tokio::time::timeout(PDU_WAIT, b.recv())
+            .await
+            .map_err(|_| Error::Protocol("no status after the reassignment".into()))??;
+        handle(b, lun, &mut tasks, p, false).await?;
+    }
+}
