@@ -182,7 +182,7 @@ impl Core {
         &mut self,
         msg: Out,
         stats: &TxStats,
-        retained: &std::sync::OnceLock<Mutex<Retained>>,
+        retained: &std::sync::OnceLock<Arc<Mutex<Retained>>>,
     ) -> Option<Out> {
         let (pdus, permit, timing) = match msg {
             Out::Pdus(pdus) => (pdus, None, None),
@@ -200,7 +200,7 @@ impl Core {
             &self.session,
             self.digests,
             stats,
-            retained.get(),
+            retained.get().map(|r| &**r),
         );
         self.held.extend(permit);
         self.timed.extend(timing);
@@ -249,7 +249,7 @@ pub(crate) struct Writer {
     /// The connection's share of its session ([`crate::fair`]), set after login.
     pub pacer: std::sync::OnceLock<Arc<crate::fair::Pacer>>,
     /// What the connection keeps for SNACKs, set after login at ErrorRecoveryLevel 1.
-    pub retained: std::sync::OnceLock<Mutex<Retained>>,
+    pub retained: std::sync::OnceLock<Arc<Mutex<Retained>>>,
 }
 
 impl std::fmt::Debug for Writer {

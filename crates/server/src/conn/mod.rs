@@ -315,7 +315,9 @@ pub(crate) async fn run(
             usize::try_from(shared.cfg.limits.tx_buffer_per_connection).unwrap_or(usize::MAX);
         let _ = direct_writer
             .retained
-            .set(std::sync::Mutex::new(writer::Retained::new(limit)));
+            .set(Arc::new(std::sync::Mutex::new(writer::Retained::new(
+                limit,
+            ))));
     }
     let mut conn = Connection {
         pacer,
@@ -389,7 +391,8 @@ pub(crate) async fn run(
         // Its writer lives on in the session: the fairness control must not wait for it.
         conn.pacer.retire();
         let writes = conn.core.take_where(|w| w.is_delivered());
-        session.orphans(|o| o.keep(id, Cid(cid), Arc::clone(&conn.writer), writes));
+        let kept = conn.writer.retained.get().cloned();
+        session.orphans(|o| o.keep(id, Cid(cid), kept, writes));
         conn.tasks.detach_all();
         shared
             .stats

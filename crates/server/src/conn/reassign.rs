@@ -6,8 +6,9 @@
 //! DefaultTime2Retain ([`ironsan_proto::session::Session::leave_for_recovery`]), and this part
 //! keeps what the server needs to resume them on another connection, in [`Kept`]:
 //!
-//! * its writer, whose [`crate::writer::Retained`] holds every response it stamped (sent or
-//!   not) that the initiator has not acknowledged;
+//! * what its writer kept ([`crate::writer::Retained`]): every response it stamped (sent or
+//!   not) that the initiator has not acknowledged (the writer and the socket themselves close
+//!   with the connection);
 //! * responses it never stamped: what was still queued when the writer stopped, and what its
 //!   commands (which keep running: detached, not aborted) produce afterwards, parked by task;
 //! * writes still waiting for Data-Out, with what arrived of their data.
@@ -21,7 +22,7 @@
 use super::{ConnResult, Connection};
 use crate::counters::Recovery;
 use crate::session::Session;
-use crate::writer::{Out, OutPdu, SnMode, Writer};
+use crate::writer::{Out, OutPdu, Retained, SnMode};
 use crate::Shared;
 use ironsan_proto::connection::Write;
 use ironsan_proto::pdu::*;
@@ -29,14 +30,16 @@ use ironsan_proto::session::{ConnId, Reassign};
 use ironsan_proto::DataSn;
 use ironsan_scsi::DataIn as Segment;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// What one kept connection left behind.
 #[derive(Default)]
 struct Kept {
     cid: Option<Cid>,
-    writer: Option<Arc<Writer>>,
+    /// What its writer stamped and the initiator has not acknowledged (the writer itself,
+    /// and its socket, go with the connection).
+    retained: Option<Arc<Mutex<Retained>>>,
     /// Responses never stamped, by task.
     parked: HashMap<Itt, Vec<OutPdu>>,
     /// Delivered writes that were waiting for Data-Out.
@@ -102,12 +105,12 @@ impl Orphans {
         &mut self,
         id: ConnId,
         cid: Cid,
-        writer: Arc<Writer>,
+        retained: Option<Arc<Mutex<Retained>>>,
         writes: Vec<Write<super::write::PendingWrite>>,
     ) {
         let kept = self.conns.entry(id).or_default();
         kept.cid = Some(cid);
-        kept.writer = Some(writer);
+        kept.retained = retained;
         kept.writes.extend(writes);
     }
 
@@ -122,7 +125,7 @@ impl Orphans {
             .iter_mut()
             .filter(|(_, k)| k.cid == Some(cid))
             .max_by_key(|(id, _)| **id);
-        if let Some(r) = latest.and_then(|(_, k)| k.writer.as_ref()?.retained.get()) {
+        if let Some(r) = latest.and_then(|(_, k)| k.retained.as_ref()) {
             r.lock().unwrap_or_else(|p| p.into_inner()).ack(exp_stat_sn);
         }
     }
@@ -132,7 +135,7 @@ impl Orphans {
     pub(crate) fn tag_reused(&mut self, itt: Itt) {
         for kept in self.conns.values_mut() {
             kept.parked.remove(&itt);
-            if let Some(r) = kept.writer.as_ref().and_then(|w| w.retained.get()) {
+            if let Some(r) = &kept.retained {
                 r.lock().unwrap_or_else(|p| p.into_inner()).forget_task(itt);
             }
         }
@@ -201,15 +204,11 @@ impl Orphans {
                         .collect(),
                 );
             }
-            let retained = kept
-                .writer
-                .as_ref()
-                .and_then(|w| w.retained.get())
-                .and_then(|r| {
-                    r.lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .reassign(itt, exp_data_sn)
-                });
+            let retained = kept.retained.as_ref().and_then(|r| {
+                r.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .reassign(itt, exp_data_sn)
+            });
             if let Some(v) = retained {
                 return Some(
                     v.into_iter()
