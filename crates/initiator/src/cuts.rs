@@ -236,7 +236,7 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
         // Some of the target's answers, then the cut.
         let take = rng.below(u64::from(spec.depth) * 4 + 1);
         for _ in 0..take {
-            match tokio::time::timeout(Duration::from_millis(500), victim.recv()).await {
+            match tokio::time::timeout(Duration::from_millis(100), victim.recv()).await {
                 Ok(Ok(p)) => {
                     let partial = rng.below(3) == 0;
                     handle(&mut victim, spec.lun, &mut tasks, p, partial).await?;
