@@ -88,13 +88,11 @@ struct Task {
     status: Option<u8>,
 }
 
-/// A small deterministic PRNG (xorshift64*).
+/// A small deterministic PRNG (xorshift64*, the load generator's step).
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
+        self.0 = crate::load::xorshift(self.0);
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
     fn below(&mut self, n: u64) -> u64 {
@@ -183,44 +181,27 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
             }
             busy.push(region);
             let lba = region * u64::from(spec.blocks);
-            let (cmd, kind) = if rng.below(2) == 0 {
-                writes += 1;
-                let data = content(region, writes, len);
-                let cmd = crate::simple_command(
-                    spec.lun,
-                    true,
-                    len as u32,
-                    write16_cdb(lba, spec.blocks),
-                );
-                let (itt, sn) = victim.send_command(cmd.clone(), Bytes::new()).await?;
-                (
-                    ScsiCommand {
-                        itt,
-                        cmd_sn: sn,
-                        ..cmd
-                    },
-                    Kind::Write { region, data },
-                )
+            let write = rng.below(2) == 0;
+            let cdb = if write {
+                write16_cdb(lba, spec.blocks)
             } else {
-                let cmd = crate::simple_command(
-                    spec.lun,
-                    false,
-                    len as u32,
-                    read16_cdb(lba, spec.blocks),
-                );
-                let (itt, sn) = victim.send_command(cmd.clone(), Bytes::new()).await?;
-                (
-                    ScsiCommand {
-                        itt,
-                        cmd_sn: sn,
-                        ..cmd
-                    },
-                    Kind::Read {
-                        region,
-                        buf: BytesMut::zeroed(len),
-                        next_sn: 0,
-                    },
-                )
+                read16_cdb(lba, spec.blocks)
+            };
+            let cmd = crate::simple_command(spec.lun, write, len as u32, cdb);
+            let (itt, cmd_sn) = victim.send_command(cmd.clone(), Bytes::new()).await?;
+            let cmd = ScsiCommand { itt, cmd_sn, ..cmd };
+            let kind = if write {
+                writes += 1;
+                Kind::Write {
+                    region,
+                    data: content(region, writes, len),
+                }
+            } else {
+                Kind::Read {
+                    region,
+                    buf: BytesMut::zeroed(len),
+                    next_sn: 0,
+                }
             };
             tasks.insert(
                 cmd.itt,

@@ -1075,29 +1075,14 @@ impl Client {
         referenced: Itt,
         ref_cmd_sn: CmdSn,
     ) -> Result<TmfResponseCode> {
-        let itt = self.itt();
-        let t = TaskMgmtRequest {
-            immediate: true,
+        self.tmf(TaskMgmtRequest {
             function,
             lun: Lun::from_number(lun),
-            itt,
             referenced_task_tag: referenced,
-            cmd_sn: self.cmd_sn,
-            exp_stat_sn: self.exp_stat_sn,
             ref_cmd_sn,
             ..Default::default()
-        };
-        self.send(Header::TaskMgmtRequest(t), Bytes::new()).await?;
-        loop {
-            let pdu = self.recv().await?;
-            match pdu.header {
-                Header::TaskMgmtResponse(r) if r.itt == itt => {
-                    self.note_sn(&r.sn, true);
-                    return Ok(r.response);
-                }
-                other => self.unsolicited.push(Pdu::new(other, pdu.data)),
-            }
-        }
+        })
+        .await
     }
 
     /// TASK REASSIGN (RFC 7143 §11.5.1, ErrorRecoveryLevel 2) of the task `referenced` to
@@ -1109,16 +1094,25 @@ impl Client {
         referenced: Itt,
         exp_data_sn: DataSn,
     ) -> Result<TmfResponseCode> {
+        self.tmf(TaskMgmtRequest {
+            function: TmfFunction::TASK_REASSIGN,
+            referenced_task_tag: referenced,
+            exp_data_sn,
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// Send `t` as an immediate task management request (with a fresh ITT and this
+    /// connection's CmdSN and ExpStatSN) and wait for its response.
+    async fn tmf(&mut self, t: TaskMgmtRequest) -> Result<TmfResponseCode> {
         let itt = self.itt();
         let t = TaskMgmtRequest {
             immediate: true,
-            function: TmfFunction::TASK_REASSIGN,
             itt,
-            referenced_task_tag: referenced,
             cmd_sn: self.cmd_sn,
             exp_stat_sn: self.exp_stat_sn,
-            exp_data_sn,
-            ..Default::default()
+            ..t
         };
         self.send(Header::TaskMgmtRequest(t), Bytes::new()).await?;
         loop {
@@ -1166,22 +1160,9 @@ impl Client {
 
     /// Log out (close the session); returns the logout response code.
     pub async fn logout(&mut self) -> Result<LogoutResponseCode> {
-        let itt = self.itt();
-        let l = LogoutRequest {
-            immediate: true,
-            reason: LogoutReason::CLOSE_SESSION,
-            itt,
-            cmd_sn: self.cmd_sn,
-            exp_stat_sn: self.exp_stat_sn,
-            ..Default::default()
-        };
-        self.send(Header::LogoutRequest(l), Bytes::new()).await?;
-        loop {
-            let pdu = self.recv().await?;
-            match pdu.header {
-                Header::LogoutResponse(r) if r.itt == itt => return Ok(r.response),
-                other => self.unsolicited.push(Pdu::new(other, pdu.data)),
-            }
-        }
+        let (code, _, _) = self
+            .logout_for(LogoutReason::CLOSE_SESSION, 0, None)
+            .await?;
+        Ok(code)
     }
 }

@@ -660,7 +660,7 @@ struct Session {
 }
 
 /// One step of xorshift64 (the state must not be 0); the caller scrambles the output.
-fn xorshift(mut x: u64) -> u64 {
+pub(crate) fn xorshift(mut x: u64) -> u64 {
     x ^= x >> 12;
     x ^= x << 25;
     x ^= x >> 27;

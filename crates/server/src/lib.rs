@@ -551,14 +551,10 @@ impl Shared {
     /// End the sessions with no connection (kept for reassignment at ErrorRecoveryLevel 2).
     fn end_idle_sessions(&self) {
         for s in self.all_sessions().into_iter().filter(|s| s.is_idle()) {
-            s.end();
             self.sessions
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .remove(&s);
-            if let Some(t) = &s.target {
-                t.scsi().nexus_lost(s.nexus.id);
-            }
+                .retire(&s);
         }
     }
 }

@@ -621,6 +621,11 @@ impl Registry {
     pub(crate) fn retire(&mut self, s: &Arc<Session>) {
         s.end();
         s.close_conns(None);
+        self.ended(s);
+    }
+    /// A session that ended by itself (its last connection gone, or its connections kept for
+    /// reassignment expired): it leaves the registry and its nexus is forgotten by the LUs.
+    pub(crate) fn ended(&mut self, s: &Arc<Session>) {
         self.remove(s);
         if let Some(t) = &s.target {
             t.scsi().nexus_lost(s.nexus.id);

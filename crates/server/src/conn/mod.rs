@@ -411,10 +411,7 @@ pub(crate) async fn run(
             .sessions
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&session);
-        if let Some(t) = &session.target {
-            t.scsi().nexus_lost(session.nexus.id);
-        }
+            .ended(&session);
     }
     if matches!(
         reason,

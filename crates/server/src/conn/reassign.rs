@@ -351,10 +351,7 @@ pub(super) async fn expire_later(session: Arc<Session>, shared: Arc<Shared>) {
                 .sessions
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .remove(&session);
-            if let Some(t) = &session.target {
-                t.scsi().nexus_lost(session.nexus.id);
-            }
+                .ended(&session);
             return;
         }
     }
