@@ -49,8 +49,9 @@ pub(crate) struct LoadArgs {
     /// target's reservation check: what that check costs.
     #[arg(long)]
     reserve: bool,
-    /// ErrorRecoveryLevel to offer (0 or 1): at 1 the target keeps what it sends for SNACKs
-    /// (what that costs); the load generator never asks for anything again.
+    /// ErrorRecoveryLevel to offer (0, 1 or 2): above 0 the target keeps what it sends for
+    /// SNACKs (what that costs); the load generator never asks for anything again (`ironsan
+    /// cuts` does).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     erl: u8,
     /// Seed of the random LBAs.
