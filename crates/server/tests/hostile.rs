@@ -1605,3 +1605,53 @@ async fn c14_mcs_window_flooded_with_early_cmdsns() {
     round_trip(&mut a, 12_000, 8192, 3).await;
     assert!(by.finish().await >= 2);
 }
+
+/// Connection recovery (ErrorRecoveryLevel 2) asked for wrongly, in a storm: TASK REASSIGN of
+/// tags that do not exist (each with another ExpDataSN) and of a tag whose connection is still
+/// in the session, and logouts for recovery naming CIDs the session does not have. Each is
+/// answered with the RFC's code (1 task does not exist, 3 still allegiant, CID not found),
+/// nothing is kept for them, and both connections go on working.
+#[tokio::test]
+async fn reassignment_and_recovery_logout_storms_get_the_rfcs_answers() {
+    let _g = GATE.read().await;
+    let (addr, _stop) = start().await;
+    let mut o = opts(0x61);
+    o.error_recovery_level = 2;
+    o.time2retain = 20;
+    o.max_connections = 2;
+    let mut a = Client::login(addr, &o).await.unwrap();
+    assert_eq!(a.negotiated_value("ErrorRecoveryLevel"), Some("2"));
+    let mut b = Client::join(addr, &o, &a, 1).await.unwrap();
+    // A write left waiting for its data on A (no immediate data: it gets an R2T): its task is
+    // allegiant to A.
+    let (itt, _) = a
+        .send_write16(0, 900, 4096, 512, Bytes::new())
+        .await
+        .unwrap();
+    b.cmd_sn = a.cmd_sn;
+    let n = if long() { 20_000 } else { 2_000 };
+    for i in 0..n {
+        let code = b
+            .task_reassign(Itt(0x7000_0000 + i), DataSn(i))
+            .await
+            .unwrap();
+        assert_eq!(code, TmfResponseCode::TASK_DOES_NOT_EXIST, "tag {i}");
+        if i % 100 == 0 {
+            let code = b.task_reassign(itt, DataSn(0)).await.unwrap();
+            assert_eq!(code, TmfResponseCode::TASK_STILL_ALLEGIANT);
+            let (code, _, _) = b
+                .logout_for(
+                    LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY,
+                    100 + (i % 50) as u16,
+                    None,
+                )
+                .await
+                .unwrap();
+            assert_eq!(code, LogoutResponseCode::CID_NOT_FOUND);
+        }
+    }
+    // Both connections still serve.
+    round_trip(&mut b, 2000, 8192, 7).await;
+    a.cmd_sn = b.cmd_sn;
+    round_trip(&mut a, 2100, 8192, 8).await;
+}
