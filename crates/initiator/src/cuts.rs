@@ -141,14 +141,7 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
     let mut known: HashMap<u64, Bytes> = HashMap::new();
     let regions = spec.regions.max(u64::from(spec.depth) + 1);
     for region in 0..regions {
-        let r = leader
-            .read16(
-                spec.lun,
-                region * u64::from(spec.blocks),
-                spec.blocks,
-                spec.block_size,
-            )
-            .await?;
+        let r = read_region(&mut leader, spec, region).await?;
         if r.status != 0 || r.data.len() != len {
             return Err(Error::Protocol(format!(
                 "reading region {region} before the run: status {:#x}, {} bytes",
@@ -356,14 +349,7 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
     };
     c.cmd_sn = sn;
     for region in 0..regions {
-        let r = c
-            .read16(
-                spec.lun,
-                region * u64::from(spec.blocks),
-                spec.blocks,
-                spec.block_size,
-            )
-            .await?;
+        let r = read_region(&mut c, spec, region).await?;
         if r.status != 0 {
             report
                 .failures
@@ -383,6 +369,17 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
     }
     let _ = c.logout().await;
     Ok(report)
+}
+
+/// READ(16) of region `region` (`spec.blocks` blocks from `region * spec.blocks`).
+async fn read_region(c: &mut Client, spec: &CutSpec, region: u64) -> Result<crate::CommandResult> {
+    c.read16(
+        spec.lun,
+        region * u64::from(spec.blocks),
+        spec.blocks,
+        spec.block_size,
+    )
+    .await
 }
 
 fn mismatched_blocks(got: &[u8], want: &[u8], bs: u32) -> u64 {

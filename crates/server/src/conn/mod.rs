@@ -403,7 +403,6 @@ pub(crate) async fn run(
     // Writes waiting for data (the rest of them) and held commands go with the connection.
     let _ = conn.core.take_where(|_| true);
     conn.held.clear();
-    signals.mark_stopped();
     if session.leave(id, failed) {
         // The session ends with its last connection, and below ErrorRecoveryLevel 2 with any
         // that failed (session recovery); no login can join it from now on.
@@ -413,6 +412,10 @@ pub(crate) async fn run(
             .unwrap_or_else(|p| p.into_inner())
             .ended(&session);
     }
+    // Told after it has left the session: whoever waited for it (a reinstating login, a
+    // logout for recovery) then finds it gone from the core (a TASK REASSIGN right after the
+    // logout's answer moves its tasks instead of finding them still allegiant).
+    signals.mark_stopped();
     if matches!(
         reason,
         ConnError::Logout | ConnError::Recovery { by_logout: true }
