@@ -9,10 +9,17 @@
 //! reinstatement may have replaced by then (a late retransmission), and several connections
 //! per session (MC/S): connections join with new CIDs or reinstate one with a known CID,
 //! commands go on any of them (CmdSN is the session's), and a Logout names any CID.
-//! The session offers ErrorRecoveryLevel 0 or 1 (the target agrees to 1): PDUs go out with a
-//! damaged header or data segment (their digest no longer matches; the target drops them,
-//! asks for the data again with a recovery R2T, fails the command or closes), and SNACKs of
-//! any type name our tasks, the Data-In whose A bit asked for a DataACK, or anything.
+//! The session offers ErrorRecoveryLevel 0, 1 or 2 (the target agrees to each), with a
+//! DefaultTime2Retain of 0-3 s: PDUs go out with a damaged header or data segment (their
+//! digest no longer matches; the target drops them, asks for the data again with a recovery
+//! R2T, fails the command or closes), and SNACKs of any type name our tasks, the Data-In whose
+//! A bit asked for a DataACK, or anything. Connections are cut (half-closed, closed or reset,
+//! with whatever they have in flight) and logged out for recovery (Logout reason 2 naming any
+//! CID, with the named connection's ExpStatSN); TASK REASSIGN names any of our tasks (those of
+//! a cut or recovered connection too) or an arbitrary tag, with any ExpDataSN. At level 2 with
+//! a DefaultTime2Retain above 0 a failed connection's tasks wait DefaultTime2Wait (2 s) plus
+//! DefaultTime2Retain for a reassignment, so a reassigned read resumes and a reassigned write
+//! asks for its data again (answered by `DataOut`/`Answer`) on the connection in use.
 //! The LUNs are the data paths the performance work built: a RAM LUN (copy-on-write chunks,
 //! reads of holes as the zero page), a tmpfs file LUN with 4096-byte blocks (Data-Out received
 //! straight into the file's pages; reads with `sendfile` or from the mapping, one server
@@ -29,7 +36,9 @@
 //!   write of the session covered holds that write's data if the write ended GOOD (writes sent
 //!   on a connection that was replaced or closed before a later write was sent do not count
 //!   against it: they were done, or aborted and fenced, before the login's or the logout's
-//!   response). Data-Out
+//!   response; writes on a connection that was cut, logged out for recovery or replaced while
+//!   the session keeps tasks for reassignment count against every later write, as they may be
+//!   reassigned and complete at any time, until a session reinstatement ends them). Data-Out
 //!   bytes are a function of (ITT, buffer offset), so skewed or split transfers cannot make
 //!   the expected data ambiguous. An acknowledged write that is lost, torn, misplaced or
 //!   overwritten by an aborted one fails this, and so does one holding a damaged data
@@ -112,9 +121,27 @@ fn backends(name: &str) -> Vec<Arc<dyn BlockDevice>> {
     ]
 }
 
+extern "C" {
+    fn signal(signum: i32, handler: usize) -> usize;
+}
+
+/// Ignore SIGPIPE, as the Rust runtime does for `ironsan serve` and as `Server` asks of a
+/// process embedding it (libFuzzer's `main` is not Rust's): the server's `sendfile` to a peer
+/// that reset (`Cut`) then fails with EPIPE instead of killing the process.
+fn ignore_sigpipe() {
+    const SIGPIPE: i32 = 13;
+    const SIG_IGN: usize = 1;
+    // SAFETY: installs the libc-defined "ignore" disposition for SIGPIPE, before any thread
+    // of the rig starts; no handler code of ours runs.
+    unsafe {
+        signal(SIGPIPE, SIG_IGN);
+    }
+}
+
 fn rig() -> &'static Rig {
     static RIG: OnceLock<Rig> = OnceLock::new();
     RIG.get_or_init(|| {
+        ignore_sigpipe();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -163,8 +190,10 @@ struct Input {
     small_segments: bool,
     initial_r2t: bool,
     immediate_data: bool,
-    /// ErrorRecoveryLevel 1 offered at login (the target agrees to it), else 0.
-    erl: bool,
+    /// ErrorRecoveryLevel `erl % 3` offered at login (the target agrees to it).
+    erl: u8,
+    /// DefaultTime2Retain offered, `time2retain % 4` seconds (0: no connection recovery).
+    time2retain: u8,
     ops: Vec<Op>,
 }
 
@@ -253,11 +282,16 @@ enum Op {
     Release,
     /// Log in another connection of the session with CID `cid % 4` (a CID in use reinstates
     /// that connection) and go on there.
-    Join { cid: u8 },
+    Join {
+        cid: u8,
+    },
     /// Go on with another open connection of the session.
     Switch(u8),
     /// A Logout naming CID `cid % 4` with reason `reason % 4`, on the connection in use.
-    LogoutCid { cid: u8, reason: u8 },
+    LogoutCid {
+        cid: u8,
+        reason: u8,
+    },
     /// Damage the next PDU sent: its header (the digest, or BHS byte `at % 48`) or its data
     /// segment (the digest, or data byte `at`), so that its digest no longer matches. Only
     /// with that digest negotiated; otherwise (or with no data) the PDU goes out sound.
@@ -278,6 +312,48 @@ enum Op {
         near: bool,
         unacked: Option<u8>,
     },
+    /// Drop the session's open connection `conn % n` (0 the one in use, which the next open
+    /// one then replaces) without a logout, whatever it has in flight; with no other
+    /// connection left nothing goes out until `Join` or `Reinstate`.
+    Cut {
+        conn: u8,
+        how: CutHow,
+    },
+    /// TASK REASSIGN (RFC 7143 §11.5.1) on the connection in use, with ExpDataSN
+    /// `exp_data_sn` (`near`: `exp_data_sn % 8`).
+    Reassign {
+        tag: ReassignTag,
+        exp_data_sn: u32,
+        near: bool,
+    },
+    /// A Logout for recovery (reason 2) naming CID `cid % 8`, with the named connection's
+    /// ExpStatSN (ours for a CID we never had), `1 + unacked % 4` behind it if given.
+    LogoutRecovery {
+        cid: u8,
+        unacked: Option<u8>,
+    },
+}
+
+/// How `Cut` drops a connection.
+#[derive(Arbitrary, Debug)]
+enum CutHow {
+    /// FIN; the target's answers are still read until it closes.
+    HalfClose,
+    /// close(): FIN, or RST with unread answers.
+    Close,
+    /// RST (SO_LINGER 0), as a crashed host.
+    Reset,
+}
+
+/// What a TASK REASSIGN names.
+#[derive(Arbitrary, Debug)]
+enum ReassignTag {
+    /// The `n`-th task sent.
+    Task(u8),
+    /// The `n`-th task sent on a connection cut, logged out for recovery or replaced (any
+    /// task when there is none).
+    Kept(u8),
+    Raw(u32),
 }
 
 /// What a SNACK names.
@@ -402,11 +478,15 @@ struct Conn {
     /// Unique in the run (connections replaced or closed keep theirs).
     no: usize,
     cid: u16,
-    wr: tokio::net::tcp::OwnedWriteHalf,
+    /// `None` once `Cut` dropped it.
+    wr: Option<tokio::net::tcp::OwnedWriteHalf>,
     seen: Arc<Mutex<Seen>>,
+    /// Stopped by `Cut` when it closes the socket.
     reader: tokio::task::JoinHandle<Result<(), String>>,
     /// Stalled behind bytes `Split` held back.
     stalled: bool,
+    /// Cut or logged out for recovery: nothing more is sent on it.
+    gone: bool,
     /// How many of the R2Ts it saw `Answer` has answered.
     answered: usize,
 }
@@ -421,17 +501,21 @@ struct LoggedIn {
     immediate_data: bool,
     /// ErrorRecoveryLevel above 0.
     erl: bool,
+    /// ErrorRecoveryLevel 2 with DefaultTime2Retain above 0: a failed connection's tasks are
+    /// kept for reassignment.
+    recovers: bool,
 }
 
 /// Log in (a leading login: with the ISID of a live session, that session is reinstated)
-/// and start the connection's reader. `erl`: the session's ErrorRecoveryLevel is above 0
-/// (what a login that does not negotiate it goes on with).
+/// and start the connection's reader. `erl`, `recovers`: the session's (what a login that
+/// does not negotiate session-wide keys goes on with).
 async fn connect(
     addr: SocketAddr,
     o: &LoginOptions,
     cmd_sn: u32,
     no: usize,
     erl: bool,
+    recovers: bool,
 ) -> Option<LoggedIn> {
     let login = async {
         let mut c = Client::connect(addr).await?;
@@ -443,9 +527,12 @@ async fn connect(
         .expect("login: no answer within 5 s")
         .ok()?;
     let tsih = c.tsih;
-    let erl = c
-        .negotiated_value("ErrorRecoveryLevel")
-        .map_or(erl, |v| v != "0");
+    let level = c.negotiated_value("ErrorRecoveryLevel");
+    let recovers = match (level, c.negotiated_value("DefaultTime2Retain")) {
+        (Some(l), Some(r)) => l == "2" && r != "0",
+        _ => recovers,
+    };
+    let erl = level.map_or(erl, |v| v != "0");
     let digests = Digests {
         header: c.header_digest,
         data: c.data_digest,
@@ -473,10 +560,11 @@ async fn connect(
         conn: Conn {
             no,
             cid: o.cid.0,
-            wr,
+            wr: Some(wr),
             seen,
             reader,
             stalled: false,
+            gone: false,
             answered: 0,
         },
         tsih,
@@ -485,6 +573,7 @@ async fn connect(
         target_mrdsl,
         immediate_data,
         erl,
+        recovers,
     })
 }
 
@@ -499,7 +588,8 @@ struct Sender {
     old: Vec<Conn>,
     next_no: usize,
     tsih: Tsih,
-    /// (connection, writes sent before it was replaced or closed).
+    /// (connection, writes sent before it was replaced or closed and its tasks ended). Not
+    /// for connections cut or kept for reassignment: their tasks end at no point we know.
     ended: Vec<(usize, usize)>,
     /// The next PDU is split here (`Split`); bytes held back, per connection number; whether
     /// the connection in use is stalled behind them.
@@ -513,14 +603,21 @@ struct Sender {
     /// WRITE(16)s to LUNs 0 and 1, for `verify`.
     sent: Vec<Sent>,
     verify: bool,
-    /// The tasks sent: ITT and LUN.
-    itts: Vec<(Itt, Lun)>,
+    /// The tasks sent: ITT, LUN and the connection they went on.
+    itts: Vec<(Itt, Lun, usize)>,
     target_mrdsl: u32,
     /// The session's ErrorRecoveryLevel is above 0.
     erl: bool,
+    /// The session keeps a failed connection's tasks for reassignment (level 2).
+    recovers: bool,
+    /// Connections cut, logged out for recovery or replaced while `recovers`: their tasks may
+    /// still be kept, reassigned and completed.
+    kept: Vec<usize>,
     /// The next PDU sent is damaged (`Damage`): its header or its data, at the digest or at
     /// a byte.
     damage: Option<(bool, Option<u8>)>,
+    /// The last PDU went out whole and sound (not held back, split or damaged).
+    sent_whole: bool,
 }
 
 impl Sender {
@@ -540,9 +637,14 @@ impl Sender {
     }
     async fn send_bhs(&mut self, bhs: &Bhs, data: &[u8]) -> std::io::Result<()> {
         let mut buf = wire_pdu(bhs, data, self.digests.header, self.digests.data);
-        if self.conn.stalled {
+        self.sent_whole = false;
+        if self.conn.stalled || self.conn.gone {
             return Ok(());
         }
+        let Some(wr) = self.conn.wr.as_mut() else {
+            return Ok(());
+        };
+        let mut damaged = false;
         if let Some((header, at)) = self.damage.take() {
             // The header digest is bytes 48..52, the data digest the last 4 (RFC 7143 §11.1).
             let hd = if self.digests.header { 4 } else { 0 };
@@ -556,6 +658,7 @@ impl Sender {
             };
             if let Some(b) = i.and_then(|i| buf.get_mut(i)) {
                 *b ^= 0x5a;
+                damaged = true;
             }
         }
         if let Some(cut) = self.split_next.take() {
@@ -563,10 +666,11 @@ impl Sender {
             if cut < buf.len() {
                 self.held.push((self.conn.no, buf[cut..].to_vec()));
                 self.conn.stalled = true;
-                return self.conn.wr.write_all(&buf[..cut]).await;
+                return wr.write_all(&buf[..cut]).await;
             }
         }
-        self.conn.wr.write_all(&buf).await
+        self.sent_whole = !damaged;
+        wr.write_all(&buf).await
     }
     async fn send(&mut self, header: Header, data: Bytes) -> std::io::Result<()> {
         let pdu = Pdu::new(header, data);
@@ -587,7 +691,7 @@ impl Sender {
         attr: u8,
     ) -> std::io::Result<()> {
         let itt = self.itt();
-        self.itts.push((itt, lun));
+        self.itts.push((itt, lun, self.conn.no));
         if write {
             self.writes.push((itt, lun, edtl));
         }
@@ -608,6 +712,22 @@ impl Sender {
     }
 
     async fn op(&mut self, op: Op, imm_data: bool) -> std::io::Result<()> {
+        let sends = !matches!(
+            op,
+            Op::SkewCmdSn(_)
+                | Op::Wait
+                | Op::Reinstate
+                | Op::Split(_)
+                | Op::Release
+                | Op::Join { .. }
+                | Op::Switch(_)
+                | Op::Damage { .. }
+                | Op::Cut { .. }
+        );
+        if sends && self.conn.gone {
+            // No connection left to send on (it takes no CmdSN or tag either).
+            return Ok(());
+        }
         match op {
             Op::Read {
                 lun,
@@ -866,7 +986,10 @@ impl Sender {
                         .seen
                         .lock()
                         .map_err(|_| std::io::ErrorKind::Other)?;
-                    seen.r2ts.get(self.conn.answered..).unwrap_or_default().to_vec()
+                    seen.r2ts
+                        .get(self.conn.answered..)
+                        .unwrap_or_default()
+                        .to_vec()
                 };
                 self.conn.answered += r2ts.len();
                 for r in r2ts {
@@ -898,41 +1021,73 @@ impl Sender {
                 let mut o = self.login.clone();
                 o.tsih = Tsih(0);
                 o.cid = Cid(0);
-                let Some(l) = connect(self.addr, &o, self.cmd_sn, self.next_no, self.erl).await
+                let Some(l) = connect(
+                    self.addr,
+                    &o,
+                    self.cmd_sn,
+                    self.next_no,
+                    self.erl,
+                    self.recovers,
+                )
+                .await
                 else {
                     return Ok(());
                 };
                 self.next_no += 1;
-                // Every connection of the old session ended before the new login's response.
+                // Every connection of the old session ended before the new login's response,
+                // and so did everything kept for reassignment: the old session ended.
                 let now = self.sent.len();
+                for c in &self.old {
+                    self.ended.push((c.no, now));
+                }
                 let old = std::mem::replace(&mut self.conn, l.conn);
                 for c in std::iter::once(old).chain(self.others.drain(..)) {
                     self.ended.push((c.no, now));
                     self.old.push(c);
                 }
+                self.kept.clear();
                 self.tsih = l.tsih;
                 self.digests = l.digests;
                 self.cmd_sn = l.cmd_sn;
                 self.target_mrdsl = l.target_mrdsl;
                 self.erl = l.erl;
+                self.recovers = l.recovers;
                 Ok(())
             }
             Op::Join { cid } => {
                 let mut o = self.login.clone();
                 o.tsih = self.tsih;
                 o.cid = Cid(u16::from(cid % 4));
-                let Some(l) = connect(self.addr, &o, self.cmd_sn, self.next_no, self.erl).await
+                let Some(l) = connect(
+                    self.addr,
+                    &o,
+                    self.cmd_sn,
+                    self.next_no,
+                    self.erl,
+                    self.recovers,
+                )
+                .await
                 else {
                     return Ok(());
                 };
                 self.next_no += 1;
-                // A CID in use: that connection was reinstated (its tasks ended) before the
-                // new one's login response.
+                // A CID in use: that connection was reinstated before the new one's login
+                // response: its tasks ended then, or, when the session recovers connections,
+                // they are kept for reassignment.
                 let now = self.sent.len();
                 let old = std::mem::replace(&mut self.conn, l.conn);
-                for c in std::iter::once(old).chain(self.others.drain(..)).collect::<Vec<_>>() {
-                    if c.cid == o.cid.0 {
-                        self.ended.push((c.no, now));
+                for c in std::iter::once(old)
+                    .chain(self.others.drain(..))
+                    .collect::<Vec<_>>()
+                {
+                    if c.gone {
+                        self.old.push(c);
+                    } else if c.cid == o.cid.0 {
+                        if self.recovers {
+                            self.kept.push(c.no);
+                        } else {
+                            self.ended.push((c.no, now));
+                        }
                         self.old.push(c);
                     } else {
                         self.others.push(c);
@@ -944,7 +1099,13 @@ impl Sender {
             Op::Switch(n) => {
                 if !self.others.is_empty() {
                     let i = usize::from(n) % self.others.len();
-                    std::mem::swap(&mut self.conn, &mut self.others[i]);
+                    if self.conn.gone {
+                        let next = self.others.swap_remove(i);
+                        let c = std::mem::replace(&mut self.conn, next);
+                        self.old.push(c);
+                    } else {
+                        std::mem::swap(&mut self.conn, &mut self.others[i]);
+                    }
                 }
                 Ok(())
             }
@@ -962,13 +1123,17 @@ impl Sender {
                 };
                 self.send(Header::LogoutRequest(l), Bytes::new()).await?;
                 // Closing another connection of the session ends its tasks before the
-                // Logout Response, so before anything sent after it here.
-                if reason == LogoutReason::CLOSE_CONNECTION {
+                // Logout Response, so before anything sent after it here (if the target got
+                // the Logout: not held back, split or damaged).
+                if reason == LogoutReason::CLOSE_CONNECTION && self.sent_whole {
                     if let Some(i) = self.others.iter().position(|c| c.cid == cid) {
                         let c = self.others.swap_remove(i);
                         self.ended.push((c.no, self.sent.len()));
                         self.old.push(c);
                     }
+                }
+                if reason == LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY {
+                    self.removed_for_recovery(cid);
                 }
                 Ok(())
             }
@@ -990,7 +1155,8 @@ impl Sender {
                         let (itt, lun) = if self.itts.is_empty() {
                             (Itt(u32::from(cmd)), Lun::default())
                         } else {
-                            self.itts[usize::from(cmd) % self.itts.len()]
+                            let (itt, lun, _) = self.itts[usize::from(cmd) % self.itts.len()];
+                            (itt, lun)
                         };
                         (lun, itt, ttt.map_or(Ttt::RESERVED, Ttt), None)
                     }
@@ -1042,18 +1208,21 @@ impl Sender {
             }
             Op::Release => {
                 for (conn, bytes) in std::mem::take(&mut self.held) {
-                    if conn == self.conn.no {
+                    if conn == self.conn.no && !self.conn.gone {
                         self.conn.stalled = false;
-                        self.conn.wr.write_all(&bytes).await?;
-                    } else if let Some(c) = self
-                        .others
-                        .iter_mut()
+                        if let Some(wr) = self.conn.wr.as_mut() {
+                            wr.write_all(&bytes).await?;
+                        }
+                    } else if let Some(c) = std::iter::once(&mut self.conn)
+                        .chain(self.others.iter_mut())
                         .chain(self.old.iter_mut())
                         .find(|c| c.no == conn)
                     {
                         // It may be closed by now.
                         c.stalled = false;
-                        let _ = c.wr.write_all(&bytes).await;
+                        if let Some(wr) = c.wr.as_mut() {
+                            let _ = wr.write_all(&bytes).await;
+                        }
                     }
                 }
                 Ok(())
@@ -1068,6 +1237,131 @@ impl Sender {
                 }
                 Ok(())
             }
+            Op::Cut { conn, how } => {
+                let k = usize::from(conn) % (1 + self.others.len());
+                let mut c = if k > 0 {
+                    self.others.swap_remove(k - 1)
+                } else if self.conn.gone {
+                    return Ok(());
+                } else if let Some(next) = self.others.pop() {
+                    std::mem::replace(&mut self.conn, next)
+                } else {
+                    // The session's last connection: it stays the one in use, sending nothing.
+                    cut(&mut self.conn, how);
+                    self.kept.push(self.conn.no);
+                    return Ok(());
+                };
+                cut(&mut c, how);
+                self.kept.push(c.no);
+                self.old.push(c);
+                Ok(())
+            }
+            Op::Reassign {
+                tag,
+                exp_data_sn,
+                near,
+            } => {
+                let (referenced, lun) = match tag {
+                    ReassignTag::Raw(itt) => (Itt(itt), Lun::default()),
+                    ReassignTag::Task(n) => self.task(n, false),
+                    ReassignTag::Kept(n) => self.task(n, true),
+                };
+                let itt = self.itt();
+                let t = TaskMgmtRequest {
+                    immediate: true,
+                    function: TmfFunction::TASK_REASSIGN,
+                    lun,
+                    itt,
+                    referenced_task_tag: referenced,
+                    cmd_sn: self.cmd_sn(true),
+                    exp_stat_sn: self.exp_stat_sn(),
+                    ref_cmd_sn: CmdSn(self.cmd_sn),
+                    exp_data_sn: DataSn(if near { exp_data_sn % 8 } else { exp_data_sn }),
+                };
+                self.send(Header::TaskMgmtRequest(t), Bytes::new()).await
+            }
+            Op::LogoutRecovery { cid, unacked } => {
+                let cid = u16::from(cid % 8);
+                // RFC 7143 §11.14: the ExpStatSN of the connection named (its latest with the
+                // CID: StatSNs are per connection).
+                let named = std::iter::once(&self.conn)
+                    .chain(self.others.iter())
+                    .chain(self.old.iter())
+                    .filter(|c| c.cid == cid)
+                    .max_by_key(|c| c.no)
+                    .map(|c| c.seen.lock().map_or(0, |s| s.exp_stat_sn));
+                let exp_stat_sn = named.unwrap_or(self.exp_stat_sn().0);
+                let itt = self.itt();
+                let l = LogoutRequest {
+                    immediate: true,
+                    reason: LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY,
+                    itt,
+                    cid: Cid(cid),
+                    cmd_sn: self.cmd_sn(true),
+                    exp_stat_sn: StatSn(
+                        exp_stat_sn.wrapping_sub(unacked.map_or(0, |k| 1 + u32::from(k % 4))),
+                    ),
+                };
+                self.send(Header::LogoutRequest(l), Bytes::new()).await?;
+                self.removed_for_recovery(cid);
+                Ok(())
+            }
+        }
+    }
+
+    /// The `n`-th task sent (`kept`: on a connection in `kept`, if any was): ITT and LUN.
+    fn task(&self, n: u8, kept: bool) -> (Itt, Lun) {
+        let kept = kept && self.itts.iter().any(|t| self.kept.contains(&t.2));
+        let from: Vec<(Itt, Lun)> = self
+            .itts
+            .iter()
+            .filter(|t| !kept || self.kept.contains(&t.2))
+            .map(|t| (t.0, t.1))
+            .collect();
+        from.get(usize::from(n) % from.len().max(1))
+            .copied()
+            .unwrap_or((Itt(u32::from(n)), Lun::default()))
+    }
+
+    /// A Logout for recovery named `cid`: when the session recovers connections and the
+    /// target got it, that connection closes with its tasks kept (the one in use after the
+    /// response: the next open one takes over, if any).
+    fn removed_for_recovery(&mut self, cid: u16) {
+        if !self.recovers || !self.sent_whole {
+            return;
+        }
+        if self.conn.cid == cid {
+            self.conn.gone = true;
+            self.kept.push(self.conn.no);
+            if let Some(next) = self.others.pop() {
+                let c = std::mem::replace(&mut self.conn, next);
+                self.old.push(c);
+            }
+        } else if let Some(i) = self.others.iter().position(|c| c.cid == cid) {
+            let mut c = self.others.swap_remove(i);
+            c.gone = true;
+            self.kept.push(c.no);
+            self.old.push(c);
+        }
+    }
+}
+
+/// Drop the connection `c` (`Cut`): nothing more is sent on it.
+fn cut(c: &mut Conn, how: CutHow) {
+    c.gone = true;
+    let Some(wr) = c.wr.take() else {
+        return;
+    };
+    match how {
+        // Dropping the write half shuts it down (FIN); the reader goes on.
+        CutHow::HalfClose => drop(wr),
+        CutHow::Close | CutHow::Reset => {
+            if matches!(how, CutHow::Reset) {
+                let _ = wr.as_ref().set_zero_linger();
+            }
+            // The socket closes when the reader, stopped here, drops the read half.
+            wr.forget();
+            c.reader.abort();
         }
     }
 }
@@ -1158,7 +1452,8 @@ async fn read_good(c: &mut Client, lun: u64, lba: u64, blocks: u32, bs: u32) -> 
 /// every block that exactly one write of the fuzzed session covered, where that write
 /// ended GOOD (`sent` and `good` empty unless `verify`).
 /// What a fuzzed session leaves to check: its writes, the ITTs that ended GOOD, and when each
-/// connection that was replaced or closed ended (connection, writes sent before that).
+/// connection whose tasks the target ended (replaced or closed, not kept for reassignment)
+/// ended them (connection, writes sent before that).
 #[derive(Default)]
 struct Outcome {
     sent: Vec<Sent>,
@@ -1203,7 +1498,9 @@ async fn health(addr: SocketAddr, out: &Outcome) {
             for b in 0..w.blocks {
                 let lba = w.lba + u64::from(b);
                 // Writes sent on a connection that was replaced or closed before this one was
-                // sent were ended (done, or aborted and fenced) by then.
+                // sent were ended (done, or aborted and fenced) by then. Those of a connection
+                // cut or kept for reassignment may complete at any time (reassigned, or still
+                // running when it failed): they always count.
                 let alone = sent
                     .iter()
                     .filter(|o| o.lun == w.lun && o.lba <= lba && lba < o.lba + u64::from(o.blocks))
@@ -1240,8 +1537,10 @@ async fn session(addr: SocketAddr, i: Input) -> Outcome {
     o.max_outstanding_r2t = 4;
     o.max_burst_length = 1 << 20;
     o.max_connections = 4;
-    o.error_recovery_level = u8::from(i.erl);
-    let l = connect(addr, &o, 1, 0, false).await.expect("login");
+    o.error_recovery_level = i.erl % 3;
+    // Small, so kept connections expire quickly (after DefaultTime2Wait, 2 s, plus this).
+    o.time2retain = u16::from(i.time2retain % 4);
+    let l = connect(addr, &o, 1, 0, false, false).await.expect("login");
     let imm = l.immediate_data;
     let mut s = Sender {
         addr,
@@ -1263,7 +1562,10 @@ async fn session(addr: SocketAddr, i: Input) -> Outcome {
         itts: Vec::new(),
         target_mrdsl: l.target_mrdsl,
         erl: l.erl,
+        recovers: l.recovers,
+        kept: Vec::new(),
         damage: None,
+        sent_whole: false,
     };
     for op in i.ops.into_iter().take(64) {
         match tokio::time::timeout(WAIT, s.op(op, imm)).await {
@@ -1280,10 +1582,14 @@ async fn session(addr: SocketAddr, i: Input) -> Outcome {
         .chain(s.others.drain(..))
         .chain(std::iter::once(s.conn))
     {
-        let _ = c.wr.shutdown().await;
+        if let Some(wr) = c.wr.as_mut() {
+            let _ = wr.shutdown().await;
+        }
         match tokio::time::timeout(WAIT, c.reader).await {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(e))) => panic!("{e}"),
+            // `Cut` closed the socket and stopped its reader.
+            Ok(Err(e)) if e.is_cancelled() && c.gone => {}
             Ok(Err(e)) => panic!("reader task: {e}"),
             Err(_) => panic!("the target kept a connection open 5 s after the initiator closed"),
         }

@@ -156,6 +156,68 @@ fn set_ack(d: &mut DataIn) -> bool {
     }
 }
 
+/// Fit a reassigned task's resumed response to the new connection's
+/// MaxRecvDataSegmentLength `max` (RFC 7143 §11.5.6: the number of Data-In sent again depends
+/// on whether MaxRecvDataSegmentLength changed with the reassignment; §7.2.2). With every
+/// Data-In at most `max` long the PDUs are returned as they are (exact replicas). Otherwise
+/// each longer Data-In is split into pieces of `max` bytes (the last piece keeps its F and S
+/// bits, status and residual), the Data-In are numbered again from the first one's DataSN,
+/// and a SCSI Response's ExpDataSN counts the Data-In now sent. `len` and `split_to` (the
+/// first `n` bytes off, the rest kept) work on the payload type, so file ranges split without
+/// being read.
+pub fn refit_data_in<D>(
+    pdus: Vec<(Header, D)>,
+    max: usize,
+    len: impl Fn(&D) -> usize,
+    mut split_to: impl FnMut(&mut D, usize) -> D,
+) -> Vec<(Header, D)> {
+    let max = max.max(1);
+    let fits = pdus
+        .iter()
+        .all(|(h, d)| !matches!(h, Header::DataIn(_)) || len(d) <= max);
+    if fits {
+        return pdus;
+    }
+    let mut next: Option<DataSn> = None;
+    let mut out = Vec::with_capacity(pdus.len());
+    for (h, mut d) in pdus {
+        match h {
+            Header::DataIn(mut last) => {
+                let mut sn = *next.get_or_insert(last.data_sn);
+                let mut offset = last.buffer_offset;
+                while len(&d) > max {
+                    let piece = split_to(&mut d, max);
+                    let head = DataIn {
+                        final_bit: false,
+                        ack: false,
+                        status: None,
+                        ttt: Ttt::RESERVED,
+                        data_sn: sn,
+                        buffer_offset: offset,
+                        residual: Residual::None,
+                        ..last.clone()
+                    };
+                    out.push((Header::DataIn(head), piece));
+                    offset = offset.wrapping_add(max as u32);
+                    sn = sn.next();
+                }
+                last.data_sn = sn;
+                last.buffer_offset = offset;
+                next = Some(sn.next());
+                out.push((Header::DataIn(last), d));
+            }
+            Header::ScsiResponse(mut r) => {
+                if let Some(n) = next {
+                    r.exp_data_sn = n;
+                }
+                out.push((Header::ScsiResponse(r), d));
+            }
+            other => out.push((other, d)),
+        }
+    }
+    out
+}
+
 /// Give a PDU that is sent again the current ExpCmdSN and MaxCmdSN, keeping its StatSN
 /// (RFC 7143 §11.16: resent PDUs are exact replicas except for ExpCmdSN and MaxCmdSN).
 pub fn refresh_window(h: &mut Header, exp_cmd_sn: CmdSn, max_cmd_sn: CmdSn) {

@@ -383,6 +383,10 @@ impl Shared {
 }
 
 /// A bound, not yet running, server.
+///
+/// Reads of file LUNs go to sockets with `sendfile`, which raises SIGPIPE when the peer has
+/// reset: a process embedding the server must ignore SIGPIPE, as every Rust `main` does
+/// (the runtime sets it to ignored before `main`); other sends use `MSG_NOSIGNAL`.
 pub struct Server {
     shared: Arc<Shared>,
     shutdown_tx: watch::Sender<bool>,

@@ -35,9 +35,10 @@ pub(crate) fn monotonic_ns() -> u64 {
         .wrapping_add(ts.tv_nsec as u64)
 }
 
-/// `writev(fd, iov)` on the non-blocking socket `fd`, or, when `more`, `sendmsg(fd, iov,
-/// MSG_MORE | MSG_DONTWAIT | MSG_NOSIGNAL)` (the kernel then holds a partial segment back for
-/// what comes next, a `sendfile`). `iov` names memory
+/// `sendmsg(fd, iov, MSG_DONTWAIT | MSG_NOSIGNAL)` on the non-blocking socket `fd`, with
+/// `MSG_MORE` when `more` (the kernel then holds a partial segment back for what comes next, a
+/// `sendfile`). `MSG_NOSIGNAL`: a peer that reset gives EPIPE, never SIGPIPE, whether or not
+/// the process embedding the server ignores that signal. `iov` names memory
 /// the kernel reads: our buffers, or a file's shared mapping that nothing in user space reads
 /// (`Mapping::iovec`); a page of it past the file's end makes the call fail with EFAULT, or
 /// stop short after the bytes before it.
@@ -47,25 +48,22 @@ pub(crate) fn send_iovecs(fd: RawFd, iov: &[libc::iovec], more: bool) -> std::io
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
     msg.msg_iovlen = count as _;
-    // SAFETY: `msg` (for sendmsg) points at `iov`, borrowed (alive, unmoved) for the call, and
-    // `count` is at most its length; the kernel only reads the iovecs and the memory they
-    // name, which the caller keeps alive for the call (a bad address only makes the call
-    // fail); a bad fd only makes the call fail. SIGPIPE is ignored by the Rust runtime, so a
-    // peer gone gives EPIPE.
-    let ret = unsafe {
-        if more {
-            let flags = libc::MSG_MORE | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
-            libc::sendmsg(fd, &msg, flags)
-        } else {
-            libc::writev(fd, iov.as_ptr(), count as libc::c_int)
-        }
-    };
+    let mut flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+    if more {
+        flags |= libc::MSG_MORE;
+    }
+    // SAFETY: `msg` points at `iov`, borrowed (alive, unmoved) for the call, and `count` is
+    // at most its length; the kernel only reads the iovecs and the memory they name, which the
+    // caller keeps alive for the call (a bad address only makes the call fail); a bad fd only
+    // makes the call fail.
+    let ret = unsafe { libc::sendmsg(fd, &msg, flags) };
     check(ret)
 }
 
 /// `sendfile(sock, file, offset, count)` on a non-blocking socket: bytes of `file` from
 /// `offset` go to the socket from the page cache; returns how many (0: the file ends before
-/// `offset`).
+/// `offset`). A peer that reset raises SIGPIPE (no flag avoids it): the process ignores it
+/// (see [`crate::Server`]) and the call fails with EPIPE.
 pub(crate) fn sendfile(
     sock: RawFd,
     file: &std::fs::File,

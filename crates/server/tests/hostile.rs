@@ -1655,3 +1655,294 @@ async fn reassignment_and_recovery_logout_storms_get_the_rfcs_answers() {
     a.cmd_sn = b.cmd_sn;
     round_trip(&mut a, 2100, 8192, 8).await;
 }
+
+/// Finish the tasks `writes` (tag, data) and `reads` (tag, what the LU holds) on `c`, whose
+/// R2Ts, Data-In and statuses arrive there unasked (moved there by TASK REASSIGN, or merely
+/// left waiting): the R2Ts answered with the data, each Data-In checked against what the LU
+/// holds at its offset, until every task has its status (GOOD); what `c.unsolicited` holds
+/// (kept while a task management request waited for its answer) first. Returns how many
+/// Data-In arrived.
+async fn finish_unasked(c: &mut Client, writes: &[(Itt, Bytes)], reads: &[(Itt, Bytes)]) -> usize {
+    let mut open: Vec<Itt> = writes.iter().chain(reads).map(|t| t.0).collect();
+    let mut backlog = std::mem::take(&mut c.unsolicited).into_iter();
+    let mut segments = 0;
+    while !open.is_empty() {
+        let p = match backlog.next() {
+            Some(p) => p,
+            None => tokio::time::timeout(WAIT, c.recv())
+                .await
+                .unwrap_or_else(|_| panic!("reassigned tasks {open:?} unfinished"))
+                .expect("connection closed with reassigned tasks unfinished"),
+        };
+        match p.header {
+            Header::R2t(r) => {
+                let (_, data) = writes
+                    .iter()
+                    .find(|w| w.0 == r.itt)
+                    .unwrap_or_else(|| panic!("R2T for a task not reassigned here: {r:?}"));
+                let end = (r.buffer_offset + r.desired_data_transfer_length) as usize;
+                let mut off = r.buffer_offset as usize;
+                let mut sn = 0;
+                while off < end {
+                    let n = (end - off).min(c.target_mrdsl as usize);
+                    let d = DataOut {
+                        final_bit: off + n == end,
+                        lun: r.lun,
+                        itt: r.itt,
+                        ttt: r.ttt,
+                        exp_stat_sn: c.exp_stat_sn,
+                        data_sn: DataSn(sn),
+                        buffer_offset: off as u32,
+                    };
+                    c.send(Header::DataOut(d), data.slice(off..off + n))
+                        .await
+                        .unwrap();
+                    off += n;
+                    sn += 1;
+                }
+            }
+            Header::DataIn(d) => {
+                let (_, want) = reads
+                    .iter()
+                    .find(|t| t.0 == d.itt)
+                    .unwrap_or_else(|| panic!("Data-In for a task not reassigned here: {d:?}"));
+                let at = d.buffer_offset as usize;
+                assert!(
+                    want.get(at..at + p.data.len()) == Some(&p.data[..]),
+                    "resumed Data-In of {:?} at {at}: not the data read",
+                    d.itt
+                );
+                segments += 1;
+                if let Some(s) = d.status {
+                    assert_eq!(s, 0, "status of the resumed read {:?}", d.itt);
+                    c.exp_stat_sn = d.sn.stat_sn.next();
+                    open.retain(|i| *i != d.itt);
+                }
+            }
+            Header::ScsiResponse(r) => {
+                assert_eq!(r.status, 0, "status of the reassigned task {:?}", r.itt);
+                assert!(open.contains(&r.itt), "a second status for {:?}", r.itt);
+                c.exp_stat_sn = r.sn.stat_sn.next();
+                open.retain(|i| *i != r.itt);
+            }
+            Header::NopIn(_) => {}
+            h => panic!("unexpected {h:?} while finishing reassigned tasks"),
+        }
+    }
+    segments
+}
+
+/// Connection recovery (ErrorRecoveryLevel 2) abused over connections really cut: round after round
+/// a second connection of the session is reset with two reads answered (their statuses received,
+/// not acknowledged) and two writes waiting for their data, and logged out for recovery from the
+/// first; then a storm of TASK REASSIGN of those tags (the first from ExpDataSN 0, 1 or 2, then
+/// any), of unknown tags, and logouts for recovery naming the cut CID and CIDs that never existed.
+/// The first reassignment of each task is COMPLETE and only that one: a read's response is handed
+/// out once (a second asks for a task that does not exist), a write moved to the first connection
+/// is allegiant to it; unknown tags do not exist, the cut CID is closed, others are not found. The
+/// moved writes land once their data comes by R2T, the resumed reads' data is what the LU holds,
+/// every request is answered, a well-behaved session keeps working, and the server's memory stays
+/// flat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reassignment_storms_over_cut_connections_are_answered_once_each() {
+    let _g = GATE.write().await;
+    let (addr, _stop) = start().await;
+    let by = Bystander::start(addr, 1).await;
+    let mut o = r2t_opts(0x62);
+    o.error_recovery_level = 2;
+    o.time2retain = 20;
+    o.max_connections = 2;
+    // Reads of 16 KiB in two Data-In.
+    o.max_recv_data_segment_length = 8192;
+    let mut b = Client::login(addr, &o).await.unwrap();
+    assert_eq!(b.negotiated_value("ErrorRecoveryLevel"), Some("2"));
+    let (rounds, storm) = if long() { (100, 400) } else { (20, 100) };
+    let rss0 = rss_kib();
+    let mut answered = 0usize;
+    for round in 0..rounds {
+        let base = 20_000 + (round % 8) * 128;
+        // What the reads will find: written through the first connection.
+        let old: Vec<Bytes> = (0..2u8)
+            .map(|k| pattern(16384, round as u8 ^ (0x40 + k)))
+            .collect();
+        for (k, d) in old.iter().enumerate() {
+            let w = b
+                .write16(0, base + k as u64 * 32, d.clone(), 512, false)
+                .await
+                .unwrap();
+            assert_eq!(w.status, 0);
+        }
+        let mut a = Client::join(addr, &o, &b, 1).await.unwrap();
+        a.cmd_sn = b.cmd_sn;
+        let mut reads = Vec::new();
+        for (k, d) in old.iter().enumerate() {
+            let (itt, _) = a
+                .send_read16(0, base + k as u64 * 32, 32, 512)
+                .await
+                .unwrap();
+            reads.push((itt, d.clone()));
+        }
+        let mut writes = Vec::new();
+        for k in 0..2u8 {
+            let data = pattern(8192, round as u8 ^ (0x80 + k));
+            let lba = base + 64 + u64::from(k) * 16;
+            let (itt, _) = a
+                .send_write16(0, lba, 8192, 512, Bytes::new())
+                .await
+                .unwrap();
+            writes.push((itt, data, lba));
+        }
+        // The reads answered and both writes delivered (their R2Ts came); the connection's
+        // ExpStatSN stays where the login left it, so nothing is acknowledged.
+        let (mut statuses, mut r2ts) = (0, 0);
+        while statuses < reads.len() || r2ts < writes.len() {
+            let p = tokio::time::timeout(WAIT, a.recv()).await.unwrap().unwrap();
+            match p.header {
+                Header::R2t(_) => r2ts += 1,
+                Header::DataIn(d) if d.status.is_some() => statuses += 1,
+                Header::DataIn(_) | Header::NopIn(_) => {}
+                h => panic!("round {round}: unexpected {h:?}"),
+            }
+        }
+        b.cmd_sn = a.cmd_sn;
+        let last = a.exp_stat_sn;
+        a.reset().unwrap();
+        let (code, _, _) = b
+            .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 1, Some(last))
+            .await
+            .unwrap();
+        assert_eq!(code, LogoutResponseCode::CLOSED, "round {round}");
+        let moved: Vec<(Itt, Bytes)> = writes.iter().map(|w| (w.0, w.1.clone())).collect();
+        for (i, (itt, _)) in reads.iter().chain(&moved).enumerate() {
+            // A read resumes from ExpDataSN 0 (all of it), 1 (its last Data-In) or 2 (past
+            // it: the Data-In with the status still goes).
+            let code = b
+                .task_reassign(*itt, DataSn(round as u32 % 3))
+                .await
+                .unwrap();
+            assert_eq!(code, TmfResponseCode::COMPLETE, "round {round}, task {i}");
+            answered += 1;
+        }
+        for i in 0..storm {
+            let sn = DataSn((i as u32).wrapping_mul(0x9e37_79b9) >> (i % 32));
+            let (code, want) = match i % 5 {
+                0 | 1 => (
+                    b.task_reassign(reads[i % 2].0, sn).await.unwrap(),
+                    TmfResponseCode::TASK_DOES_NOT_EXIST,
+                ),
+                2 => (
+                    b.task_reassign(writes[i % 2].0, sn).await.unwrap(),
+                    TmfResponseCode::TASK_STILL_ALLEGIANT,
+                ),
+                3 => (
+                    b.task_reassign(Itt(0x6000_0000 + i as u32), sn)
+                        .await
+                        .unwrap(),
+                    TmfResponseCode::TASK_DOES_NOT_EXIST,
+                ),
+                _ => {
+                    // The cut CID (already failed: closed) with its own last ExpStatSN, so
+                    // nothing kept for it is taken as received; or one never used.
+                    let (cid, exp, want) = if i % 2 == 0 {
+                        (1, Some(last), LogoutResponseCode::CLOSED)
+                    } else {
+                        (
+                            2 + (i % 100) as u16,
+                            None,
+                            LogoutResponseCode::CID_NOT_FOUND,
+                        )
+                    };
+                    let (code, _, _) = b
+                        .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, cid, exp)
+                        .await
+                        .unwrap();
+                    assert_eq!(code, want, "round {round}, logout {i} for CID {cid}");
+                    answered += 1;
+                    continue;
+                }
+            };
+            assert_eq!(code, want, "round {round}, request {i}");
+            answered += 1;
+        }
+        let segments = finish_unasked(&mut b, &moved, &reads).await;
+        assert!(segments >= reads.len(), "round {round}: no resumed Data-In");
+        for (itt, data, lba) in &writes {
+            let r = b.read16(0, *lba, 16, 512).await.unwrap();
+            assert_eq!(r.status, 0);
+            assert!(
+                r.data == *data,
+                "round {round}: moved write {itt:?} not read back"
+            );
+        }
+    }
+    let rss1 = rss_kib();
+    eprintln!(
+        "{rounds} connections cut and recovered, {answered} TASK REASSIGN and logouts for \
+         recovery answered, RSS {rss0} -> {rss1} KiB"
+    );
+    round_trip(&mut b, 30_000, 65536, 9).await;
+    assert_eq!(b.logout().await.unwrap(), LogoutResponseCode::CLOSED);
+    assert!(by.finish().await >= 2);
+    assert!(
+        rss1.saturating_sub(rss0) < 64 * 1024,
+        "RSS grew by {} KiB",
+        rss1.saturating_sub(rss0)
+    );
+}
+
+/// TASK REASSIGN and logouts for recovery below ErrorRecoveryLevel 2 (the initiator offered 1),
+/// in a storm: reassignment is not supported (4) for any tag, even that of a task the
+/// connection still has (a write waiting for its data), and a logout for recovery of any CID,
+/// its own too, is refused with "recovery not supported" (2) and closes nothing. The write
+/// then finishes and the session works.
+#[tokio::test]
+async fn reassignment_below_level_2_is_not_supported() {
+    let _g = GATE.read().await;
+    let (addr, _stop) = start().await;
+    let mut o = r2t_opts(0x63);
+    o.error_recovery_level = 1;
+    o.time2retain = 20;
+    let mut c = Client::login(addr, &o).await.unwrap();
+    assert_eq!(c.negotiated_value("ErrorRecoveryLevel"), Some("1"));
+    let data = pattern(8192, 0x31);
+    let (itt, _) = c
+        .send_write16(0, 3000, 8192, 512, Bytes::new())
+        .await
+        .unwrap();
+    let n = if long() { 10_000 } else { 1_000 };
+    for i in 0..n {
+        let tag = if i % 3 == 0 {
+            itt
+        } else {
+            Itt(0x5000_0000 + i)
+        };
+        let code = c.task_reassign(tag, DataSn(i)).await.unwrap();
+        assert_eq!(
+            code,
+            TmfResponseCode::REASSIGNMENT_NOT_SUPPORTED,
+            "request {i}"
+        );
+        if i % 50 == 0 {
+            let (code, _, _) = c
+                .logout_for(
+                    LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY,
+                    (i / 50 % 3) as u16,
+                    None,
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                code,
+                LogoutResponseCode::RECOVERY_NOT_SUPPORTED,
+                "logout {i}"
+            );
+        }
+    }
+    // The write's R2T (kept while the storm was answered) is answered: it lands.
+    let done = finish_unasked(&mut c, &[(itt, data.clone())], &[]).await;
+    assert_eq!(done, 0);
+    let r = c.read16(0, 3000, 16, 512).await.unwrap();
+    assert_eq!(r.status, 0);
+    assert!(r.data == data, "the write did not land");
+    round_trip(&mut c, 3100, 8192, 0x32).await;
+}

@@ -72,7 +72,8 @@ async fn read(c: &mut Client, lba: u64, len: usize) -> Bytes {
     r.data
 }
 
-/// The rest of read `itt` on `c` into `buf`: (DataSNs seen, status).
+/// The rest of read `itt` on `c` into `buf`: (DataSNs seen, status). The status's StatSN
+/// advances `c`'s ExpStatSN.
 async fn finish_read(c: &mut Client, itt: Itt, buf: &mut BytesMut) -> (Vec<u32>, u8) {
     let mut sns = Vec::new();
     loop {
@@ -86,10 +87,14 @@ async fn finish_read(c: &mut Client, itt: Itt, buf: &mut BytesMut) -> (Vec<u32>,
                 let at = d.buffer_offset as usize;
                 buf[at..at + p.data.len()].copy_from_slice(&p.data);
                 if let Some(s) = d.status {
+                    c.exp_stat_sn = d.sn.stat_sn.next();
                     return (sns, s);
                 }
             }
-            Header::ScsiResponse(r) if r.itt == itt => return (sns, r.status),
+            Header::ScsiResponse(r) if r.itt == itt => {
+                c.exp_stat_sn = r.sn.stat_sn.next();
+                return (sns, r.status);
+            }
             Header::NopIn(_) => continue,
             other => panic!("expected the read's Data-In, got {other:?}"),
         }
@@ -183,6 +188,116 @@ async fn a_read_cut_mid_transfer_resumes_from_exp_data_sn_on_another_connection(
     // The session goes on on B, its StatSN in step.
     assert_eq!(read(&mut b, 4096, 4096).await, data.slice(..4096));
     assert_eq!(b.logout().await.unwrap(), LogoutResponseCode::CLOSED);
+}
+
+#[tokio::test]
+async fn a_read_resumed_on_a_connection_with_smaller_segments_is_resegmented() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let o = opts(8);
+    let mut a = Client::login(addr, &o).await.unwrap();
+    // B declares 8 KiB segments, A 64 KiB (RFC 7143 §11.5.6, §12.12: per connection).
+    let mut small = o.clone();
+    small.max_recv_data_segment_length = 8192;
+    let mut b = Client::join(addr, &small, &a, 1).await.unwrap();
+    let data = pattern(1 << 20, 12);
+    write(&mut a, 4096, &data).await;
+    let (itt, _) = a.send_read16(0, 4096, 2048, BS).await.unwrap();
+    let mut buf = BytesMut::zeroed(data.len());
+    for sn in 0..2 {
+        let p = a.recv().await.unwrap();
+        let Header::DataIn(d) = p.header else {
+            panic!("expected Data-In")
+        };
+        assert_eq!((d.data_sn, p.data.len()), (DataSn(sn), 65536));
+        let at = d.buffer_offset as usize;
+        buf[at..at + p.data.len()].copy_from_slice(&p.data);
+    }
+    b.cmd_sn = a.cmd_sn;
+    let last = a.exp_stat_sn;
+    drop(a);
+    recover(&mut b, 0, last).await;
+    assert_eq!(
+        b.task_reassign(itt, DataSn(2)).await.unwrap(),
+        TmfResponseCode::COMPLETE
+    );
+    let mut sns = Vec::new();
+    let mut offset = 2 * 65536;
+    let status = loop {
+        let p = tokio::time::timeout(WAIT, b.recv())
+            .await
+            .expect("in time")
+            .expect("a PDU");
+        match p.header {
+            Header::DataIn(d) if d.itt == itt => {
+                assert!(p.data.len() <= 8192, "{} bytes", p.data.len());
+                assert_eq!(d.buffer_offset as usize, offset, "in order, no gap");
+                sns.push(d.data_sn.0);
+                buf[offset..offset + p.data.len()].copy_from_slice(&p.data);
+                offset += p.data.len();
+                if let Some(s) = d.status {
+                    break s;
+                }
+            }
+            Header::ScsiResponse(r) if r.itt == itt => {
+                assert_eq!(r.exp_data_sn, DataSn(2 + sns.len() as u32));
+                break r.status;
+            }
+            Header::NopIn(_) => continue,
+            other => panic!("expected the read's Data-In, got {other:?}"),
+        }
+    };
+    assert_eq!(status, 0);
+    let want: Vec<u32> = (2..2 + 14 * 8).collect();
+    assert_eq!(sns, want, "14 x 64 KiB in 8 KiB Data-In from DataSN 2");
+    assert_eq!(&buf[..], &data[..], "the read arrives complete");
+    assert_eq!(read(&mut b, 4096, 65536).await, data.slice(..65536));
+}
+
+#[tokio::test]
+async fn a_restarting_login_acknowledges_the_old_connections_statuses() {
+    let (addr, _stop) = rig(|_| {}).await;
+    let o = opts(9);
+    let mut a = Client::login(addr, &o).await.unwrap();
+    let data = pattern(8192, 13);
+    write(&mut a, 64, &data).await;
+    // Two reads answered in full on A (sent together: no later PDU on A acknowledges
+    // their statuses); the connection then fails.
+    let (first, _) = a.send_read16(0, 64, 8, BS).await.unwrap();
+    let (second, _) = a.send_read16(0, 72, 8, BS).await.unwrap();
+    let mut buf = BytesMut::zeroed(4096);
+    assert_eq!(finish_read(&mut a, first, &mut buf).await.1, 0);
+    let acked = a.exp_stat_sn;
+    assert_eq!(finish_read(&mut a, second, &mut buf).await.1, 0);
+    let (sn, tsih) = (a.cmd_sn, a.tsih);
+    drop(a);
+    // The connection restarted with the same CID, its login acknowledging the first read's
+    // status only (RFC 7143 §11.12.8).
+    let mut again = o.clone();
+    again.tsih = tsih;
+    let mut b = Client::connect(addr).await.unwrap();
+    b.cmd_sn = sn;
+    b.exp_stat_sn = acked;
+    b.login_on(&again).await.unwrap();
+    let mut code = b.task_reassign(second, DataSn(0)).await.unwrap();
+    for _ in 0..50 {
+        if code != TmfResponseCode::TASK_STILL_ALLEGIANT
+            && code != TmfResponseCode::TASK_DOES_NOT_EXIST
+        {
+            break;
+        }
+        // The old connection may not be kept yet.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        code = b.task_reassign(second, DataSn(0)).await.unwrap();
+    }
+    assert_eq!(code, TmfResponseCode::COMPLETE, "unacknowledged: resent");
+    let mut buf = BytesMut::zeroed(4096);
+    assert_eq!(finish_read(&mut b, second, &mut buf).await.1, 0);
+    assert_eq!(&buf[..], &data[4096..]);
+    assert_eq!(
+        b.task_reassign(first, DataSn(0)).await.unwrap(),
+        TmfResponseCode::TASK_DOES_NOT_EXIST,
+        "acknowledged by the login: let go"
+    );
 }
 
 #[tokio::test]

@@ -1181,3 +1181,94 @@ fn reassignment_takes_a_tasks_data_from_exp_data_sn_and_its_status() {
     assert_eq!(c.r.reassign(Itt(10), DataSn(0)), None, "never seen");
     check(&c.r);
 }
+
+/// Data-In of one 10,000-byte read from DataSN 3 (offset 3,000), 1,000 bytes each but the
+/// last (4,000 bytes, F and S bits, residual), as a reassignment resumes it.
+fn resumed_read() -> Vec<(Header, Bytes)> {
+    let data = pattern(7, 10_000);
+    let mut v: Vec<(Header, Bytes)> = (3..6u32)
+        .map(|sn| {
+            let h = DataIn {
+                itt: Itt(7),
+                data_sn: DataSn(sn),
+                buffer_offset: sn * 1000,
+                ..Default::default()
+            };
+            let at = (sn * 1000) as usize;
+            (Header::DataIn(h), data.slice(at..at + 1000))
+        })
+        .collect();
+    let last = DataIn {
+        itt: Itt(7),
+        final_bit: true,
+        status: Some(0),
+        residual: Residual::Underflow(24),
+        data_sn: DataSn(6),
+        buffer_offset: 6000,
+        ..Default::default()
+    };
+    v.push((Header::DataIn(last), data.slice(6000..)));
+    v
+}
+
+fn refit(v: Vec<(Header, Bytes)>, max: usize) -> Vec<(Header, Bytes)> {
+    refit_data_in(v, max, Bytes::len, |b, n| b.split_to(n))
+}
+
+#[test]
+fn refit_keeps_data_in_that_fit_as_they_were() {
+    let v = resumed_read();
+    assert_eq!(refit(v.clone(), 4000), v);
+    assert_eq!(refit(v.clone(), 8192), v);
+}
+
+#[test]
+fn refit_splits_longer_data_in_and_numbers_them_again() {
+    let data = pattern(7, 10_000);
+    for max in [1, 512, 999, 1000, 1500, 3999] {
+        let got = refit(resumed_read(), max);
+        let mut offset = 3000usize;
+        for (i, (h, d)) in got.iter().enumerate() {
+            let Header::DataIn(h) = h else {
+                panic!("only Data-In")
+            };
+            let last = i + 1 == got.len();
+            assert!(d.len() <= max, "max {max}: {} bytes", d.len());
+            assert_eq!(h.data_sn, DataSn(3 + i as u32), "max {max}");
+            assert_eq!(h.buffer_offset as usize, offset, "max {max}: contiguous");
+            assert_eq!(&d[..], &data[offset..offset + d.len()]);
+            assert_eq!(h.final_bit, last, "max {max}: F bit on the last only");
+            assert_eq!(h.status, last.then_some(0), "max {max}: S on the last only");
+            let residual = if last {
+                Residual::Underflow(24)
+            } else {
+                Residual::None
+            };
+            assert_eq!(h.residual, residual);
+            offset += d.len();
+        }
+        assert_eq!(offset, 10_000, "max {max}: all of it");
+    }
+}
+
+#[test]
+fn refit_counts_the_data_in_in_a_separate_response() {
+    let mut v = resumed_read();
+    if let Some((Header::DataIn(h), _)) = v.last_mut() {
+        h.status = None;
+        h.residual = Residual::None;
+    }
+    let resp = ScsiResponse {
+        itt: Itt(7),
+        exp_data_sn: DataSn(7),
+        ..Default::default()
+    };
+    v.push((Header::ScsiResponse(resp), Bytes::new()));
+    let got = refit(v, 500);
+    // 3,000 + 4,000 bytes in 500-byte pieces from DataSN 3: 14 Data-In, then the status.
+    assert_eq!(got.len(), 15);
+    let Some((Header::ScsiResponse(r), _)) = got.last() else {
+        panic!("the status last")
+    };
+    assert_eq!(r.exp_data_sn, DataSn(3 + 14));
+}

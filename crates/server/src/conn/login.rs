@@ -251,6 +251,12 @@ pub(super) async fn login_phase(
                     return Ok(None);
                 }
             };
+            if session.recovers() {
+                // A login that restarts a connection (its CID in use, or failed) carries that
+                // connection's ExpStatSN (RFC 7143 §11.12.8): the statuses it acknowledges,
+                // and their tasks' Data-In, are let go.
+                session.orphans(|o| o.restarted(ready.cid, id, stat_sn));
+            }
             if let Some(old) = replaced {
                 // Connection reinstatement (RFC 7143 §6.3.4): nothing read on the old
                 // connection may reach a LU after this login's response.

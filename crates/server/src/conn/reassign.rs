@@ -50,6 +50,9 @@ struct Kept {
 #[derive(Default)]
 pub(crate) struct Orphans {
     conns: HashMap<ConnId, Kept>,
+    /// A restarting login's ExpStatSN for the connection its CID had before, not kept yet
+    /// (its writer may still run): by CID, with the new connection's id.
+    restarts: HashMap<Cid, (ConnId, ironsan_proto::StatSn)>,
 }
 
 impl std::fmt::Debug for Orphans {
@@ -112,6 +115,35 @@ impl Orphans {
         kept.cid = Some(cid);
         kept.retained = retained;
         kept.writes.extend(writes);
+        if let Some(&(new, sn)) = self.restarts.get(&cid) {
+            if id < new {
+                self.restarts.remove(&cid);
+                if let Some(r) = kept.retained.as_ref() {
+                    r.lock().unwrap_or_else(|p| p.into_inner()).ack(sn);
+                }
+            }
+        }
+    }
+
+    /// A login restarted the connection `cid` as the new connection `new`: its ExpStatSN is
+    /// the old connection's (RFC 7143 §11.12.8), applied as [`Orphans::acknowledge`] to the
+    /// latest kept connection with that CID before `new`, or to the one kept next.
+    pub(crate) fn restarted(&mut self, cid: Cid, new: ConnId, exp_stat_sn: ironsan_proto::StatSn) {
+        let old = self
+            .conns
+            .iter()
+            .filter(|(id, k)| k.cid == Some(cid) && **id < new)
+            .max_by_key(|(id, _)| **id);
+        match old {
+            Some((_, k)) => {
+                if let Some(r) = k.retained.as_ref() {
+                    r.lock().unwrap_or_else(|p| p.into_inner()).ack(exp_stat_sn);
+                }
+            }
+            None => {
+                self.restarts.insert(cid, (new, exp_stat_sn));
+            }
+        }
     }
 
     /// The initiator's last ExpStatSN for the kept connection `cid` (a Logout for its
@@ -155,6 +187,7 @@ impl Orphans {
 
     pub(crate) fn clear(&mut self) {
         self.conns.clear();
+        self.restarts.clear();
     }
 
     fn take_write(&mut self, from: ConnId, itt: Itt) -> Option<Write<super::write::PendingWrite>> {
@@ -165,13 +198,40 @@ impl Orphans {
 
     /// The response of task `itt` to send on the connection it was reassigned to, from the
     /// kept connection `from` (any, when `None`): Data-In from `exp_data_sn` (0: all held)
-    /// and the status, stamped anew there. `None` until its status is held.
+    /// and the status, stamped anew there, its Data-In fitted to that connection's
+    /// MaxRecvDataSegmentLength `max_xmit`. `None` until its status is held.
     fn take_output(
         &mut self,
         from: Option<ConnId>,
         itt: Itt,
         exp_data_sn: DataSn,
+        max_xmit: u32,
     ) -> Option<Vec<OutPdu>> {
+        let pdus = self.take_response(from, itt, exp_data_sn)?;
+        let fitted = ironsan_proto::recovery::refit_data_in(
+            pdus,
+            max_xmit as usize,
+            Segment::len,
+            Segment::split_to,
+        );
+        Some(
+            fitted
+                .into_iter()
+                .map(|(header, data)| OutPdu {
+                    mode: mode_of(&header),
+                    header,
+                    data,
+                })
+                .collect(),
+        )
+    }
+
+    fn take_response(
+        &mut self,
+        from: Option<ConnId>,
+        itt: Itt,
+        exp_data_sn: DataSn,
+    ) -> Option<Vec<(Header, Segment)>> {
         // Newest connection first: a tag the initiator reused after an earlier reassignment
         // finds its latest task, not one an older connection left behind.
         let mut ids: Vec<ConnId> = self
@@ -197,10 +257,7 @@ impl Orphans {
                             Header::DataIn(d) => !d.data_sn.lt(exp_data_sn) || d.status.is_some(),
                             _ => true,
                         })
-                        .map(|p| OutPdu {
-                            mode: mode_of(&p.header),
-                            ..p
-                        })
+                        .map(|p| (p.header, p.data))
                         .collect(),
                 );
             }
@@ -212,11 +269,7 @@ impl Orphans {
             if let Some(v) = retained {
                 return Some(
                     v.into_iter()
-                        .map(|(header, data)| OutPdu {
-                            mode: mode_of(&header),
-                            header,
-                            data: Segment::Memory(data),
-                        })
+                        .map(|(header, data)| (header, Segment::Memory(data)))
                         .collect(),
                 );
             }
@@ -247,6 +300,7 @@ impl Connection {
         let id = self.id;
         let itt = t.referenced_task_tag;
         let exp = t.exp_data_sn;
+        let max_xmit = self.params.max_xmit_data_segment_length;
         let r = self.sess(|c| c.reassign(id, itt));
         let mut resume = Vec::new();
         let mut adopt = None;
@@ -256,7 +310,10 @@ impl Connection {
             Reassign::StillAllegiant => TmfResponseCode::TASK_STILL_ALLEGIANT,
             Reassign::Unknown => {
                 // Finished while its connection was failing: its response is all that is left.
-                match self.session.orphans(|o| o.take_output(None, itt, exp)) {
+                match self
+                    .session
+                    .orphans(|o| o.take_output(None, itt, exp, max_xmit))
+                {
                     Some(p) => {
                         resume = p;
                         TmfResponseCode::COMPLETE
@@ -267,7 +324,7 @@ impl Connection {
             Reassign::Moved { from } => {
                 let (w, out) = self.session.orphans(|o| match o.take_write(from, itt) {
                     Some(w) => (Some(w), None),
-                    None => (None, o.take_output(Some(from), itt, exp)),
+                    None => (None, o.take_output(Some(from), itt, exp, max_xmit)),
                 });
                 match (w, out) {
                     (Some(w), _) => adopt = Some(w),
@@ -315,7 +372,9 @@ impl Connection {
                 let deadline = tokio::time::Instant::now() + limit;
                 let mut gone_since = None;
                 while tokio::time::Instant::now() < deadline {
-                    if let Some(p) = session.orphans(|o| o.take_output(Some(from), itt, exp)) {
+                    if let Some(p) =
+                        session.orphans(|o| o.take_output(Some(from), itt, exp, max_xmit))
+                    {
                         let _ = tx.send(Out::Pdus(p)).await;
                         return;
                     }
