@@ -711,6 +711,21 @@ impl Sender {
         self.send(Header::ScsiCommand(cmd), data).await
     }
 
+    /// Log a connection in with `o` (numbered next), going on with what the session has.
+    async fn log_in(&mut self, o: &LoginOptions) -> Option<LoggedIn> {
+        let l = connect(
+            self.addr,
+            o,
+            self.cmd_sn,
+            self.next_no,
+            self.erl,
+            self.recovers,
+        )
+        .await?;
+        self.next_no += 1;
+        Some(l)
+    }
+
     async fn op(&mut self, op: Op, imm_data: bool) -> std::io::Result<()> {
         let sends = !matches!(
             op,
@@ -1021,19 +1036,9 @@ impl Sender {
                 let mut o = self.login.clone();
                 o.tsih = Tsih(0);
                 o.cid = Cid(0);
-                let Some(l) = connect(
-                    self.addr,
-                    &o,
-                    self.cmd_sn,
-                    self.next_no,
-                    self.erl,
-                    self.recovers,
-                )
-                .await
-                else {
+                let Some(l) = self.log_in(&o).await else {
                     return Ok(());
                 };
-                self.next_no += 1;
                 // Every connection of the old session ended before the new login's response,
                 // and so did everything kept for reassignment: the old session ended.
                 let now = self.sent.len();
@@ -1058,19 +1063,9 @@ impl Sender {
                 let mut o = self.login.clone();
                 o.tsih = self.tsih;
                 o.cid = Cid(u16::from(cid % 4));
-                let Some(l) = connect(
-                    self.addr,
-                    &o,
-                    self.cmd_sn,
-                    self.next_no,
-                    self.erl,
-                    self.recovers,
-                )
-                .await
-                else {
+                let Some(l) = self.log_in(&o).await else {
                     return Ok(());
                 };
-                self.next_no += 1;
                 // A CID in use: that connection was reinstated before the new one's login
                 // response: its tasks ended then, or, when the session recovers connections,
                 // they are kept for reassignment.
