@@ -205,7 +205,6 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
                 },
             );
         }
-        sn = victim.cmd_sn;
         report.commands += u64::from(spec.depth);
         // Some of the target's answers, then the cut.
         let take = rng.below(u64::from(spec.depth) * 4 + 1);
@@ -218,17 +217,8 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
                 _ => break,
             }
         }
-        let last_exp_stat_sn = victim.exp_stat_sn;
         let cut = Instant::now();
-        drop(victim);
-        survivor.cmd_sn = sn;
-        let (code, _, _) = survivor
-            .logout_for(
-                LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY,
-                cid,
-                Some(last_exp_stat_sn),
-            )
-            .await?;
+        let code = cut_and_recover(victim, cid, &mut survivor).await?;
         report.logout_ms.push(cut.elapsed().as_secs_f64() * 1000.0);
         if code != LogoutResponseCode::CLOSED {
             report.failures.push(format!(
@@ -372,6 +362,27 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
 }
 
 /// READ(16) of region `region` (`spec.blocks` blocks from `region * spec.blocks`).
+/// Cut `victim`, connection `cid` of the session (its socket closed with whatever is in
+/// flight), and log it out for recovery from `survivor` with its last ExpStatSN; `survivor`
+/// goes on with the session's CmdSN. Returns the logout's answer.
+async fn cut_and_recover(
+    victim: Client,
+    cid: u16,
+    survivor: &mut Client,
+) -> Result<LogoutResponseCode> {
+    let last = victim.exp_stat_sn;
+    survivor.cmd_sn = victim.cmd_sn;
+    drop(victim);
+    let (code, _, _) = survivor
+        .logout_for(
+            LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY,
+            cid,
+            Some(last),
+        )
+        .await?;
+    Ok(code)
+}
+
 async fn read_region(c: &mut Client, spec: &CutSpec, region: u64) -> Result<crate::CommandResult> {
     c.read16(
         spec.lun,
@@ -524,16 +535,7 @@ pub async fn write_across_a_cut(
             return Ok(s);
         }
     }
-    let last = a.exp_stat_sn;
-    b.cmd_sn = a.cmd_sn;
-    drop(a);
-    let (code, _, _) = b
-        .logout_for(
-            LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY,
-            a_cid,
-            Some(last),
-        )
-        .await?;
+    let code = cut_and_recover(a, a_cid, b).await?;
     if code != LogoutResponseCode::CLOSED {
         return Err(Error::Protocol(format!(
             "logout for recovery answered {}",

@@ -826,20 +826,22 @@ impl Client {
         self.send(Header::ScsiCommand(cmd), out.slice(..imm_len as usize))
             .await?;
         // Unsolicited Data-Out.
-        self.send_data_out(lun, itt, Ttt::RESERVED, &out, imm_len, unsolicited_end)
-            .await?;
+        self.send_data_out(
+            Lun::from_number(lun),
+            itt,
+            Ttt::RESERVED,
+            &out,
+            imm_len,
+            unsolicited_end,
+        )
+        .await?;
         let mut data = BytesMut::new();
         loop {
             let pdu = self.recv().await?;
             match pdu.header {
                 Header::R2t(r) if r.itt == itt => {
                     self.note_sn(&r.sn, false);
-                    let end = r
-                        .buffer_offset
-                        .saturating_add(r.desired_data_transfer_length)
-                        .min(out.len() as u32);
-                    self.send_data_out(lun, itt, r.ttt, &out, r.buffer_offset, end)
-                        .await?;
+                    self.answer_r2t(&r, &out).await?;
                 }
                 Header::DataIn(d) if d.itt == itt => {
                     if d.buffer_offset as usize != data.len() {
@@ -894,11 +896,22 @@ impl Client {
         }
     }
 
+    /// Answer the R2T `r` of a command whose data is `out`: the bytes it asks for (as far as
+    /// `out` goes) as one Data-Out sequence.
+    pub async fn answer_r2t(&mut self, r: &R2t, out: &Bytes) -> Result<()> {
+        let end = r
+            .buffer_offset
+            .saturating_add(r.desired_data_transfer_length)
+            .min(out.len() as u32);
+        self.send_data_out(r.lun, r.itt, r.ttt, out, r.buffer_offset, end)
+            .await
+    }
+
     /// Send `out[start..end]` as one Data-Out sequence in PDUs of at most the target's
     /// MaxRecvDataSegmentLength ([`DataOutSeq::pdus`]).
     async fn send_data_out(
         &mut self,
-        lun: u64,
+        lun: Lun,
         itt: Itt,
         ttt: Ttt,
         out: &Bytes,
@@ -906,7 +919,7 @@ impl Client {
         end: u32,
     ) -> Result<()> {
         let seq = DataOutSeq {
-            lun: Lun::from_number(lun),
+            lun,
             itt,
             ttt,
             exp_stat_sn: self.exp_stat_sn,

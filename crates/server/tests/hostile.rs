@@ -1680,26 +1680,7 @@ async fn finish_unasked(c: &mut Client, writes: &[(Itt, Bytes)], reads: &[(Itt, 
                     .iter()
                     .find(|w| w.0 == r.itt)
                     .unwrap_or_else(|| panic!("R2T for a task not reassigned here: {r:?}"));
-                let end = (r.buffer_offset + r.desired_data_transfer_length) as usize;
-                let mut off = r.buffer_offset as usize;
-                let mut sn = 0;
-                while off < end {
-                    let n = (end - off).min(c.target_mrdsl as usize);
-                    let d = DataOut {
-                        final_bit: off + n == end,
-                        lun: r.lun,
-                        itt: r.itt,
-                        ttt: r.ttt,
-                        exp_stat_sn: c.exp_stat_sn,
-                        data_sn: DataSn(sn),
-                        buffer_offset: off as u32,
-                    };
-                    c.send(Header::DataOut(d), data.slice(off..off + n))
-                        .await
-                        .unwrap();
-                    off += n;
-                    sn += 1;
-                }
+                c.answer_r2t(&r, data).await.unwrap();
             }
             Header::DataIn(d) => {
                 let (_, want) = reads

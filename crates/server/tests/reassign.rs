@@ -112,29 +112,7 @@ async fn finish_write(c: &mut Client, itt: Itt, data: &Bytes) -> (Vec<(u32, u32)
         match p.header {
             Header::R2t(r) if r.itt == itt => {
                 asked.push((r.buffer_offset, r.desired_data_transfer_length));
-                let (from, len) = (
-                    r.buffer_offset as usize,
-                    r.desired_data_transfer_length as usize,
-                );
-                let mut off = from;
-                let mut sn = 0;
-                while off < from + len {
-                    let n = (from + len - off).min(65536);
-                    let d = DataOut {
-                        final_bit: off + n == from + len,
-                        lun: Lun::from_number(0),
-                        itt,
-                        ttt: r.ttt,
-                        data_sn: DataSn(sn),
-                        buffer_offset: off as u32,
-                        ..Default::default()
-                    };
-                    c.send(Header::DataOut(d), data.slice(off..off + n))
-                        .await
-                        .unwrap();
-                    off += n;
-                    sn += 1;
-                }
+                c.answer_r2t(&r, data).await.unwrap();
             }
             Header::ScsiResponse(r) if r.itt == itt => return (asked, r.status),
             Header::NopIn(_) => continue,

@@ -251,12 +251,6 @@ pub(super) async fn login_phase(
                     return Ok(None);
                 }
             };
-            if session.recovers() {
-                // A login that restarts a connection (its CID in use, or failed) carries that
-                // connection's ExpStatSN (RFC 7143 §11.12.8): the statuses it acknowledges,
-                // and their tasks' Data-In, are let go.
-                session.orphans(|o| o.restarted(ready.cid, id, stat_sn));
-            }
             if let Some(old) = replaced {
                 // Connection reinstatement (RFC 7143 §6.3.4): nothing read on the old
                 // connection may reach a LU after this login's response.
@@ -264,6 +258,14 @@ pub(super) async fn login_phase(
                 if !old.signals.stopped(REPLACED_READERS).await {
                     tracing::warn!(initiator = %ready.initiator_name, tsih = session.tsih.0, cid = ready.cid.0, "replaced connection still reading after 5 s");
                 }
+            }
+            if session.recovers() {
+                // A login that restarts a connection carries that connection's ExpStatSN
+                // (RFC 7143 §11.12.8): the statuses it acknowledges, and their tasks' Data-In,
+                // are let go. A connection is kept before it leaves the session and before
+                // its reader is marked stopped, so the old one (reinstated just now and
+                // waited for, or failed earlier) is kept by this point.
+                session.orphans(|o| o.acknowledge(ready.cid, stat_sn));
             }
             (session, id)
         } else {

@@ -50,9 +50,6 @@ struct Kept {
 #[derive(Default)]
 pub(crate) struct Orphans {
     conns: HashMap<ConnId, Kept>,
-    /// A restarting login's ExpStatSN for the connection its CID had before, not kept yet
-    /// (its writer may still run): by CID, with the new connection's id.
-    restarts: HashMap<Cid, (ConnId, ironsan_proto::StatSn)>,
 }
 
 impl std::fmt::Debug for Orphans {
@@ -115,39 +112,10 @@ impl Orphans {
         kept.cid = Some(cid);
         kept.retained = retained;
         kept.writes.extend(writes);
-        if let Some(&(new, sn)) = self.restarts.get(&cid) {
-            if id < new {
-                self.restarts.remove(&cid);
-                if let Some(r) = kept.retained.as_ref() {
-                    r.lock().unwrap_or_else(|p| p.into_inner()).ack(sn);
-                }
-            }
-        }
-    }
-
-    /// A login restarted the connection `cid` as the new connection `new`: its ExpStatSN is
-    /// the old connection's (RFC 7143 §11.12.8), applied as [`Orphans::acknowledge`] to the
-    /// latest kept connection with that CID before `new`, or to the one kept next.
-    pub(crate) fn restarted(&mut self, cid: Cid, new: ConnId, exp_stat_sn: ironsan_proto::StatSn) {
-        let old = self
-            .conns
-            .iter()
-            .filter(|(id, k)| k.cid == Some(cid) && **id < new)
-            .max_by_key(|(id, _)| **id);
-        match old {
-            Some((_, k)) => {
-                if let Some(r) = k.retained.as_ref() {
-                    r.lock().unwrap_or_else(|p| p.into_inner()).ack(exp_stat_sn);
-                }
-            }
-            None => {
-                self.restarts.insert(cid, (new, exp_stat_sn));
-            }
-        }
     }
 
     /// The initiator's last ExpStatSN for the kept connection `cid` (a Logout for its
-    /// recovery, RFC 7143 §11.14): the statuses below it were received; they and their
+    /// recovery, RFC 7143 §11.14, or a login restarting it, §11.12.8): the statuses below it were received; they and their
     /// tasks' Data-In are let go, so a TASK REASSIGN of a tag used again since cannot find
     /// them.
     pub(crate) fn acknowledge(&mut self, cid: Cid, exp_stat_sn: ironsan_proto::StatSn) {
@@ -187,7 +155,6 @@ impl Orphans {
 
     pub(crate) fn clear(&mut self) {
         self.conns.clear();
-        self.restarts.clear();
     }
 
     fn take_write(&mut self, from: ConnId, itt: Itt) -> Option<Write<super::write::PendingWrite>> {
