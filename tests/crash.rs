@@ -51,16 +51,11 @@ fn lun(path: &Path, size: Option<&str>, direct: bool, wce: bool) -> String {
 }
 
 async fn run_mode(name: &str, spec: String, wce: bool) {
-    run_plan(spec, Plan::new(name, wce)).await
+    run_plan(spec, Plan::new(name, wce)).await;
 }
 
 async fn run_plan(spec: String, plan: Plan) {
-    run_plan_checked(spec, plan).await;
-}
-
-async fn run_plan_checked(spec: String, plan: Plan) -> crash_harness::Report {
-    let name = plan.name.clone();
-    let name = name.as_str();
+    let name = plan.name.as_str();
     let mut t = Proc(Server::start(&["--lun", &spec]));
     let rep = crash_harness::run(&plan, &mut t).await;
     assert!(
@@ -81,7 +76,6 @@ async fn run_plan_checked(spec: String, plan: Plan) -> crash_harness::Report {
             "{name}: no write was recovered across a cut"
         );
     }
-    rep
 }
 
 fn direct_supported(dir: &Path) -> bool {
@@ -127,7 +121,7 @@ async fn file_buffered_wce0_connection_recovery() {
     let dir = tempfile::tempdir().unwrap();
     let mut plan = Plan::new("file buffered WCE=0, connections cut and recovered", false);
     plan.recovery = true;
-    run_plan_checked(
+    run_plan(
         lun(&dir.path().join("r0.img"), Some("64M"), false, false),
         plan,
     )

@@ -361,7 +361,6 @@ pub async fn run(spec: &CutSpec) -> Result<CutReport> {
     Ok(report)
 }
 
-/// READ(16) of region `region` (`spec.blocks` blocks from `region * spec.blocks`).
 /// Cut `victim`, connection `cid` of the session (its socket closed with whatever is in
 /// flight), and log it out for recovery from `survivor` with its last ExpStatSN; `survivor`
 /// goes on with the session's CmdSN. Returns the logout's answer.
@@ -383,6 +382,7 @@ async fn cut_and_recover(
     Ok(code)
 }
 
+/// READ(16) of region `region` (`spec.blocks` blocks from `region * spec.blocks`).
 async fn read_region(c: &mut Client, spec: &CutSpec, region: u64) -> Result<crate::CommandResult> {
     c.read16(
         spec.lun,
