@@ -2,8 +2,10 @@
 # Start or stop a private instance of tgt (the Linux SCSI target framework,
 # Debian package "tgt") as a comparison peer for ironsan.
 #
-#   bench/peer-tgt.sh start --port PORT [--addr ADDR] --dir DIR [--cpu CPUS] [--lun null|rdwr:SIZE|file:PATH|direct:PATH|rbd:POOL/IMAGE:CONF] [--iqn IQN]
+#   bench/peer-tgt.sh start --port PORT [--addr ADDR] --dir DIR [--cpu CPUS] [--lun null|rdwr:SIZE|file:PATH|direct:PATH|rbd:POOL/IMAGE:CONF] [--null-lun2] [--iqn IQN]
 #       Prints the iscsi:// URL of the data LUN (always LUN 1) on stdout.
+#       --null-lun2 adds LUN 2 with bstype null beside it (bench/run.sh rbd: the round
+#       trip through the same tgtd with no backend).
 #   bench/peer-tgt.sh stop --dir DIR
 #
 # Why private: tgtd's management socket is /var/run/tgtd/socket.N, N being the
@@ -35,7 +37,7 @@ usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0" 
 
 [[ $# -ge 1 ]] || usage
 cmd=$1; shift
-addr=127.0.0.1 port="" dir="" cpus="" lun="null" iqn="iqn.2026-11.org.ironsan:peer-tgt"
+addr=127.0.0.1 port="" dir="" cpus="" lun="null" null2=0 iqn="iqn.2026-11.org.ironsan:peer-tgt"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --port) port=$2; shift 2 ;;
@@ -43,6 +45,7 @@ while [[ $# -gt 0 ]]; do
         --dir) dir=$2; shift 2 ;;
         --cpu) cpus=$2; shift 2 ;;
         --lun) lun=$2; shift 2 ;;
+        --null-lun2) null2=1; shift ;;
         --iqn) iqn=$2; shift 2 ;;
         -h|--help) usage ;;
         *) die "unknown argument: $1" ;;
@@ -135,6 +138,9 @@ start() {
                 --bsopts "conf=$conf" -b "$image" ;;
         *) stop; die "unknown --lun $lun (null | rdwr:SIZE | file:PATH | direct:PATH | rbd:POOL/IMAGE:CONF)" ;;
     esac
+    if [[ $null2 -eq 1 ]]; then
+        "${adm[@]}" --mode logicalunit --op new --tid 1 --lun 2 --bstype null -b /dev/null
+    fi
     # Offer the same negotiation limits ironsan offers (its defaults), so
     # large reads are not split into tgt's default 8 KiB Data-In PDUs.
     local kv

@@ -359,7 +359,8 @@ def fig_breakdown(rep, rows):
 # --- run.sh ----------------------------------------------------------------------------------
 
 def run_points(rows):
-    """(setup, workload) -> target -> (iops, client %, cpu us/IO, osd us/IO or None)."""
+    """(setup, workload) -> target -> (iops, client %, cpu us/IO, osd us/IO or None,
+    host us/IO or None)."""
     out = OrderedDict()
     for r in rows:
         if len(r) < 10:
@@ -367,10 +368,11 @@ def run_points(rows):
         setup, w, t, a, _b, ticks, wall_ns, tool, client_ticks, hz = r[:10]
         if w.startswith(("mem-", "idle", "restart-")):
             continue
-        osd = None
-        if ":osd=" in tool:
-            tool, o = tool.split(":osd=")
-            osd = int(o)
+        # TOOL[:osd=TICKS][:host=TICKS] (rbd rows)
+        tool, *extra = tool.split(":")
+        extra = dict(kv.split("=", 1) for kv in extra)
+        osd = int(extra["osd"]) if "osd" in extra else None
+        host = int(extra["host"]) if "host" in extra else None
         iops = num(a)
         wall = num(wall_ns) / 1e9 or 1.0
         hz = num(hz) or 100.0
@@ -378,7 +380,8 @@ def run_points(rows):
         cpu = num(ticks) / hz * 1e6 / ios if ios and ticks != "-" else 0.0
         client = 100.0 * num(client_ticks) / hz / wall
         osd_io = osd / hz * 1e6 / ios if osd is not None and ios else None
-        out.setdefault((setup, w), OrderedDict())[t] = (iops, client, cpu, osd_io)
+        host_io = host / hz * 1e6 / ios if host is not None and ios else None
+        out.setdefault((setup, w), OrderedDict())[t] = (iops, client, cpu, osd_io, host_io)
     return out
 
 
@@ -437,25 +440,32 @@ def fig_run(rep, rows):
         axes[0].set_title("RBD: IOPS (log)", fontsize=9)
         axes[0].legend(fontsize=7)
         axes[0].tick_params(axis="x", labelsize=7)
-        cpu_series = ["ironsan gateway", "tgt gateway", "OSD (ironsan run)"]
+        cpu_series = ["ironsan gateway", "tgt gateway", "OSD (ironsan run)",
+                      "host (ironsan run)", "host (native run)"]
         cvals = {}
         for w, ts in rbd:
             if "ironsan" in ts:
                 cvals[(w, "ironsan gateway")] = ts["ironsan"][2]
                 if ts["ironsan"][3] is not None:
                     cvals[(w, "OSD (ironsan run)")] = ts["ironsan"][3]
+                if ts["ironsan"][4] is not None:
+                    cvals[(w, "host (ironsan run)")] = ts["ironsan"][4]
+            if "native" in ts and ts["native"][4] is not None:
+                cvals[(w, "host (native run)")] = ts["native"][4]
             if "tgt" in ts:
                 cvals[(w, "tgt gateway")] = ts["tgt"][2]
         grouped_bars(axes[1], wls, cpu_series, cvals,
                      {"ironsan gateway": color("ironsan"), "tgt gateway": color("tgt"),
-                      "OSD (ironsan run)": "#bbbbbb"})
+                      "OSD (ironsan run)": "#bbbbbb", "host (ironsan run)": "#555555",
+                      "host (native run)": color("native")})
         axes[1].set_ylabel("CPU us per I/O")
         axes[1].set_title("RBD: CPU per I/O", fontsize=9)
         axes[1].legend(fontsize=7)
         axes[1].tick_params(axis="x", labelsize=7)
         rep.save(fig, "rbd.png", "Ceph RBD: ironsan against tgt's RBD store and native librbd",
                  "bench/run.sh rbd section on a one-OSD cluster on the same host: IOPS of each "
-                 "gateway and of fio's rbd engine, and CPU per I/O of the gateways and the OSD.")
+                 "gateway and of fio's rbd engine, and CPU per I/O of the gateways, the OSD and "
+                 "the whole host (every process on both cores) in ironsan's and native's runs.")
 
 
 # --- the page --------------------------------------------------------------------------------

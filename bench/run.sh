@@ -90,10 +90,14 @@
 #             so reads reach the OSD), driven by `ironsan load`, against native
 #             librbd (fio --ioengine=rbd, the ceiling a gateway can approach):
 #             4K QD32 random read and write, 512K QD8 read and write, 4K QD1
-#             random read. Gateways on CPU 0, clients on CPU 1, the monitor and
-#             the OSD unpinned (they share both cores: the OSD's CPU per I/O is
-#             printed beside the gateway's). Then restart-to-first-write of
-#             ironsan after kill -9, with its lock-owner record and without it.
+#             random read, and 4K QD1 random reads from a NULL LUN of each
+#             gateway (qd1-null-4k: the round trip through the gateway with no
+#             backend, which every QD1 gateway figure includes). Gateways on
+#             CPU 0, clients on CPU 1, the monitor and the OSD unpinned (they
+#             share both cores: the OSD's CPU per I/O is printed beside the
+#             gateway's, and the whole host's CPU per I/O and busy share beside
+#             them). Then restart-to-first-write of ironsan after kill -9, with
+#             its lock-owner record and without it.
 #   * Tools: iscsi-perf (libiscsi) keeps -m commands in flight for -t s and
 #     prints its running average; the figure used is the last "iops average".
 #     qemu-img bench runs a fixed count of requests at -d depth through
@@ -181,7 +185,7 @@ RBD_MB=${RBD_MB:-1024}
 # Per started target NAME: PID[NAME], URL[NAME], PORT[NAME], IQN[NAME], KIND[NAME]
 # (ironsan, tgt or istgt). use_target NAME points the TARGET_*
 # variables the workload functions read at one of them.
-declare -A PID=() URL=() PORT=() IQN=() KIND=()
+declare -A PID=() URL=() PORT=() IQN=() KIND=() NULL_URL=()
 TARGET_PID="" TARGET_NAME="" TARGET_URL="" TARGET_PORT="" TARGET_IQN=""
 HOLD_PID=""
 
@@ -192,7 +196,7 @@ use_target() {
 
 stop_target() {
     local name=$1 pid=${PID[$1]:-} kind=${KIND[$1]:-}
-    unset "PID[$name]" "URL[$name]" "PORT[$name]" "IQN[$name]" "KIND[$name]"
+    unset "PID[$name]" "URL[$name]" "PORT[$name]" "IQN[$name]" "KIND[$name]" "NULL_URL[$name]"
     case $kind in
         ironsan)
             kill -TERM "$pid" 2>/dev/null || true
@@ -242,6 +246,8 @@ rss_kb() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status"; }
 # runs on CPU $CLIENT_CPU, so this is how hard the clients worked, loopback TCP processing
 # included; a row whose client core is near 100 % was limited by its client, not its target.
 core_ticks() { awk -v c="cpu$1" '$1 == c { print $2 + $3 + $4 + $7 + $8; exit }' /proc/stat; }
+# The same over every CPU: the whole host's busy ticks.
+host_ticks() { awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8; exit }' /proc/stat; }
 # measured FUNCTION ARGS...: runs FUNCTION, which prints the IOPS it measured, with the
 # target's CPU, the client core's busy ticks and the wall clock sampled around it; sets
 # M_IOPS, M_TICKS, M_CLIENT and M_WALL (ns).
@@ -268,7 +274,8 @@ start_target() {
             iqn=iqn.2026-11.org.ironsan:bench
             if [[ $setup == file ]]; then lun=file:$SHM/lun.img; extra=(--write-cache); fi
             if [[ $setup == disk ]]; then lun=file:$DISK/lun.img,direct; extra=(--write-cache); fi
-            if [[ $setup == rbd ]]; then lun=rbd:rbd/bench-ironsan,conf=$CEPH/ceph.conf; fi
+            # rbd: LUN 1 is a NULL LUN, the same round trip with no backend (qd1-null-4k).
+            if [[ $setup == rbd ]]; then lun=rbd:rbd/bench-ironsan,conf=$CEPH/ceph.conf; extra=(--lun null:1G); fi
             if [[ $name == ironsan-poll ]]; then extra+=(--busy-poll-us "$POLL_US"); fi
             if [[ $name == ironsan-threads ]]; then extra+=(--io-engine threads); fi
             NO_COLOR=1 taskset -c "$TARGET_CPU" "$BIN" serve --listen "127.0.0.1:$port" --target "$iqn" \
@@ -281,14 +288,17 @@ start_target() {
                 sleep 0.1
             done
             listening "$port" || die "$name is not listening on 127.0.0.1:$port"
-            url=iscsi://127.0.0.1:$port/$iqn/0 ;;
+            url=iscsi://127.0.0.1:$port/$iqn/0
+            NULL_URL[$name]=iscsi://127.0.0.1:$port/$iqn/1 ;;
         tgt)
             local lun=null
             [[ $setup == file ]] && lun=file:$SHM/lun.img
             [[ $setup == disk ]] && lun=direct:$DISK/lun.img
-            [[ $setup == rbd ]] && lun=rbd:rbd/bench-tgt:$CEPH/ceph.conf
+            local null2=()
+            [[ $setup == rbd ]] && lun=rbd:rbd/bench-tgt:$CEPH/ceph.conf null2=(--null-lun2)
             url=$(bash "$ROOT/bench/peer-tgt.sh" start --port "$port" --dir "$dir" \
-                --cpu "$TARGET_CPU" --lun "$lun")
+                --cpu "$TARGET_CPU" --lun "$lun" "${null2[@]}")
+            NULL_URL[$name]=${url%/1}/2
             pid=$(<"$dir/tgtd.pid")
             iqn=iqn.2026-11.org.ironsan:peer-tgt ;;
         istgt)
@@ -584,12 +594,18 @@ fio_once() {
 }
 
 # rbd_run WORKLOAD BYTES RW BS QD: one run against the current target (fio for native,
-# `ironsan load` for the gateways); the row's TOOL field carries the OSD's CPU ticks.
+# `ironsan load` for the gateways); the row's TOOL field carries the OSD's CPU ticks and the
+# whole host's busy ticks. Workload qd1-null-4k goes to the gateway's NULL LUN (no backend:
+# the round trip through the gateway alone); native has no such row.
 rbd_run() {
-    local w=$1 bytes=$2 rw=$3 bs=$4 qd=$5 o0 g0=0 g1=0 k0 t0 iops wall tool
+    local w=$1 bytes=$2 rw=$3 bs=$4 qd=$5 o0 g0=0 g1=0 k0 h0 t0 iops wall tool
+    if [[ $w == qd1-null-4k ]]; then
+        [[ $TARGET_NAME != native ]] || return 0
+        TARGET_URL=${NULL_URL[$TARGET_NAME]}
+    fi
     o0=$(cpu_ticks "$OSD_PID")
     [[ -z $TARGET_PID ]] || g0=$(cpu_ticks "$TARGET_PID")
-    k0=$(core_ticks "$CLIENT_CPU"); t0=$(date +%s%N)
+    k0=$(core_ticks "$CLIENT_CPU"); h0=$(host_ticks); t0=$(date +%s%N)
     if [[ $TARGET_NAME == native ]]; then
         tool=fio; iops=$(fio_once "$WORK/native-$w.log" "$rw" "$bs" "$qd")
     else
@@ -599,7 +615,9 @@ rbd_run() {
     wall=$(($(date +%s%N) - t0))
     [[ -z $TARGET_PID ]] || g1=$(cpu_ticks "$TARGET_PID")
     row rbd "$w" "$TARGET_NAME" "$iops" "$bytes" $((g1 - g0)) "$wall" \
-        "$tool:osd=$(($(cpu_ticks "$OSD_PID") - o0))" $(($(core_ticks "$CLIENT_CPU") - k0))
+        "$tool:osd=$(($(cpu_ticks "$OSD_PID") - o0)):host=$(($(host_ticks) - h0))" \
+        $(($(core_ticks "$CLIENT_CPU") - k0))
+    use_target "$TARGET_NAME"
     note "$(printf '%-8s %-10s %-20s %8s IOPS (%s)' "$TARGET_NAME" rbd "$w" "$iops" "$tool")"
 }
 
@@ -636,6 +654,7 @@ rbd_workloads() {
     each_target rbd_run seqread-512k-qd8 524288 read 524288 8
     each_target rbd_run seqwrite-512k-qd8 524288 write 524288 8
     each_target rbd_run qd1-randread-4k 4096 randread 4096 1
+    each_target rbd_run qd1-null-4k 4096 randread 4096 1
 }
 
 T_START=$(date +%s)
@@ -717,9 +736,10 @@ fi
 T_END=$(date +%s)
 progress_end
 
-TABLE=$(python3 - "$ROWS" "$IDLE_SECS" "$POLL_US" <<'EOF'
+TABLE=$(python3 - "$ROWS" "$IDLE_SECS" "$POLL_US" "$NCPU" <<'EOF'
 import sys
 POLL_US = sys.argv[3]
+NCPU = int(sys.argv[4])
 runs = {}
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 perf, idle, mem = {}, {}, {}
@@ -729,10 +749,11 @@ for setup, w, t, a, b, ticks, wall_ns, tool, client_ticks, hz in rows:
     if w.startswith("restart-"):
         restarts[w[len("restart-"):]] = int(a)
         continue
-    osd_ticks = None
-    if ":osd=" in tool:
-        tool, osd = tool.split(":osd=")
-        osd_ticks = int(osd)
+    # TOOL[:osd=TICKS][:host=TICKS] (rbd rows: the OSD's CPU and the whole host's busy time)
+    tool, *extra = tool.split(":")
+    extra = dict(kv.split("=", 1) for kv in extra)
+    osd_ticks = int(extra["osd"]) if "osd" in extra else None
+    host_ticks = int(extra["host"]) if "host" in extra else None
     if w.startswith("mem-"):
         mem[(w, t)] = (int(a), int(b), int(ticks))
         continue
@@ -746,7 +767,9 @@ for setup, w, t, a, b, ticks, wall_ns, tool, client_ticks, hz in rows:
     iops = int(a)
     us = cpu_pct / 100.0 * 1e6 / iops if iops else float("nan")
     osd_us = (osd_ticks / int(hz) * 1e6 / (iops * wall_s)) if (osd_ticks is not None and iops) else None
-    runs.setdefault((setup, w, t), []).append((iops, iops * int(b) / 1048576, cpu_pct, us, tool, client_pct, osd_us))
+    host_us = (host_ticks / int(hz) * 1e6 / (iops * wall_s)) if (host_ticks is not None and iops) else None
+    host_pct = 100.0 * host_ticks / int(hz) / wall_s / NCPU if host_ticks is not None else None
+    runs.setdefault((setup, w, t), []).append((iops, iops * int(b) / 1048576, cpu_pct, us, tool, client_pct, osd_us, host_us, host_pct))
     order.setdefault(setup, [])
     if w not in order[setup]:
         order[setup].append(w)
@@ -785,19 +808,21 @@ table("disk+load", "O_DIRECT file LUN on a disk file system with ironsan's load 
 
 if "rbd" in order:
     print("\nRBD images on a one-OSD in-memory Ceph cluster on this host (librbd cache off): ironsan's RBD LUN and tgt's RBD store (ironsan load as the initiator; gateways on CPU 0) against native librbd (fio --ioengine=rbd); the monitor and OSD float over both cores")
-    hdr = f"{'workload':<20} {'target':<16} {'IOPS':>9} {'MiB/s':>9} {'mean us':>9} {'gw CPU us/IO':>13} {'OSD CPU us/IO':>14} {'client %':>9}"
+    print("(host: every process's CPU per I/O, both cores, and how busy the two cores were; where both")
+    print(" rows of a ratio ran the host near 100 % busy, IOPS ratios follow host CPU per I/O)")
+    hdr = f"{'workload':<20} {'target':<16} {'IOPS':>9} {'MiB/s':>9} {'mean us':>9} {'gw CPU us/IO':>13} {'OSD CPU us/IO':>14} {'host us/IO':>11} {'host busy %':>12} {'client %':>9}"
     print(hdr); print("-" * len(hdr))
-    qd = {"randread-4k-qd32": 32, "randwrite-4k-qd32": 32, "seqread-512k-qd8": 8, "seqwrite-512k-qd8": 8, "qd1-randread-4k": 1}
+    qd = {"randread-4k-qd32": 32, "randwrite-4k-qd32": 32, "seqread-512k-qd8": 8, "seqwrite-512k-qd8": 8, "qd1-randread-4k": 1, "qd1-null-4k": 1}
+    opt = lambda v, width: f"{v:{width}.1f}" if v is not None else f"{'-':>{width}}"
     for w in order["rbd"]:
         for t in ("ironsan", "tgt", "native"):
             r = perf.get(("rbd", w, t))
             if not r:
                 continue
-            i, m, c, u, tool, k, osd = r
+            i, m, c, u, tool, k, osd, host_us, host_pct = r
             mean = qd.get(w, 1) * 1e6 / i if i else float("nan")
             gw = f"{u:13.1f}" if t != "native" else f"{'-':>13}"
-            osd_s = f"{osd:14.1f}" if osd is not None else f"{'-':>14}"
-            print(f"{w:<20} {t:<16} {i:>9d} {m:>9.1f} {mean:>9.0f} {gw} {osd_s} {k:>9.1f}")
+            print(f"{w:<20} {t:<16} {i:>9d} {m:>9.1f} {mean:>9.0f} {gw} {opt(osd, 14)} {opt(host_us, 11)} {opt(host_pct, 12)} {k:>9.1f}")
         a = perf.get(("rbd", w, "ironsan"))
         for base in ("tgt", "native"):
             b = perf.get(("rbd", w, base))
@@ -805,9 +830,17 @@ if "rbd" in order:
                 extra = ""
                 if base == "tgt" and b[3] and a[3] == a[3]:
                     extra = f"   gateway CPU/IO {a[3] / b[3]:.2f}x"
+                if a[7] and b[7]:
+                    extra += f"   host CPU/IO {a[7] / b[7]:.2f}x"
                 if w == "qd1-randread-4k" and a[0]:
                     extra += f"   mean {1e6 / a[0] - 1e6 / b[0]:+.0f} us"
                 print(f"{w:<20} {'ironsan/' + base:<16} {a[0] / b[0]:>9.2f}{extra}")
+    floor = {t: perf[("rbd", "qd1-null-4k", t)][0] for t in ("ironsan", "tgt") if ("rbd", "qd1-null-4k", t) in perf}
+    if floor:
+        print("\nqd1-null-4k: the same QD1 reads from a NULL LUN of the same gateway process, pinned as above:")
+        print("the round trip through the gateway with no backend, which every QD1 gateway figure includes")
+        for t, i in floor.items():
+            print(f"  {t:<8} {1e6 / i:7.1f} us" if i else f"  {t:<8} failed")
     if restarts:
         print("\nironsan restart after kill -9, to the first acknowledged write (process start, cluster connection, image lock, one 4 KiB write):")
         for how, ms in restarts.items():

@@ -151,6 +151,9 @@ section "bench smoke (bench/run.sh, 1 s per workload: the tool works, figures no
 # Every client against every target once, interleaved as in a real run; exits 1 if any
 # client run fails. Idle and memory are left out (about 2 minutes of waiting between them).
 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/run.sh --duration 1 --only ram,qd1,scale,file,load,disk --no-save
+# The RBD section on small images (its own throwaway cluster; includes the ~30 s restart
+# without the lock-owner record).
+RBD_MB=64 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/run.sh --duration 1 --only rbd --no-save
 
 section "classic experiments smoke (bench/classic.sh --quick: every experiment once, figures not judged)"
 # Namespaces, veth lines with tbf, every peer; exits 1 if any client run fails.
