@@ -72,10 +72,35 @@ async fn read(c: &mut Client, lba: u64, len: usize) -> Bytes {
     r.data
 }
 
-/// The rest of read `itt` on `c` into `buf`: (DataSNs seen, status). The status's StatSN
-/// advances `c`'s ExpStatSN.
-async fn finish_read(c: &mut Client, itt: Itt, buf: &mut BytesMut) -> (Vec<u32>, u8) {
-    let mut sns = Vec::new();
+/// The first `n` Data-In of a read on `c` into `buf`, DataSN 0.. in order: their lengths.
+async fn take_data_in(c: &mut Client, n: u32, buf: &mut BytesMut) -> Vec<usize> {
+    let mut lens = Vec::new();
+    for sn in 0..n {
+        let p = c.recv().await.unwrap();
+        let Header::DataIn(d) = p.header else {
+            panic!("expected Data-In")
+        };
+        assert_eq!(d.data_sn, DataSn(sn));
+        let at = d.buffer_offset as usize;
+        buf[at..at + p.data.len()].copy_from_slice(&p.data);
+        lens.push(p.data.len());
+    }
+    lens
+}
+
+/// A Data-In of a read: DataSN, buffer offset, length.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Piece {
+    sn: u32,
+    offset: usize,
+    len: usize,
+}
+
+/// The rest of read `itt` on `c` into `buf`: (the Data-In seen, status). The status's StatSN
+/// advances `c`'s ExpStatSN; a separate SCSI Response's ExpDataSN must count every Data-In
+/// of the task (RFC 7143 §11.4.8), the last one seen included.
+async fn finish_read(c: &mut Client, itt: Itt, buf: &mut BytesMut) -> (Vec<Piece>, u8) {
+    let mut pieces = Vec::new();
     loop {
         let p = tokio::time::timeout(WAIT, c.recv())
             .await
@@ -83,17 +108,24 @@ async fn finish_read(c: &mut Client, itt: Itt, buf: &mut BytesMut) -> (Vec<u32>,
             .expect("a PDU");
         match p.header {
             Header::DataIn(d) if d.itt == itt => {
-                sns.push(d.data_sn.0);
                 let at = d.buffer_offset as usize;
+                pieces.push(Piece {
+                    sn: d.data_sn.0,
+                    offset: at,
+                    len: p.data.len(),
+                });
                 buf[at..at + p.data.len()].copy_from_slice(&p.data);
                 if let Some(s) = d.status {
                     c.exp_stat_sn = d.sn.stat_sn.next();
-                    return (sns, s);
+                    return (pieces, s);
                 }
             }
             Header::ScsiResponse(r) if r.itt == itt => {
+                if let Some(last) = pieces.last() {
+                    assert_eq!(r.exp_data_sn, DataSn(last.sn + 1), "ExpDataSN");
+                }
                 c.exp_stat_sn = r.sn.stat_sn.next();
-                return (sns, r.status);
+                return (pieces, r.status);
             }
             Header::NopIn(_) => continue,
             other => panic!("expected the read's Data-In, got {other:?}"),
@@ -142,15 +174,7 @@ async fn a_read_cut_mid_transfer_resumes_from_exp_data_sn_on_another_connection(
     write(&mut a, 4096, &data).await;
     let (itt, _) = a.send_read16(0, 4096, 2048, BS).await.unwrap();
     let mut buf = BytesMut::zeroed(data.len());
-    for sn in 0..3 {
-        let p = a.recv().await.unwrap();
-        let Header::DataIn(d) = p.header else {
-            panic!("expected Data-In")
-        };
-        assert_eq!(d.data_sn, DataSn(sn));
-        let at = d.buffer_offset as usize;
-        buf[at..at + p.data.len()].copy_from_slice(&p.data);
-    }
+    take_data_in(&mut a, 3, &mut buf).await;
     b.cmd_sn = a.cmd_sn;
     let last = a.exp_stat_sn;
     drop(a); // the connection is cut with most of the read unsent
@@ -159,9 +183,13 @@ async fn a_read_cut_mid_transfer_resumes_from_exp_data_sn_on_another_connection(
         b.task_reassign(itt, DataSn(3)).await.unwrap(),
         TmfResponseCode::COMPLETE
     );
-    let (sns, status) = finish_read(&mut b, itt, &mut buf).await;
+    let (pieces, status) = finish_read(&mut b, itt, &mut buf).await;
     assert_eq!(status, 0);
-    assert_eq!(sns.first(), Some(&3), "from the initiator's ExpDataSN");
+    assert_eq!(
+        pieces.first().map(|p| p.sn),
+        Some(3),
+        "from the initiator's ExpDataSN"
+    );
     assert_eq!(&buf[..], &data[..], "the read arrives complete");
     // The session goes on on B, its StatSN in step.
     assert_eq!(read(&mut b, 4096, 4096).await, data.slice(..4096));
@@ -181,15 +209,7 @@ async fn a_read_resumed_on_a_connection_with_smaller_segments_is_resegmented() {
     write(&mut a, 4096, &data).await;
     let (itt, _) = a.send_read16(0, 4096, 2048, BS).await.unwrap();
     let mut buf = BytesMut::zeroed(data.len());
-    for sn in 0..2 {
-        let p = a.recv().await.unwrap();
-        let Header::DataIn(d) = p.header else {
-            panic!("expected Data-In")
-        };
-        assert_eq!((d.data_sn, p.data.len()), (DataSn(sn), 65536));
-        let at = d.buffer_offset as usize;
-        buf[at..at + p.data.len()].copy_from_slice(&p.data);
-    }
+    assert_eq!(take_data_in(&mut a, 2, &mut buf).await, [65536, 65536]);
     b.cmd_sn = a.cmd_sn;
     let last = a.exp_stat_sn;
     drop(a);
@@ -198,33 +218,15 @@ async fn a_read_resumed_on_a_connection_with_smaller_segments_is_resegmented() {
         b.task_reassign(itt, DataSn(2)).await.unwrap(),
         TmfResponseCode::COMPLETE
     );
-    let mut sns = Vec::new();
-    let mut offset = 2 * 65536;
-    let status = loop {
-        let p = tokio::time::timeout(WAIT, b.recv())
-            .await
-            .expect("in time")
-            .expect("a PDU");
-        match p.header {
-            Header::DataIn(d) if d.itt == itt => {
-                assert!(p.data.len() <= 8192, "{} bytes", p.data.len());
-                assert_eq!(d.buffer_offset as usize, offset, "in order, no gap");
-                sns.push(d.data_sn.0);
-                buf[offset..offset + p.data.len()].copy_from_slice(&p.data);
-                offset += p.data.len();
-                if let Some(s) = d.status {
-                    break s;
-                }
-            }
-            Header::ScsiResponse(r) if r.itt == itt => {
-                assert_eq!(r.exp_data_sn, DataSn(2 + sns.len() as u32));
-                break r.status;
-            }
-            Header::NopIn(_) => continue,
-            other => panic!("expected the read's Data-In, got {other:?}"),
-        }
-    };
+    let (pieces, status) = finish_read(&mut b, itt, &mut buf).await;
     assert_eq!(status, 0);
+    let mut offset = 2 * 65536;
+    for p in &pieces {
+        assert!(p.len <= 8192, "{p:?}");
+        assert_eq!(p.offset, offset, "in order, no gap");
+        offset += p.len;
+    }
+    let sns: Vec<u32> = pieces.iter().map(|p| p.sn).collect();
     let want: Vec<u32> = (2..2 + 14 * 8).collect();
     assert_eq!(sns, want, "14 x 64 KiB in 8 KiB Data-In from DataSN 2");
     assert_eq!(&buf[..], &data[..], "the read arrives complete");
@@ -294,7 +296,8 @@ async fn a_read_still_running_when_cut_is_answered_when_it_finishes() {
         TmfResponseCode::COMPLETE
     );
     let mut buf = BytesMut::zeroed(4096);
-    let (sns, status) = finish_read(&mut b, itt, &mut buf).await;
+    let (pieces, status) = finish_read(&mut b, itt, &mut buf).await;
+    let sns: Vec<u32> = pieces.iter().map(|p| p.sn).collect();
     assert_eq!((sns, status), (vec![0], 0));
     assert_eq!(&buf[..], &data[..]);
 }

@@ -115,9 +115,9 @@ impl Orphans {
     }
 
     /// The initiator's last ExpStatSN for the kept connection `cid` (a Logout for its
-    /// recovery, RFC 7143 §11.14, or a login restarting it, §11.12.8): the statuses below it were received; they and their
-    /// tasks' Data-In are let go, so a TASK REASSIGN of a tag used again since cannot find
-    /// them.
+    /// recovery, RFC 7143 §11.14, or a login restarting it, §11.12.8): the statuses below it
+    /// were received; they and their tasks' Data-In are let go, so a TASK REASSIGN of a tag
+    /// used again since cannot find them.
     pub(crate) fn acknowledge(&mut self, cid: Cid, exp_stat_sn: ironsan_proto::StatSn) {
         // The latest connection with the CID: StatSNs are numbered per connection.
         let latest = self
