@@ -13,7 +13,7 @@ use bytes::{Bytes, BytesMut};
 use ironsan_backend::{BlockDevice, FaultBackend, FaultRule, RamBackend};
 use ironsan_initiator::{Client, Error, LoginOptions};
 use ironsan_proto::pdu::*;
-use ironsan_proto::{DataSn, StatSn};
+use ironsan_proto::DataSn;
 use ironsan_server::{Server, ServerConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -153,17 +153,25 @@ async fn finish_write(c: &mut Client, itt: Itt, data: &Bytes) -> (Vec<(u32, u32)
     }
 }
 
-/// Log the cut connection `cid` out for recovery from `b`, with its last ExpStatSN.
-async fn recover(b: &mut Client, cid: u16, last: StatSn) {
+/// Cut connection `a` (CID 0) and log it out for recovery from `b`, with its last ExpStatSN;
+/// `b` takes over `a`'s CmdSN.
+async fn cut_and_recover(a: Client, b: &mut Client) {
+    b.cmd_sn = a.cmd_sn;
+    let last = a.exp_stat_sn;
+    drop(a);
     let (code, t2w, t2r) = b
-        .logout_for(
-            LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY,
-            cid,
-            Some(last),
-        )
+        .logout_for(LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY, 0, Some(last))
         .await
         .unwrap();
     assert_eq!((code, t2w, t2r), (LogoutResponseCode::CLOSED, 2, 20));
+}
+
+/// TASK REASSIGN of `itt` on `b` from `exp_data_sn`, answered "function complete".
+async fn reassign(b: &mut Client, itt: Itt, exp_data_sn: u32) {
+    assert_eq!(
+        b.task_reassign(itt, DataSn(exp_data_sn)).await.unwrap(),
+        TmfResponseCode::COMPLETE
+    );
 }
 
 #[tokio::test]
@@ -175,14 +183,8 @@ async fn a_read_cut_mid_transfer_resumes_from_exp_data_sn_on_another_connection(
     let (itt, _) = a.send_read16(0, 4096, 2048, BS).await.unwrap();
     let mut buf = BytesMut::zeroed(data.len());
     take_data_in(&mut a, 3, &mut buf).await;
-    b.cmd_sn = a.cmd_sn;
-    let last = a.exp_stat_sn;
-    drop(a); // the connection is cut with most of the read unsent
-    recover(&mut b, 0, last).await;
-    assert_eq!(
-        b.task_reassign(itt, DataSn(3)).await.unwrap(),
-        TmfResponseCode::COMPLETE
-    );
+    cut_and_recover(a, &mut b).await; // the connection is cut with most of the read unsent
+    reassign(&mut b, itt, 3).await;
     let (pieces, status) = finish_read(&mut b, itt, &mut buf).await;
     assert_eq!(status, 0);
     assert_eq!(
@@ -210,14 +212,8 @@ async fn a_read_resumed_on_a_connection_with_smaller_segments_is_resegmented() {
     let (itt, _) = a.send_read16(0, 4096, 2048, BS).await.unwrap();
     let mut buf = BytesMut::zeroed(data.len());
     assert_eq!(take_data_in(&mut a, 2, &mut buf).await, [65536, 65536]);
-    b.cmd_sn = a.cmd_sn;
-    let last = a.exp_stat_sn;
-    drop(a);
-    recover(&mut b, 0, last).await;
-    assert_eq!(
-        b.task_reassign(itt, DataSn(2)).await.unwrap(),
-        TmfResponseCode::COMPLETE
-    );
+    cut_and_recover(a, &mut b).await;
+    reassign(&mut b, itt, 2).await;
     let (pieces, status) = finish_read(&mut b, itt, &mut buf).await;
     assert_eq!(status, 0);
     let mut offset = 2 * 65536;
@@ -287,14 +283,8 @@ async fn a_read_still_running_when_cut_is_answered_when_it_finishes() {
     let data = pattern(4096, 6);
     write(&mut a, SLOW, &data).await;
     let (itt, _) = a.send_read16(0, SLOW, 8, BS).await.unwrap();
-    b.cmd_sn = a.cmd_sn;
-    let last = a.exp_stat_sn;
-    drop(a);
-    recover(&mut b, 0, last).await;
-    assert_eq!(
-        b.task_reassign(itt, DataSn(0)).await.unwrap(),
-        TmfResponseCode::COMPLETE
-    );
+    cut_and_recover(a, &mut b).await;
+    reassign(&mut b, itt, 0).await;
     let mut buf = BytesMut::zeroed(4096);
     let (pieces, status) = finish_read(&mut b, itt, &mut buf).await;
     let sns: Vec<u32> = pieces.iter().map(|p| p.sn).collect();
@@ -331,16 +321,10 @@ async fn a_write_cut_while_sending_data_is_asked_for_again_and_lands_once() {
     a.send(Header::DataOut(d), data.slice(..32768))
         .await
         .unwrap();
-    b.cmd_sn = a.cmd_sn;
-    let last = a.exp_stat_sn;
-    drop(a);
-    recover(&mut b, 0, last).await;
+    cut_and_recover(a, &mut b).await;
     // Nothing of it was written.
     assert_eq!(read(&mut b, 6000, old.len()).await, old);
-    assert_eq!(
-        b.task_reassign(itt, DataSn(0)).await.unwrap(),
-        TmfResponseCode::COMPLETE
-    );
+    reassign(&mut b, itt, 0).await;
     let (asked, status) = finish_write(&mut b, itt, &data).await;
     assert_eq!(status, 0);
     assert_eq!(
@@ -368,14 +352,8 @@ async fn a_write_running_when_cut_is_applied_once_and_its_status_resent() {
         .send_write16(0, SLOW, 4096, BS, data.clone())
         .await
         .unwrap();
-    b.cmd_sn = a.cmd_sn;
-    let last = a.exp_stat_sn;
-    drop(a);
-    recover(&mut b, 0, last).await;
-    assert_eq!(
-        b.task_reassign(itt, DataSn(0)).await.unwrap(),
-        TmfResponseCode::COMPLETE
-    );
+    cut_and_recover(a, &mut b).await;
+    reassign(&mut b, itt, 0).await;
     let (asked, status) = finish_write(&mut b, itt, &data).await;
     assert_eq!(
         (asked, status),
