@@ -13,7 +13,7 @@ use bytes::{Bytes, BytesMut};
 use ironsan_backend::{BlockDevice, FaultBackend, FaultRule, RamBackend};
 use ironsan_initiator::{Client, Error, LoginOptions};
 use ironsan_proto::pdu::*;
-use ironsan_proto::DataSn;
+use ironsan_proto::{DataSn, StatSn};
 use ironsan_server::{Server, ServerConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -166,6 +166,42 @@ async fn cut_and_recover(a: Client, b: &mut Client) {
     assert_eq!((code, t2w, t2r), (LogoutResponseCode::CLOSED, 2, 20));
 }
 
+/// Connection `a` fails and restarts: a login with the same CID into its session (RFC 7143
+/// §6.2.1), with `a`'s CmdSN and, when given, `exp_stat_sn` as the ExpStatSN it carries.
+async fn restart(
+    addr: SocketAddr,
+    o: &LoginOptions,
+    a: Client,
+    exp_stat_sn: Option<StatSn>,
+) -> Client {
+    let mut again = o.clone();
+    again.tsih = a.tsih;
+    let mut b = Client::connect(addr).await.unwrap();
+    b.cmd_sn = a.cmd_sn;
+    if let Some(sn) = exp_stat_sn {
+        b.exp_stat_sn = sn;
+    }
+    drop(a);
+    b.login_on(&again).await.unwrap();
+    b
+}
+
+/// TASK REASSIGN of `itt` from DataSN 0 on `b`, asked again for up to 5 s while the target
+/// has not yet seen the old connection fail (still allegiant) or kept it (no such task).
+async fn reassign_when_kept(b: &mut Client, itt: Itt) -> TmfResponseCode {
+    let mut code = b.task_reassign(itt, DataSn(0)).await.unwrap();
+    for _ in 0..50 {
+        if code != TmfResponseCode::TASK_STILL_ALLEGIANT
+            && code != TmfResponseCode::TASK_DOES_NOT_EXIST
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        code = b.task_reassign(itt, DataSn(0)).await.unwrap();
+    }
+    code
+}
+
 /// TASK REASSIGN of `itt` on `b` from `exp_data_sn`, answered "function complete".
 async fn reassign(b: &mut Client, itt: Itt, exp_data_sn: u32) {
     assert_eq!(
@@ -244,28 +280,14 @@ async fn a_restarting_login_acknowledges_the_old_connections_statuses() {
     assert_eq!(finish_read(&mut a, first, &mut buf).await.1, 0);
     let acked = a.exp_stat_sn;
     assert_eq!(finish_read(&mut a, second, &mut buf).await.1, 0);
-    let (sn, tsih) = (a.cmd_sn, a.tsih);
-    drop(a);
     // The connection restarted with the same CID, its login acknowledging the first read's
     // status only (RFC 7143 §11.12.8).
-    let mut again = o.clone();
-    again.tsih = tsih;
-    let mut b = Client::connect(addr).await.unwrap();
-    b.cmd_sn = sn;
-    b.exp_stat_sn = acked;
-    b.login_on(&again).await.unwrap();
-    let mut code = b.task_reassign(second, DataSn(0)).await.unwrap();
-    for _ in 0..50 {
-        if code != TmfResponseCode::TASK_STILL_ALLEGIANT
-            && code != TmfResponseCode::TASK_DOES_NOT_EXIST
-        {
-            break;
-        }
-        // The old connection may not be kept yet.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        code = b.task_reassign(second, DataSn(0)).await.unwrap();
-    }
-    assert_eq!(code, TmfResponseCode::COMPLETE, "unacknowledged: resent");
+    let mut b = restart(addr, &o, a, Some(acked)).await;
+    assert_eq!(
+        reassign_when_kept(&mut b, second).await,
+        TmfResponseCode::COMPLETE,
+        "unacknowledged: resent"
+    );
     let mut buf = BytesMut::zeroed(4096);
     assert_eq!(finish_read(&mut b, second, &mut buf).await.1, 0);
     assert_eq!(&buf[..], &data[4096..]);
@@ -371,25 +393,12 @@ async fn a_session_whose_only_connection_failed_is_taken_up_by_a_new_one() {
     let data = pattern(4096, 9);
     write(&mut a, SLOW, &data).await;
     let (itt, _) = a.send_read16(0, SLOW, 8, BS).await.unwrap();
-    let sn = a.cmd_sn;
-    let tsih = a.tsih;
-    drop(a);
     // The same CID in the same session: the old connection is already gone, or reinstated.
-    let mut again = o.clone();
-    again.tsih = tsih;
-    let mut b = Client::connect(addr).await.unwrap();
-    b.cmd_sn = sn;
-    b.login_on(&again).await.unwrap();
-    let mut code = b.task_reassign(itt, DataSn(0)).await.unwrap();
-    for _ in 0..50 {
-        // The target may not have seen the old connection fail yet.
-        if code != TmfResponseCode::TASK_STILL_ALLEGIANT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        code = b.task_reassign(itt, DataSn(0)).await.unwrap();
-    }
-    assert_eq!(code, TmfResponseCode::COMPLETE);
+    let mut b = restart(addr, &o, a, None).await;
+    assert_eq!(
+        reassign_when_kept(&mut b, itt).await,
+        TmfResponseCode::COMPLETE
+    );
     let mut buf = BytesMut::zeroed(4096);
     let (_, status) = finish_read(&mut b, itt, &mut buf).await;
     assert_eq!(status, 0);
