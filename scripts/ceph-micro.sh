@@ -4,7 +4,7 @@
 # RBD LUNs without a cluster, and for the tests and benchmarks that need one.
 #
 #   scripts/ceph-micro.sh start DIR [--osd memstore|bluestore] [--osd-size 4G] [--pool rbd]
-#                                   [--die-with PID]
+#                                   [--addr IP] [--die-with PID]
 #   scripts/ceph-micro.sh stop DIR           stop the daemons (the directory stays)
 #   scripts/ceph-micro.sh restart-osd DIR    stop the OSD and start it again (bluestore only:
 #                                            the in-memory store loses its data when it stops)
@@ -22,6 +22,8 @@
 # can be stopped and started again with its data (restart-osd).
 # --die-with PID: destroy the cluster (and DIR) once process PID has exited (tests pass
 # their own PID, so a test that fails or is killed leaves no daemons behind).
+# --addr IP: the address the monitor and the OSD bind (default 127.0.0.1); with
+# `ip netns exec NS`, a cluster in a network namespace that tests can cut nodes off from.
 #
 # Needs ceph-mon, ceph-osd and ceph-common (Debian: apt-get install ceph-mon ceph-osd
 # ceph-common). Runs as the invoking user; the ports are chosen free at start.
@@ -38,12 +40,14 @@ osd_kind=memstore
 osd_size=2G
 pool=rbd
 die_with=
+addr=127.0.0.1
 while [[ $# -gt 0 ]]; do
     case $1 in
         --die-with) die_with=$2; shift ;;
         --osd) osd_kind=$2; shift ;;
         --osd-size) osd_size=$2; shift ;;
         --pool) pool=$2; shift ;;
+        --addr) addr=$2; shift ;;
         *) die "unknown option $1" ;;
     esac
     shift
@@ -62,7 +66,7 @@ bytes() {
 }
 
 free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+    python3 -c 'import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$addr"
 }
 
 pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -100,9 +104,9 @@ start)
     cat > "$dir/ceph.conf" <<EOF
 [global]
 fsid = $fsid
-mon host = v2:127.0.0.1:$port
+mon host = v2:$addr:$port
 mon initial members = a
-public addr = 127.0.0.1
+public addr = $addr
 ms bind ipv6 = false
 auth cluster required = cephx
 auth service required = cephx
@@ -144,7 +148,7 @@ EOF
     ceph-authtool --create-keyring "$dir/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
     ceph-authtool "$dir/keyring" --gen-key -n client.admin \
         --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' --cap mds 'allow *' >/dev/null
-    monmaptool --create --addv a "[v2:127.0.0.1:$port]" --fsid "$fsid" "$dir/monmap" >/dev/null
+    monmaptool --create --addv a "[v2:$addr:$port]" --fsid "$fsid" "$dir/monmap" >/dev/null
     ceph-mon --conf "$dir/ceph.conf" --mkfs -i a --monmap "$dir/monmap" --keyring "$dir/keyring" \
         || die "ceph-mon --mkfs failed"
     ceph-mon --conf "$dir/ceph.conf" -i a || die "ceph-mon did not start (see $dir/log/mon.a.log)"

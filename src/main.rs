@@ -226,6 +226,8 @@ fn build_lu(
                 // A cluster node serves its shared images through its one RADOS client, so
                 // fencing that client's address fences its writes.
                 client: CLUSTER.get().filter(|_| r.shared).map(|c| c.client()),
+                // ... and hands no write to librbd once the node's lease has lapsed.
+                lease: CLUSTER.get().filter(|_| r.shared).map(|c| c.lease()),
             };
             Arc::new(
                 ironsan_backend::RbdBackend::open(&opts)

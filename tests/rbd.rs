@@ -7,126 +7,20 @@
 //! acknowledging. Needs ceph-mon, ceph-osd and ceph-common (a missing tool skips the tests,
 //! or fails them with `IRONSAN_REQUIRE_TOOLS=1`).
 
+#[path = "common/ceph.rs"]
+mod ceph;
 mod common;
 #[path = "common/crash.rs"]
 mod crash_harness;
+
+use ceph::{Cluster, MIB};
 
 use bytes::Bytes;
 use common::*;
 use ironsan_initiator::{read16_cdb, write16_cdb, Client, LoginOptions};
 use ironsan_proto::pdu::Header;
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::path::Path;
 use std::time::{Duration, Instant};
-
-const MIB: u64 = 1 << 20;
-
-/// A throwaway cluster (scripts/ceph-micro.sh).
-struct Cluster {
-    dir: PathBuf,
-}
-
-impl Cluster {
-    /// Start one in a new directory; it is destroyed when this process exits.
-    fn start(osd: &str) -> Cluster {
-        let dir = tempfile::Builder::new()
-            .prefix("ironsan-ceph-")
-            .tempdir()
-            .expect("temp dir")
-            .keep();
-        // The script wants to create the directory's contents itself.
-        let pid = std::process::id().to_string();
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/ceph-micro.sh");
-        let out = run_unchecked(
-            "bash",
-            &[
-                &script.display().to_string(),
-                "start",
-                &dir.display().to_string(),
-                "--osd",
-                osd,
-                "--die-with",
-                &pid,
-            ],
-            Duration::from_secs(180),
-        );
-        assert!(out.status.success(), "ceph-micro.sh start: {}", show(&out));
-        Cluster { dir }
-    }
-
-    /// The cluster shared by the tests that need no OSD restart (memstore).
-    fn shared() -> Option<&'static Cluster> {
-        static C: OnceLock<Cluster> = OnceLock::new();
-        if !require_tools(&["ceph-mon", "ceph-osd", "ceph", "rbd"]) {
-            return None;
-        }
-        Some(C.get_or_init(|| Cluster::start("memstore")))
-    }
-
-    fn conf(&self) -> PathBuf {
-        self.dir.join("ceph.conf")
-    }
-
-    fn run(&self, tool: &str, args: &[&str]) -> std::process::Output {
-        let conf = self.conf().display().to_string();
-        let mut a = vec!["--conf", conf.as_str()];
-        a.extend_from_slice(args);
-        run_unchecked(tool, &a, Duration::from_secs(120))
-    }
-
-    fn rbd(&self, args: &[&str]) -> String {
-        let out = self.run("rbd", args);
-        assert!(out.status.success(), "rbd {args:?}: {}", show(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn ceph(&self, args: &[&str]) -> String {
-        let out = self.run("ceph", args);
-        assert!(out.status.success(), "ceph {args:?}: {}", show(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    /// A new image of `size` bytes in pool `rbd`.
-    fn create(&self, image: &str, size: u64) {
-        self.rbd(&[
-            "create",
-            "--size",
-            &format!("{}M", size / MIB),
-            &format!("rbd/{image}"),
-        ]);
-    }
-
-    /// The `--lun` spec of `image` with `extra` options.
-    /// A 64 MiB image several nodes may serve (`layering` only: no exclusive lock).
-    fn create_shareable(&self, image: &str) {
-        self.rbd(&[
-            "create",
-            "--size",
-            "64M",
-            "--image-feature",
-            "layering",
-            &format!("rbd/{image}"),
-        ]);
-    }
-
-    fn spec(&self, image: &str, extra: &str) -> String {
-        format!("rbd:rbd/{image},conf={}{extra}", self.conf().display())
-    }
-
-    fn script(&self, cmd: &str) {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/ceph-micro.sh");
-        let out = run_unchecked(
-            "bash",
-            &[
-                &script.display().to_string(),
-                cmd,
-                &self.dir.display().to_string(),
-            ],
-            Duration::from_secs(180),
-        );
-        assert!(out.status.success(), "ceph-micro.sh {cmd}: {}", show(&out));
-    }
-}
 
 /// `len` bytes that differ per `seed`.
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -1056,10 +950,11 @@ fn two_gateways_serve_one_shared_image_active_active() {
 // A cluster of nodes (`--cluster`): one target, reservations and membership through RADOS.
 // ---------------------------------------------------------------------------------------------
 
-/// `--cluster` for node `n` on the test cluster (fast heartbeat, short notify timeout).
+/// `--cluster` for node `n` on the test cluster (fast heartbeat and lease, short notify
+/// timeout).
 fn cluster_flag(c: &Cluster, n: u16) -> String {
     format!(
-        "node={n},pool=rbd,conf={},name=gw{n},heartbeat=500ms,notify_timeout=3s",
+        "node={n},pool=rbd,conf={},name=gw{n},heartbeat=250ms,lease=2s,notify_timeout=3s",
         c.conf().display()
     )
 }
@@ -1363,13 +1258,13 @@ fn a_cluster_of_two_nodes_shares_reservations_and_membership() {
             show(&out)
         );
     }
-    // Node 2 killed: node 1 reports its group unavailable; a reservation change through
-    // node 1 completes (node 2, which cannot confirm, is fenced first).
+    // Node 2 killed: once its lease has run out node 1 fences it and reports its group
+    // unavailable; a reservation change through node 1 completes.
     b.kill9();
     let seen = wait_view(&sock(1), Duration::from_secs(20), |v| {
-        node_state(v, 2) == "unreachable"
+        node_state(v, 2) == "fenced"
     });
-    eprintln!("node 2 killed: unreachable in node 1's view after {seen:?}");
+    eprintln!("node 2 killed: fenced in node 1's view after {seen:?}");
     rt().block_on(async {
         let mut i4 = login_as(&a, "iqn.2026-11.org.test:four").await;
         let groups = port_groups(&mut i4).await;

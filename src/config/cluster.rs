@@ -8,12 +8,16 @@
 //! # conf = "/etc/ceph/ceph.conf"   # default: librados' own search
 //! # id = "admin"           # cephx client, without "client."
 //! # name = "gw1"           # default: the host name
-//! # heartbeat = "2s"       # membership check (ping) interval
+//! # heartbeat = "1s"       # how often the nodes ping each other
+//! # lease = "3s"           # a node not heard from for this long is fenced; also the
+//! #                        # longest a node holds a write before it stops answering
 //! # notify_timeout = "5s"  # how long a reservation change waits before fencing a node
 //! ```
 
 use super::*;
-use ironsan_server::cluster::{ClusterConfig, DEFAULT_HEARTBEAT, DEFAULT_NOTIFY_TIMEOUT};
+use ironsan_server::cluster::{
+    check_lease, ClusterConfig, DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_NOTIFY_TIMEOUT,
+};
 use std::time::Duration;
 
 #[derive(Deserialize)]
@@ -26,6 +30,7 @@ pub(super) struct FileCluster {
     name: Option<String>,
     heartbeat: Option<Spanned<String>>,
     notify_timeout: Option<Spanned<String>>,
+    lease: Option<Spanned<String>>,
 }
 
 /// The host name (for `name`'s default).
@@ -47,6 +52,7 @@ fn defaults(node: u16, pool: &str) -> ClusterConfig {
         id: "admin".into(),
         heartbeat: DEFAULT_HEARTBEAT,
         notify_timeout: DEFAULT_NOTIFY_TIMEOUT,
+        lease: DEFAULT_LEASE,
     }
 }
 
@@ -92,9 +98,16 @@ pub(super) fn cluster_from_file(
         Some(h) => interval("notify_timeout", h.get_ref()).map_err(|e| at(h.span(), e))?,
         None => DEFAULT_NOTIFY_TIMEOUT,
     };
+    let lease = match &f.lease {
+        Some(h) => interval("lease", h.get_ref()).map_err(|e| at(h.span(), e))?,
+        None => DEFAULT_LEASE,
+    };
+    check_lease(heartbeat, lease)
+        .map_err(|e| at(f.lease.as_ref().map_or(c.span(), |l| l.span()), e))?;
     let mut cfg = defaults(node, f.pool.get_ref());
     cfg.heartbeat = heartbeat;
     cfg.notify_timeout = notify_timeout;
+    cfg.lease = lease;
     cfg.conf = f.conf.as_ref().map(PathBuf::from);
     if let Some(n) = &f.name {
         cfg.name = n.clone();
@@ -107,7 +120,7 @@ pub(super) fn cluster_from_file(
     Ok(cfg)
 }
 
-/// `--cluster node=N,pool=POOL[,conf=PATH][,id=NAME][,name=NAME][,heartbeat=D][,notify_timeout=D]`.
+/// `--cluster node=N,pool=POOL[,conf=PATH][,id=NAME][,name=NAME][,heartbeat=D][,lease=D][,notify_timeout=D]`.
 pub(crate) fn parse_cluster_flag(v: &str) -> Result<ClusterConfig, String> {
     let mut cfg = defaults(0, "");
     for part in v.split(',') {
@@ -129,13 +142,15 @@ pub(crate) fn parse_cluster_flag(v: &str) -> Result<ClusterConfig, String> {
             "notify_timeout" => {
                 cfg.notify_timeout = interval(k, val).map_err(|e| format!("--cluster: {e}"))?
             }
+            "lease" => cfg.lease = interval(k, val).map_err(|e| format!("--cluster: {e}"))?,
             _ => {
                 return Err(format!(
-                    "--cluster: unknown key '{k}' (node, pool, conf, id, name, heartbeat, notify_timeout)"
+                    "--cluster: unknown key '{k}' (node, pool, conf, id, name, heartbeat, lease, notify_timeout)"
                 ))
             }
         }
     }
+    check_lease(cfg.heartbeat, cfg.lease).map_err(|e| format!("--cluster: {e}"))?;
     if cfg.node == 0 {
         return Err("--cluster needs node=N (1-65535, unique in the cluster)".into());
     }
@@ -155,8 +170,9 @@ pub(crate) fn cluster_toml(c: &ClusterConfig) -> String {
         s += &format!("conf = {:?}\n", conf.display().to_string());
     }
     s += &format!(
-        "heartbeat = \"{}ms\"\nnotify_timeout = \"{}ms\"\n",
+        "heartbeat = \"{}ms\"\nlease = \"{}ms\"\nnotify_timeout = \"{}ms\"\n",
         c.heartbeat.as_millis(),
+        c.lease.as_millis(),
         c.notify_timeout.as_millis()
     );
     s

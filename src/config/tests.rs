@@ -712,6 +712,7 @@ pool = "gw"
 conf = "/etc/ceph/ceph.conf"
 name = "gw3"
 heartbeat = "1s"
+lease = "4s"
 [[target]]
 name = "iqn.2026-11.org.x:a"
 [[target.lun]]
@@ -725,6 +726,7 @@ spec = "ram:1M"
     );
     assert_eq!(c.conf.as_deref(), Some(Path::new("/etc/ceph/ceph.conf")));
     assert_eq!(c.heartbeat, std::time::Duration::from_secs(1));
+    assert_eq!(c.lease, std::time::Duration::from_secs(4));
     // `listen` is the node's portal group: tags are relative ports, unique in the cluster.
     assert_eq!(plan.portal_groups[0].tag, 3);
     // What `ctl save` writes reads back as the same node.
@@ -755,6 +757,9 @@ spec = "ram:1M"
         e.starts_with("t.toml:7:") && e.contains("between 100ms and 60s"),
         "{e}"
     );
+    // A lease that a peer's next answer could miss: refused, naming its line.
+    let e = bad("lease = \"4s\"", "lease = \"2s\"");
+    assert!(e.starts_with("t.toml:8:") && e.contains("too short"), "{e}");
     let e = bad("pool = \"gw\"\n", "");
     assert!(e.contains("pool"), "{e}");
     let e = bad(
@@ -786,6 +791,7 @@ spec = "ram:1M"
         ("node=1,pool=rbd,colour=blue", "unknown key 'colour'"),
         ("node=1", "pool"),
         ("node=1,pool=rbd,heartbeat=soon", "not a duration"),
+        ("node=1,pool=rbd,heartbeat=2s,lease=3s", "too short"),
     ] {
         let e = parse_cluster_flag(flag).unwrap_err();
         assert!(e.contains(says), "{flag}: {e}");

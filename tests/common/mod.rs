@@ -387,6 +387,8 @@ pub(crate) struct Server {
     generation: u32,
     /// The `NOTIFY_SOCKET` of the current start (readiness: `READY=1`).
     notify: Option<std::os::unix::net::UnixDatagram>,
+    /// The network namespace it runs in (`ip netns exec`), if not this process's.
+    netns: Option<String>,
     dir: tempfile::TempDir,
 }
 
@@ -417,6 +419,7 @@ impl Server {
             addrs: Vec::new(),
             generation: 0,
             notify: None,
+            netns: None,
             dir,
         };
         const ATTEMPTS: u32 = 5;
@@ -472,6 +475,16 @@ impl Server {
         addrs: Vec<SocketAddr>,
         target: String,
     ) -> Server {
+        Server::launch_in(dir, args, addrs, target, None)
+    }
+
+    fn launch_in(
+        dir: tempfile::TempDir,
+        args: Vec<String>,
+        addrs: Vec<SocketAddr>,
+        target: String,
+        netns: Option<String>,
+    ) -> Server {
         let port = addrs[0].port();
         let mut s = Server {
             child: None,
@@ -481,10 +494,47 @@ impl Server {
             addrs,
             generation: 0,
             notify: None,
+            netns,
             dir,
         };
         s.spawn();
         s
+    }
+
+    /// `ironsan serve --listen ADDR --data-dir TMP/data ARGS...` in network namespace `netns`
+    /// (`ip netns exec`: the process is ironsan itself, so signals reach it), `addr` being
+    /// an address of that namespace that this one can reach.
+    pub(crate) fn start_in(netns: &str, addr: SocketAddr, args: &[&str]) -> Server {
+        let dir = tempfile::Builder::new()
+            .prefix("ironsan-test-")
+            .tempdir()
+            .expect("tempdir");
+        let target = args
+            .iter()
+            .position(|a| *a == "--target")
+            .and_then(|i| args.get(i + 1))
+            .map(|s| s.to_string())
+            .unwrap_or_else(|| DEFAULT_TARGET.to_string());
+        let mut full: Vec<String> = vec![
+            "serve".into(),
+            "--listen".into(),
+            addr.to_string(),
+            "--data-dir".into(),
+            dir.path().join("data").display().to_string(),
+        ];
+        full.extend(args.iter().map(|s| s.to_string()));
+        Server::launch_in(dir, full, vec![addr], target, Some(netns.to_string()))
+    }
+
+    /// Stop the process (SIGSTOP): every thread of it, as a pause, a swapped-out or hung
+    /// host would.
+    pub(crate) fn pause(&self) {
+        signal(self.pid(), "STOP");
+    }
+
+    /// Let a paused process go on (SIGCONT).
+    pub(crate) fn resume(&self) {
+        signal(self.pid(), "CONT");
     }
 
     /// Start the server and wait until it is ready; panic if it is not.
@@ -513,19 +563,39 @@ impl Server {
             std::process::id(),
             NOTIFY_SEQ.fetch_add(1, Ordering::Relaxed)
         );
+        // Abstract names belong to a network namespace: a server in another one is told a
+        // path in its directory instead.
+        let (notify, notify_name) = match &self.netns {
+            None => (
+                UnixDatagram::bind_addr(&UnixAddr::from_abstract_name(name.as_bytes()).unwrap()),
+                format!("@{name}"),
+            ),
+            Some(_) => {
+                let path = self.dir.path().join(format!("notify-{}", self.generation));
+                let _ = std::fs::remove_file(&path);
+                (UnixDatagram::bind(&path), path.display().to_string())
+            }
+        };
         let notify =
-            UnixDatagram::bind_addr(&UnixAddr::from_abstract_name(name.as_bytes()).unwrap())
-                .unwrap_or_else(|e| panic!("cannot bind the notify socket @{name}: {e}"));
+            notify.unwrap_or_else(|e| panic!("cannot bind the notify socket {notify_name}: {e}"));
         notify.set_nonblocking(true).unwrap();
         self.notify = Some(notify);
         let out = File::create(self.stdout_path()).unwrap();
         let err = File::create(self.stderr_path()).unwrap();
-        let child = Command::new(bin())
+        let mut cmd = match &self.netns {
+            None => Command::new(bin()),
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin()]);
+                c
+            }
+        };
+        let child = cmd
             .args(&self.args)
             .env_remove("IRONSAN_LOG")
             .env_remove("WATCHDOG_USEC")
             .env_remove("WATCHDOG_PID")
-            .env("NOTIFY_SOCKET", format!("@{name}"))
+            .env("NOTIFY_SOCKET", notify_name)
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(out)

@@ -120,6 +120,7 @@ pub(crate) fn zeros_in_place(len: usize, how: InPlaceRead) -> Option<FileRange> 
 pub mod fault;
 pub mod file;
 pub mod int_map;
+pub mod lease;
 pub mod null;
 pub mod pool;
 pub mod ram;
@@ -130,6 +131,7 @@ mod uring;
 pub use fault::{Effect, FaultBackend, FaultControl, FaultRule, Ops};
 pub use file::{FileBackend, FileOptions, IoEngine};
 pub use int_map::IntMap;
+pub use lease::Lease;
 pub use null::NullBackend;
 pub use ram::{set_free_memory_release, RamBackend};
 pub use rbd::{RadosClient, RbdBackend, RbdOptions};
@@ -354,6 +356,12 @@ pub enum BackendError {
     /// cluster fenced this one off). Maps to NOT READY, MANUAL INTERVENTION REQUIRED.
     #[error("fenced: {0}")]
     Fenced(String),
+    /// This node's lease on shared storage has lapsed (a cluster node that was paused, cut
+    /// off or stalled), so it hands no write to the storage until it has rejoined. Maps to
+    /// NOT READY, LOGICAL UNIT NOT ACCESSIBLE, TARGET PORT IN UNAVAILABLE STATE: initiators
+    /// use another path.
+    #[error("suspended: {0}")]
+    Suspended(String),
 }
 
 impl BackendError {

@@ -203,6 +203,33 @@ pub const MAX_TRANSFER_BYTES: u32 = 32 << 20;
 /// lists are cut here by `data_out_len` and refused by the command.
 pub const MAX_PARAMETER_LIST: u32 = 64 << 10;
 
+/// Whether the command with this CDB may change the medium (a write of any kind, zeroing,
+/// unmapping, sanitizing, an EXTENDED COPY): what a cluster must admit before it runs
+/// (`ClusterLu::begin_write`).
+pub fn changes_medium(cdb: &[u8]) -> bool {
+    use opcode::*;
+    matches!(
+        cdb.first().copied(),
+        Some(
+            WRITE_6
+                | WRITE_10
+                | WRITE_12
+                | WRITE_16
+                | WRITE_AND_VERIFY_10
+                | WRITE_AND_VERIFY_12
+                | WRITE_AND_VERIFY_16
+                | WRITE_SAME_10
+                | WRITE_SAME_16
+                | UNMAP
+                | COMPARE_AND_WRITE
+                | ORWRITE_16
+                | WRITE_ATOMIC_16
+                | SANITIZE
+                | EXTENDED_COPY
+        )
+    )
+}
+
 /// [`MAX_TRANSFER_BYTES`] in blocks of `block_size`.
 pub fn max_transfer_blocks(block_size: u32) -> u32 {
     MAX_TRANSFER_BYTES / block_size.max(1)

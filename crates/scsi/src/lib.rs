@@ -85,9 +85,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 pub use alua::{AccessState, Alua, AluaError, PortGroup, StatusCode};
-pub use cdb::{data_out_len, opcode, MAX_TRANSFER_BYTES};
+pub use cdb::{changes_medium, data_out_len, opcode, MAX_TRANSFER_BYTES};
 pub use lu::{
     local_naa, ClusterFuture, ClusterLu, ClusterLuHandle, LogicalUnit, LuConfig, PrChange,
+    WriteAdmission, WriteToken,
 };
 pub use pr::{names_port, pr_record_serial, ALL_TARGET_PORTS, PR_STATE_FILE};
 pub use sbc::PlacedWrite;
@@ -490,6 +491,16 @@ impl Target {
         if conflict {
             return Ok(Response::status_only(Status::RESERVATION_CONFLICT));
         }
+        // An LU other nodes write too: a command that may change the medium starts only
+        // when the cluster admits it, and holds its token until it ends (ClusterLu).
+        let _write_token = match &lu.config().cluster {
+            Some(c) if cdb::changes_medium(&cmd.cdb) => match c.0.begin_write() {
+                WriteAdmission::Go(t) => Some(t),
+                WriteAdmission::Refused(r) => return Err(r),
+                WriteAdmission::Wait(f) => Some(f.await?),
+            },
+            _ => None,
+        };
 
         let data = match op {
             op if spc::not_offered(lu.config(), op) => Err(SenseReason::InvalidOpcode),

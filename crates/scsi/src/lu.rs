@@ -13,6 +13,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
+use std::time::Instant;
 
 /// Static configuration of a logical unit.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,6 +92,47 @@ pub trait ClusterLu: Send + Sync + std::fmt::Debug {
     /// LU and establish POWER ON, RESET, OR BUS DEVICE RESET OCCURRED for their I_T nexuses
     /// ([`LogicalUnit::reset`]). Resolves once they have, or after the cluster's timeout.
     fn reset(&self) -> ClusterFuture<'_, ()>;
+
+    /// A command that may change the medium is about to start on this node (called after
+    /// the ALUA and reservation checks, before the command touches the LU). The cluster
+    /// admits it only while this node's lease holds and every other node is either known to
+    /// be alive or fenced (so no write another node was given earlier and never answered
+    /// can land after this one); it may have to wait for a node to be fenced. The token it
+    /// gives is held until the command ends: while a token (or a write range the device
+    /// still holds, [`LogicalUnit::oldest_write`]) is older than the cluster's lease, the
+    /// node stops renewing its lease, so that the others fence it.
+    fn begin_write(&self) -> WriteAdmission;
+}
+
+/// What [`ClusterLu::begin_write`] decides.
+pub enum WriteAdmission {
+    /// Run the command, holding the token until it ends.
+    Go(WriteToken),
+    /// Refuse it with this sense (e.g. NOT READY, TARGET PORT IN UNAVAILABLE STATE while the
+    /// node's lease has lapsed).
+    Refused(crate::SenseReason),
+    /// Wait (bounded) for the cluster's write gate; resolves to `Go` or `Refused` as above.
+    Wait(ClusterFuture<'static, Result<WriteToken, crate::SenseReason>>),
+}
+
+impl std::fmt::Debug for WriteAdmission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WriteAdmission::Go(_) => f.write_str("Go"),
+            WriteAdmission::Refused(r) => write!(f, "Refused({r:?})"),
+            WriteAdmission::Wait(_) => f.write_str("Wait"),
+        }
+    }
+}
+
+/// Held by a command that may change a cluster LU's medium, for as long as it runs
+/// ([`ClusterLu::begin_write`]); what it holds is the cluster's.
+pub struct WriteToken(pub Box<dyn Send + Sync>);
+
+impl std::fmt::Debug for WriteToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WriteToken")
+    }
 }
 
 /// A [`ClusterLu`] in an [`LuConfig`] (two are equal when they are the same store).
@@ -227,6 +269,11 @@ impl LogicalUnit {
         );
         let capacity = backend.size() / u64::from(bs);
         let pr = crate::pr::load(cfg.state_dir.as_deref());
+        let writes = if cfg.cluster.is_some() {
+            RangeLock::timed()
+        } else {
+            RangeLock::default()
+        };
         LogicalUnit {
             wce: AtomicBool::new(cfg.write_cache),
             swp: AtomicBool::new(false),
@@ -236,7 +283,7 @@ impl LogicalUnit {
             cfg,
             mode_select: Mutex::new(()),
             ua: Mutex::new(IntMap::default()),
-            writes: RangeLock::default(),
+            writes,
             reservation: Mutex::new(None),
             prevent: Mutex::new(HashSet::new()),
             pr: Mutex::new(pr),
@@ -488,6 +535,22 @@ impl LogicalUnit {
         self.writes.aborting(Box::new(gone));
     }
 
+    /// When the oldest write range still held was taken: the write the device (or the
+    /// command) has been holding longest, whether or not its command is still running. Only
+    /// kept for cluster LUs (`LuConfig::cluster`); `None` otherwise or when nothing is held.
+    pub fn oldest_write(&self) -> Option<Instant> {
+        self.writes.oldest()
+    }
+
+    /// Resolves once no aborted command of this LU can still change its medium: no range
+    /// orphaned by an abort, and every aborted task's future gone (`task_aborted`). A
+    /// transport calls it before it answers a task management function on an LU other
+    /// nodes write too, so that nothing the initiator was told is aborted lands after a
+    /// write it then sends through another node.
+    pub fn aborts_settled(&self) -> impl Future<Output = ()> + Send + '_ {
+        self.writes.settled(0, u64::MAX)
+    }
+
     pub(crate) fn max_transfer_blocks(&self) -> u32 {
         crate::cdb::max_transfer_blocks(self.block_size)
     }
@@ -531,6 +594,8 @@ pub(crate) type TaskGone = Box<dyn Fn() -> bool + Send + Sync>;
 
 #[derive(Default)]
 struct RangeLockInner {
+    /// Each range remembers when it was taken (a cluster LU: [`LogicalUnit::oldest_write`]).
+    timed: bool,
     held: Vec<Held>,
     next_token: u64,
     /// Writers waiting for a range and readers waiting for an orphan; all woken on release.
@@ -546,6 +611,8 @@ struct Held {
     end: u64,
     token: u64,
     orphaned: bool,
+    /// When it was taken (only on a timed lock: [`RangeLock::timed`]).
+    since: Option<Instant>,
 }
 
 impl RangeLockInner {
@@ -562,11 +629,13 @@ impl RangeLockInner {
     fn hold(&mut self, shared: &Arc<Shared>, start: u64, end: u64) -> RangeGuard {
         let token = self.next_token;
         self.next_token = self.next_token.wrapping_add(1);
+        let since = self.timed.then(Instant::now);
         self.held.push(Held {
             start,
             end,
             token,
             orphaned: false,
+            since,
         });
         RangeGuard {
             shared: Arc::clone(shared),
@@ -601,6 +670,22 @@ fn add_waker(waiters: &mut Vec<Waker>, w: &Waker) {
 }
 
 impl RangeLock {
+    /// A lock whose ranges remember when they were taken ([`RangeLock::oldest`]).
+    fn timed() -> RangeLock {
+        let l = RangeLock::default();
+        lock(&l.shared.state).timed = true;
+        l
+    }
+
+    /// When the longest-held range was taken (a timed lock; `None`: none is held).
+    fn oldest(&self) -> Option<Instant> {
+        lock(&self.shared.state)
+            .held
+            .iter()
+            .filter_map(|h| h.since)
+            .min()
+    }
+
     /// Lock blocks `start .. end` (half open).
     pub(crate) fn lock(&self, start: u64, end: u64) -> RangeLockFuture<'_> {
         RangeLockFuture {

@@ -357,6 +357,9 @@ impl SenseReason {
             BackendError::Io(_) => SenseReason::InternalTargetFailure,
             BackendError::Unavailable(_) => SenseReason::BecomingReady,
             BackendError::Fenced(_) => SenseReason::ManualInterventionRequired,
+            BackendError::Suspended(_) => {
+                SenseReason::NotAccessible(crate::alua::AccessState::Unavailable)
+            }
         }
     }
 }

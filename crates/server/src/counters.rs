@@ -64,6 +64,9 @@ pub struct ServerStats {
     /// Failed logins by reason (a status name); rare, so a mutex is fine.
     pub login_failures: Mutex<BTreeMap<String, u64>>,
     pub digest_errors: AtomicU64,
+    /// Writes to shared LUNs read after a silence that waited for a NOP-In answer (a cluster
+    /// node: `conn::Probing`).
+    pub probes: AtomicU64,
     /// Data-In bytes sent straight from file LUNs' page cache or as the zero page, every connection ever.
     pub zero_copy_bytes: Arc<AtomicU64>,
     /// Data-Out bytes received straight into file LUNs' pages (zero_copy_writes).
@@ -155,6 +158,7 @@ pub struct Gauges {
     pub logins: u64,
     pub login_failures: BTreeMap<String, u64>,
     pub digest_errors: u64,
+    pub probes: u64,
     pub zero_copy_bytes: u64,
     pub zero_copy_write_bytes: u64,
     /// (kind, count) of error recovery ([`Recovery`]).

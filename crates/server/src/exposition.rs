@@ -69,6 +69,33 @@ fn gauge(
     Ok(())
 }
 
+fn gauge_f64(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = (Labels<'static>, f64)>,
+) -> Result<(), Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in series {
+        m.encode_family(&labels)?.encode_gauge(&v)?;
+    }
+    Ok(())
+}
+
+fn counter_f64(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = (Labels<'static>, f64)>,
+) -> Result<(), Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, v) in series {
+        m.encode_family(&labels)?
+            .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
+    }
+    Ok(())
+}
+
 fn conn_labels(c: &ConnCounters) -> Labels<'static> {
     vec![
         ("target", c.target.clone()),
@@ -89,16 +116,81 @@ impl Collector for Families {
             gauge(
                 &mut enc,
                 "ironsan_cluster_serving",
-                "1 while this cluster node is in touch with the cluster (watching its state); 0 when it is partitioned or fenced and its target port groups are unavailable",
+                "1 while this cluster node is in touch with the cluster and its lease holds; 0 when it is partitioned, suspended (lease lapsed) or fenced and its target port groups are unavailable",
                 [(vec![("node", node.node().to_string())], i64::from(node.serving()))],
             )?;
             gauge(
                 &mut enc,
                 "ironsan_cluster_node_up",
-                "1 for each node of the cluster that answered this node's last heartbeat (its target port group is active), 0 for one that did not (unavailable)",
+                "1 for each node of the cluster whose lease holds in this node's view (its target port group is active), 0 for one whose does not (unavailable)",
                 node.node_states().into_iter().map(|(t, n, up)| {
                     (vec![("target", t), ("node", n.to_string())], i64::from(up))
                 }),
+            )?;
+            let me = || vec![("node", node.node().to_string())];
+            let m = node.lease_metrics();
+            gauge_f64(
+                &mut enc,
+                "ironsan_cluster_lease_remaining_seconds",
+                "How long this node's lease still holds (0: lapsed: it starts no write to a shared LUN)",
+                [(me(), m.lease_seconds)],
+            )?;
+            gauge(
+                &mut enc,
+                "ironsan_cluster_write_gate_open",
+                "1 while every other node's lease holds or it is fenced (writes to shared LUNs start), 0 while one is pending or suspect (they wait)",
+                [(me(), i64::from(m.gate_open))],
+            )?;
+            gauge(
+                &mut enc,
+                "ironsan_cluster_peer_state",
+                "1 for the state each other node is in, in this node's view (pending, alive, suspect, fenced)",
+                m.peers.iter().flat_map(|(n, state, _)| {
+                    ["pending", "alive", "suspect", "fenced"].into_iter().map(move |s| {
+                        (
+                            vec![("peer", n.to_string()), ("state", s.to_string())],
+                            i64::from(s == *state),
+                        )
+                    })
+                }),
+            )?;
+            gauge_f64(
+                &mut enc,
+                "ironsan_cluster_peer_lease_remaining_seconds",
+                "How long each other node's lease still holds in this node's view",
+                m.peers
+                    .iter()
+                    .map(|(n, _, l)| (vec![("peer", n.to_string())], *l)),
+            )?;
+            gauge(
+                &mut enc,
+                "ironsan_cluster_writes_waiting",
+                "Commands that change a shared medium waiting for the write gate now",
+                [(me(), m.waiting as i64)],
+            )?;
+            counter(
+                &mut enc,
+                "ironsan_cluster_writes_held",
+                "Commands that waited for the write gate (a node pending or suspect)",
+                [(me(), m.waited)],
+            )?;
+            counter_f64(
+                &mut enc,
+                "ironsan_cluster_write_hold_seconds",
+                "Time commands spent waiting for the write gate, in all",
+                [(me(), m.waited_seconds)],
+            )?;
+            counter(
+                &mut enc,
+                "ironsan_cluster_writes_refused",
+                "Commands that change a shared medium refused (this node's lease had lapsed, or the gate stayed closed)",
+                [(me(), m.refused)],
+            )?;
+            counter(
+                &mut enc,
+                "ironsan_cluster_fences",
+                "Other nodes this node fenced (blocklisted)",
+                [(me(), m.fences)],
             )?;
         }
         counter(
@@ -268,6 +360,12 @@ impl Collector for Families {
             "ironsan_digest_errors",
             "Header and data digest (CRC32C) errors",
             [(vec![], g.digest_errors)],
+        )?;
+        counter(
+            &mut enc,
+            "ironsan_liveness_probes",
+            "Writes to shared LUNs read after a silence on their connection that waited for the initiator to answer a NOP-In first",
+            [(vec![], g.probes)],
         )?;
         counter(
             &mut enc,

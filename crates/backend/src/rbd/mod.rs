@@ -60,6 +60,12 @@ pub struct RbdOptions {
     /// Use this connection instead of making one (`conf` and `id` are then not used): a node
     /// of a cluster of gateways serves its shared images through its one client.
     pub client: Option<RadosClient>,
+    /// The cluster node's lease (a shared image of a cluster node): no write is handed to
+    /// librbd while it has lapsed ([`BackendError::Suspended`]), and a write handed to it is
+    /// waited for until librbd answers, never failed by `timeout` while it may still land
+    /// (the node stops renewing its lease while it holds a write that long, so the other
+    /// nodes fence it and the write ends: docs/ARCHITECTURE.md, "Several gateways").
+    pub lease: Option<Arc<crate::Lease>>,
 }
 
 impl RbdOptions {
@@ -135,6 +141,7 @@ pub struct RbdBackend {
     /// librbd's cache is on for this image (writes that must be durable are flushed).
     cache: bool,
     timeout: Duration,
+    lease: Option<Arc<crate::Lease>>,
     fenced: AtomicBool,
     /// The size as the header watch sees it, and the sender whose drop stops the task that
     /// follows it.
@@ -230,6 +237,7 @@ impl RbdBackend {
             read_only: o.read_only,
             cache,
             timeout: o.timeout,
+            lease: o.lease.clone(),
             fenced: AtomicBool::new(false),
             sizes,
             _watch: watch,
@@ -249,15 +257,27 @@ impl RbdBackend {
         offset: u64,
         write: bool,
     ) -> Result<(isize, Box<ffi::Op>), BackendError> {
-        let (ret, op) = match tokio::time::timeout(self.timeout, p.wait()).await {
-            Ok(x) => x,
-            Err(_) => return Err(self.no_answer()),
-        };
+        let (ret, op) = self.answer(p, write).await?;
         if ret >= 0 {
             return Ok((ret, op));
         }
         let errno = i32::try_from(-ret).unwrap_or(libc::EIO);
         Err(self.error(errno, offset, write))
+    }
+
+    /// librbd's answer to `p`: within the timeout, except for a write of a cluster node
+    /// (see [`RbdOptions::lease`]), which is waited for until it ends.
+    async fn answer(
+        &self,
+        p: ffi::Pending,
+        write: bool,
+    ) -> Result<(isize, Box<ffi::Op>), BackendError> {
+        if write && self.lease.is_some() {
+            return Ok(p.wait().await);
+        }
+        tokio::time::timeout(self.timeout, p.wait())
+            .await
+            .map_err(|_| self.no_answer())
     }
 
     fn no_answer(&self) -> BackendError {
@@ -293,10 +313,18 @@ impl RbdBackend {
         BackendError::Fenced(format!("rbd:{}: {why}", self.spec))
     }
 
-    fn check_fenced(&self) -> Result<(), BackendError> {
+    /// Whether a write may go to librbd now: not fenced, and the cluster node's lease (if
+    /// any) holds.
+    fn may_write(&self) -> Result<(), BackendError> {
         if self.fenced.load(Ordering::Acquire) {
             return Err(BackendError::Fenced(format!(
                 "rbd:{}: this gateway is fenced off the image",
+                self.spec
+            )));
+        }
+        if self.lease.as_ref().is_some_and(|l| !l.valid()) {
+            return Err(BackendError::Suspended(format!(
+                "rbd:{}: this cluster node's lease has lapsed",
                 self.spec
             )));
         }
@@ -557,7 +585,7 @@ impl BlockDevice for RbdBackend {
         keep: Keep,
     ) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            self.check_fenced()?;
+            self.may_write()?;
             if data.is_empty() {
                 return Ok(());
             }
@@ -572,7 +600,7 @@ impl BlockDevice for RbdBackend {
 
     fn flush(&self) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            self.check_fenced()?;
+            self.may_write()?;
             self.flush_now().await
         })
     }
@@ -583,7 +611,7 @@ impl BlockDevice for RbdBackend {
 
     fn unmap_keeping(&self, offset: u64, len: u64, keep: Keep) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            self.check_fenced()?;
+            self.may_write()?;
             if len == 0 {
                 return Ok(());
             }
@@ -605,7 +633,7 @@ impl BlockDevice for RbdBackend {
         keep: Keep,
     ) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            self.check_fenced()?;
+            self.may_write()?;
             if len == 0 {
                 return Ok(());
             }
@@ -636,7 +664,7 @@ impl BlockDevice for RbdBackend {
         keep: Keep,
     ) -> IoFuture<'_, Option<u64>> {
         Box::pin(async move {
-            self.check_fenced()?;
+            self.may_write()?;
             let len = data.len();
             if len != verify.len() || !self.can_compare_and_write(offset, len) {
                 return Err(BackendError::Unsupported);
@@ -644,10 +672,7 @@ impl BlockDevice for RbdBackend {
             let p = self
                 .image
                 .compare_and_write(offset, verify.clone(), data, Some(keep));
-            let (ret, _) = match tokio::time::timeout(self.timeout, p.wait()).await {
-                Ok(x) => x,
-                Err(_) => return Err(self.no_answer()),
-            };
+            let (ret, _) = self.answer(p, true).await?;
             if ret == -(libc::EILSEQ as isize) {
                 // The offset librbd 16 reports is relative to the object, not the request:
                 // find the first differing byte from the data as it is now.

@@ -257,6 +257,19 @@ async fn pr_across_target_ports_all_tg_pt_spec_i_pt_and_register_and_move() {
 struct TwoNodes {
     record: std::sync::Mutex<Option<String>>,
     lus: std::sync::Mutex<Vec<std::sync::Weak<LogicalUnit>>>,
+    /// What `begin_write` answers: admit (`None`), or refuse with this.
+    refuse: std::sync::Mutex<Option<SenseReason>>,
+    /// Write tokens alive now.
+    tokens: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// A token that counts itself while alive.
+struct Counted(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl ClusterLu for TwoNodes {
@@ -276,6 +289,64 @@ impl ClusterLu for TwoNodes {
     fn reset(&self) -> ClusterFuture<'_, ()> {
         Box::pin(async {})
     }
+    fn begin_write(&self) -> WriteAdmission {
+        if let Some(r) = *self.refuse.lock().unwrap() {
+            return WriteAdmission::Refused(r);
+        }
+        self.tokens
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        WriteAdmission::Go(WriteToken(Box::new(Counted(Arc::clone(&self.tokens)))))
+    }
+}
+
+/// A cluster LU asks the cluster before every command that may change its medium (and
+/// only those), holds the token while the command runs, refuses what the cluster refuses,
+/// and reports when the range it holds was taken.
+#[tokio::test]
+async fn a_cluster_lu_admits_medium_changes_through_the_cluster() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (na, _nb, store) = two_nodes();
+    let a = nexus_at(1, 1);
+    let w = cdb10(opcode::WRITE_10, 0, 1);
+    clear_uas(&na, &a).await;
+    good(&run_on(&na, 0, &a, &w, &[7u8; 512]).await);
+    assert_eq!(
+        store.tokens.load(SeqCst),
+        0,
+        "the token ends with the command"
+    );
+    let unavailable = SenseReason::NotAccessible(crate::alua::AccessState::Unavailable);
+    *store.refuse.lock().unwrap() = Some(unavailable);
+    let r = run_on(&na, 0, &a, &w, &[8u8; 512]).await;
+    assert_eq!(r.sense.as_deref(), Some(&unavailable.to_fixed_sense()[..]));
+    // Reads and other commands that do not change the medium do not ask.
+    let rd = good(&run_on(&na, 0, &a, &cdb10(opcode::READ_10, 0, 1), &[]).await).to_vec();
+    assert_eq!(rd, vec![7u8; 512], "the refused write did not land");
+    good(&run_on(&na, 0, &a, &[0u8; 6], &[]).await);
+    *store.refuse.lock().unwrap() = None;
+    // A write held in the range lock: its token lives and the range's age is reported.
+    let lu = na.lun(0).unwrap().clone();
+    assert!(lu.oldest_write().is_none());
+    let g = lu.writes.lock(0, 1).await;
+    let t0 = std::time::Instant::now();
+    let held = {
+        let na = na.clone();
+        let a = a.clone();
+        tokio::spawn(async move {
+            run_on(&na, 0, &a, &cdb10(opcode::WRITE_10, 0, 1), &[9u8; 512]).await
+        })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(
+        store.tokens.load(SeqCst),
+        1,
+        "waiting for its range, with a token"
+    );
+    assert!(lu.oldest_write().is_some_and(|t| t <= t0));
+    drop(g);
+    good(&held.await.unwrap());
+    assert_eq!(store.tokens.load(SeqCst), 0);
+    assert!(lu.oldest_write().is_none());
 }
 
 fn two_nodes() -> (Target, Target, Arc<TwoNodes>) {

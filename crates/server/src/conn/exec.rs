@@ -184,6 +184,7 @@ impl Connection {
         let Some(target) = self.session.target.clone() else {
             return;
         };
+        let hold = self.probe_hold(&target, &cmd, &cdb, t_data);
         let session = Arc::clone(&self.session);
         let shared = Arc::clone(&self.shared);
         let scmd_op = cdb.first().copied().unwrap_or(0);
@@ -246,9 +247,20 @@ impl Connection {
             // aborted the command before it ran: it never runs.
             return;
         }
+        let probe_wait = shared.cfg.limits.nop_timeout;
         let body = {
             let session = Arc::clone(&session);
             async move {
+                // Read after a silence on a cluster node: run only once the initiator has
+                // answered a ping sent after it (the connection is then proven live).
+                let proven = match hold {
+                    Some((mut proofs, seen)) => {
+                        tokio::time::timeout(probe_wait, proofs.wait_for(|n| *n > seen))
+                            .await
+                            .is_ok_and(|r| r.is_ok())
+                    }
+                    None => true,
+                };
                 // Execution starts when the budget is had: no second clock read when it was
                 // there at once (the usual case).
                 let (permit, t_exec) = match budget {
@@ -262,6 +274,15 @@ impl Connection {
                     None => (None, t_data),
                 };
                 let resp = match placed {
+                    _ if !proven => {
+                        tracing::warn!(
+                            initiator = %session.initiator_name,
+                            "no answer to a NOP-In after a silence: a write to a shared LUN is refused"
+                        );
+                        Response::check_condition(ironsan_scsi::SenseReason::NotAccessible(
+                            ironsan_scsi::AccessState::Unavailable,
+                        ))
+                    }
                     // The data is in place; the command's checks were made before it came.
                     Some(p) => match p.finish() {
                         Ok(()) => Response::good(Bytes::new()),
@@ -348,6 +369,44 @@ impl Connection {
         }
         // Out of the inline poll (completed, or a task that an abort now knows about): the
         // flag clears as `_polling` drops.
+    }
+
+    /// On a cluster node, a command that changes a shared medium read while the connection
+    /// is unproven (after a silence: [`super::Probing`]) waits for the initiator's answer to
+    /// a ping, which is sent now if it has not been: the proofs to wait on and how many there
+    /// were. `None`: it runs at once.
+    fn probe_hold(
+        &mut self,
+        target: &LiveTarget,
+        cmd: &ScsiCommand,
+        cdb: &Bytes,
+        t_data: Stamp,
+    ) -> Option<(tokio::sync::watch::Receiver<u64>, u64)> {
+        let epoch = self.epoch;
+        let p = self.probe.as_mut()?;
+        // The end of the command's data is a receive too: a PDU whose bytes took longer than
+        // the gap to come leaves the connection unproven.
+        p.core.received(t_data.since(epoch) / 1_000_000);
+        if !p.core.unproven() || !ironsan_scsi::changes_medium(cdb) {
+            return None;
+        }
+        let lun = cmd.lun.number()?;
+        target.scsi().lun(lun)?.config().cluster.as_ref()?;
+        let ping = p.core.ping();
+        let hold = (p.proofs.subscribe(), p.core.proofs());
+        if let Some(ping) = ping {
+            tracing::debug!(
+                initiator = %self.session.initiator_name,
+                cid = self.cid,
+                "a write to a shared LUN read after a silence waits for the initiator's answer to a NOP-In"
+            );
+            self.shared
+                .stats
+                .probes
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.keep(Out::Pdus(vec![OutPdu::current(ping, Bytes::new())]));
+        }
+        Some(hold)
     }
 
     /// Complete a command that failed before it ran, if its entry in the task table is still

@@ -229,6 +229,27 @@ struct Connection {
     bad_headers: u8,
     /// The last ExpStatSN handed to what the writer keeps for SNACKs.
     acked: Option<StatSn>,
+    /// On a cluster node: proof that the initiator is live after a silence, before a command
+    /// that changes a shared medium runs ([`Probing`]).
+    probe: Option<Probing>,
+}
+
+/// A connection's [`ironsan_proto::keepalive::Probe`] and the proofs its held commands wait
+/// for (docs/ARCHITECTURE.md, "Several gateways on one image": a command read after a
+/// silence may have waited in a socket through a pause or a partition, sent by an initiator
+/// that has since given up on it and sent it through another node).
+pub(super) struct Probing {
+    core: ironsan_proto::keepalive::Probe,
+    proofs: watch::Sender<u64>,
+}
+
+impl Probing {
+    fn new(gap: std::time::Duration) -> Self {
+        Probing {
+            core: ironsan_proto::keepalive::Probe::new(gap.as_millis() as u64),
+            proofs: watch::channel(0).0,
+        }
+    }
 }
 
 /// Serve one accepted TCP connection until it closes.
@@ -359,6 +380,11 @@ pub(crate) async fn run(
         recovery,
         bad_headers: 0,
         acked: None,
+        probe: shared
+            .cluster
+            .get()
+            .filter(|_| session.target.is_some())
+            .map(|c| Probing::new(c.heartbeat())),
     };
     let keepalive = tokio::spawn(keepalive::run(
         conn.tx.clone(),
@@ -775,8 +801,11 @@ impl Connection {
         self.stats.received(48 + ahs.len() + plan.data_len);
         // One clock read per PDU: the NOP-Out timer's last receive and a command's first stage.
         let t_header = Stamp::now();
-        self.last_rx
-            .store(t_header.since(self.epoch) / 1_000_000, Ordering::Relaxed);
+        let rx_ms = t_header.since(self.epoch) / 1_000_000;
+        self.last_rx.store(rx_ms, Ordering::Relaxed);
+        if let Some(p) = &mut self.probe {
+            p.core.received(rx_ms);
+        }
         match Header::decode(&bhs) {
             Header::ScsiCommand(cmd) => {
                 self.on_scsi_command(rd, &bhs, ahs, &plan, cmd, t_header)
@@ -882,6 +911,11 @@ impl Connection {
     async fn on_other_now(&mut self, bhs: &Bhs, header: Header, data: Bytes) -> ConnResult {
         match header {
             Header::NopOut(n) => {
+                if let Some(p) = self.probe.as_mut().filter(|_| n.itt == Itt::RESERVED) {
+                    if p.core.answered(n.ttt) {
+                        p.proofs.send_replace(p.core.proofs());
+                    }
+                }
                 let max = self.params.max_xmit_data_segment_length;
                 if let Some((h, echo)) = ironsan_proto::connection::nop_in(&n, &data, max) {
                     self.send(vec![OutPdu::status(h, echo)]).await;

@@ -41,6 +41,10 @@ fn tmf_response_name(c: TmfResponseCode) -> &'static str {
     }
 }
 
+/// How long a task management function waits for aborted writes to a shared LU to leave the
+/// device ([`Connection::settle_shared_aborts`]).
+const SHARED_ABORT_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// How long a logout for recovery waits for the connection it names to stop reading.
 const RECOVERY_CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -60,6 +64,9 @@ impl Connection {
             if let Some(c) = lu.as_ref().and_then(|lu| lu.config().cluster.clone()) {
                 c.0.reset().await;
             }
+        }
+        if code == TmfResponseCode::COMPLETE {
+            self.settle_shared_aborts(&t).await;
         }
         tracing::info!(
             peer = %self.peer,
@@ -82,6 +89,48 @@ impl Connection {
             return Err(ConnError::ColdReset);
         }
         Ok(())
+    }
+
+    /// Before a task management function that aborted commands is answered: on LUs other
+    /// nodes write too (a cluster's shared LUs), wait until no aborted command can still
+    /// change the medium, so that a write the initiator then sends through another node
+    /// cannot be overtaken by one it was told is gone. Bounded: a write the device holds
+    /// that long makes this node stop renewing its lease, so the others fence it and the
+    /// write ends.
+    async fn settle_shared_aborts(&self, t: &TaskMgmtRequest) {
+        let Some(target) = self.session.target.as_ref() else {
+            return;
+        };
+        let scsi = target.scsi();
+        let lus: Vec<Arc<ironsan_scsi::LogicalUnit>> = match t.function {
+            TmfFunction::ABORT_TASK
+            | TmfFunction::ABORT_TASK_SET
+            | TmfFunction::CLEAR_TASK_SET
+            | TmfFunction::LOGICAL_UNIT_RESET => t
+                .lun
+                .number()
+                .and_then(|l| scsi.lun(l).cloned())
+                .into_iter()
+                .collect(),
+            TmfFunction::TARGET_WARM_RESET | TmfFunction::TARGET_COLD_RESET => {
+                scsi.luns().map(|(_, lu)| Arc::clone(lu)).collect()
+            }
+            _ => Vec::new(),
+        };
+        let settle = async {
+            for lu in lus.iter().filter(|lu| lu.config().cluster.is_some()) {
+                lu.aborts_settled().await;
+            }
+        };
+        if tokio::time::timeout(SHARED_ABORT_LIMIT, settle)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                initiator = %self.session.initiator_name,
+                "aborted writes to a shared LUN still in the device after {SHARED_ABORT_LIMIT:?}: answering the task management function"
+            );
+        }
     }
 
     /// Every session of the target `name`, this one's included.
