@@ -22,6 +22,9 @@
 # image (`shared`) from a throwaway Ceph cluster (scripts/ceph-micro.sh): node N listens on
 # portal group N. The steps are
 #
+#   node-pause                       SIGSTOP of node 1 (the whole process) under the stream
+#   node-continue                    SIGCONT of node 1; it must report itself fenced (node 2
+#                                    fenced it while it was stopped) and land nothing it held
 #   node-down                        kill -9 of node 1, and the relays of its connections
 #   node-up                          node 1 started again (it rejoins the cluster)
 #
@@ -212,6 +215,20 @@ do_step() {
             NODE_PIDS[1]=""
             pkill -f "^/usr/bin/python3 $WORK/relay.py 127.0.0.1 $P1 " || true
             ;;
+        node-pause) kill -STOP "${NODE_PIDS[1]}" ;;
+        node-continue)
+            kill -CONT "${NODE_PIDS[1]}"
+            # Node 1 finds itself fenced (node 2 fenced it while it was stopped).
+            for ((k = 0; k < 200; k++)); do
+                "$BIN" ctl --control "$WORK/n1.sock" --json cluster 2>/dev/null | grep -Eq '"health": ?"fenced"' && break
+                sleep 0.1
+            done
+            if "$BIN" ctl --control "$WORK/n1.sock" --json cluster 2>/dev/null | grep -Eq '"health": ?"fenced"'; then
+                echo "node 1 reports itself fenced"
+            else
+                echo "node 1 NOT FENCED"
+            fi
+            ;;
         node-up) start_node 1 "$P1" ;;
         *) echo "unknown step $1" ;;
     esac
@@ -259,7 +276,10 @@ failures=()
 result=$(tr -d '\r' <"$SERIAL" | grep -E '^IRONSAN-KERNEL-TEST: (PASS|FAIL)' | tail -1 || true)
 [[ $result == "IRONSAN-KERNEL-TEST: PASS"* ]] || failures+=("guest: ${result:-no result line}")
 STEP_NAMES=(standby unavailable active portal-down portal-up)
-[[ $CLUSTER == 1 ]] && STEP_NAMES=(node-down node-up)
+[[ $CLUSTER == 1 ]] && STEP_NAMES=(node-pause node-continue node-down node-up)
+if [[ $CLUSTER == 1 ]] && ! grep -q 'node-continue: node 1 reports itself fenced' "$WORK/steps.log"; then
+    failures+=("node 1 continued after its pause but was not fenced")
+fi
 for s in "${STEP_NAMES[@]}"; do
     [[ -n ${done_steps[$s]:-} ]] || failures+=("step $s was never reached")
 done

@@ -259,6 +259,11 @@ fn build_lu(
     // An image several nodes serve: nothing atomic only within this process is offered; on
     // a cluster node its reservations live in the cluster.
     let shared = matches!(&l.backing, Backing::Rbd(r) if r.shared);
+    if shared && CLUSTER.get().is_none() {
+        tracing::warn!(
+            "LUN {n}: shared without [cluster]: no leases and no fencing, so a node that stalls can land writes another node has already replaced (docs/OPERATIONS.md, \"Ceph RBD LUNs\"); serve it from a cluster of nodes unless its writers coordinate otherwise"
+        );
+    }
     // Configured (so it survives a renamed target), else derived from the name and number.
     let naa = l
         .naa

@@ -950,11 +950,11 @@ fn two_gateways_serve_one_shared_image_active_active() {
 // A cluster of nodes (`--cluster`): one target, reservations and membership through RADOS.
 // ---------------------------------------------------------------------------------------------
 
-/// `--cluster` for node `n` on the test cluster (fast heartbeat and lease, short notify
-/// timeout).
-fn cluster_flag(c: &Cluster, n: u16) -> String {
+/// `--cluster` for node `n` of cluster `group` on the test cluster (fast heartbeat and lease,
+/// short notify timeout; each test its own group: they share the pool and run at once).
+fn cluster_flag(c: &Cluster, group: &str, n: u16) -> String {
     format!(
-        "node={n},pool=rbd,conf={},name=gw{n},heartbeat=250ms,lease=2s,notify_timeout=3s",
+        "node={n},pool=rbd,conf={},name=gw{n},group={group},heartbeat=250ms,lease=2s,notify_timeout=3s",
         c.conf().display()
     )
 }
@@ -968,7 +968,7 @@ fn start_node(
     sock: &Path,
     extra: &[&str],
 ) -> Server {
-    let (flag, ctl) = (cluster_flag(c, n), sock.display().to_string());
+    let (flag, ctl) = (cluster_flag(c, target, n), sock.display().to_string());
     let mut args = vec!["--target", target, "--cluster", &flag, "--control", &ctl];
     for l in luns {
         args.extend_from_slice(&["--lun", l]);
@@ -1330,8 +1330,12 @@ fn a_cluster_node_cut_off_stops_acknowledging_writes() {
     let sock = |n: u16| socks.path().join(format!("n{n}.sock"));
     let (lun0, lun1) = (c.spec("cut0", ",shared"), c.spec("cut1", ",shared"));
     let metrics = format!("127.0.0.1:{}", free_port());
+    let metrics1 = format!("127.0.0.1:{}", free_port());
     let start = |n: u16, extra: &[&str]| start_node(c, n, target, &[&lun0, &lun1], &sock(n), extra);
-    let (a, b) = (start(1, &[]), start(2, &["--metrics", &metrics]));
+    let (a, b) = (
+        start(1, &["--metrics", &metrics1]),
+        start(2, &["--metrics", &metrics]),
+    );
     wait_view(&sock(1), Duration::from_secs(20), |v| {
         node_state(v, 2) == "alive"
     });
@@ -1394,6 +1398,98 @@ fn a_cluster_node_cut_off_stops_acknowledging_writes() {
     });
     let m = scrape();
     assert!(m.contains("ironsan_cluster_serving{node=\"2\"} 0"), "{m}");
+    assert!(
+        m.contains("ironsan_cluster_lease_remaining_seconds{node=\"2\"} 0"),
+        "{m}"
+    );
+    // Node 1 fenced node 2 once node 2 stopped answering (its lease ran out): its view, its
+    // metrics.
+    wait_view(&sock(1), Duration::from_secs(30), |v| {
+        node_state(v, 2) == "fenced"
+    });
+    let v = cluster_view(&sock(1));
+    assert!(v["fences"].as_u64() >= Some(1), "{v:#}");
+    assert_eq!(v["gate"]["open"], true, "{v:#}");
+    let m1 = http_get(metrics1.parse().unwrap(), "/metrics").1;
+    for want in [
+        "ironsan_cluster_peer_state{peer=\"2\",state=\"fenced\"} 1",
+        "ironsan_cluster_write_gate_open{node=\"1\"} 1",
+        "ironsan_cluster_fences_total{node=\"1\"} 1",
+    ] {
+        assert!(m1.contains(want), "{want} not in\n{m1}");
+    }
+    assert!(
+        m1.contains("ironsan_cluster_lease_remaining_seconds{node=\"1\"} "),
+        "{m1}"
+    );
     c.run("ceph", &["osd", "blocklist", "rm", &addr]);
     drop((a, b));
+}
+
+/// A node started with the number of a node that is running (answering pings) is refused at
+/// start, naming it, rather than fencing it as a dead previous instance; the running node
+/// goes on serving. Another group in the same pool (here: with another target) is another
+/// cluster: the same number is no clash there.
+#[test]
+fn a_node_number_already_running_is_refused_and_groups_are_separate_clusters() {
+    let Some(c) = Cluster::shared() else { return };
+    c.create_shareable("dup0");
+    let target = "iqn.2026-11.org.ironsan:cluster-dup";
+    let socks = tempfile::tempdir().unwrap();
+    let lun = c.spec("dup0", ",shared");
+    let a = start_node(c, 1, target, &[&lun], &socks.path().join("a.sock"), &[]);
+    let data = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let (listen, dir) = (
+        format!("127.0.0.1:{port}"),
+        data.path().display().to_string(),
+    );
+    let flag = cluster_flag(c, target, 1);
+    let out = run_unchecked(
+        bin(),
+        &[
+            "serve",
+            "--listen",
+            &listen,
+            "--data-dir",
+            &dir,
+            "--target",
+            target,
+            "--lun",
+            &lun,
+            "--cluster",
+            &flag,
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(
+        !out.status.success(),
+        "a second node 1 started: {}",
+        show(&out)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("node 1 is running already"), "{}", show(&out));
+    let v = cluster_view(&socks.path().join("a.sock"));
+    assert_eq!(
+        v["health"], "serving",
+        "the running node 1 was not fenced: {v:#}"
+    );
+    // Node 1 of another group in the same pool: a cluster of its own.
+    let other = start_node(
+        c,
+        1,
+        "iqn.2026-11.org.ironsan:cluster-dup2",
+        &[&lun],
+        &socks.path().join("b.sock"),
+        &[],
+    );
+    assert_eq!(
+        cluster_view(&socks.path().join("b.sock"))["health"],
+        "serving"
+    );
+    assert_eq!(
+        cluster_view(&socks.path().join("a.sock"))["health"],
+        "serving"
+    );
+    drop((a, other));
 }

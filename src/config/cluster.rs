@@ -8,6 +8,7 @@
 //! # conf = "/etc/ceph/ceph.conf"   # default: librados' own search
 //! # id = "admin"           # cephx client, without "client."
 //! # name = "gw1"           # default: the host name
+//! # group = "default"      # the cluster's name: nodes of one pool and group are one cluster
 //! # heartbeat = "1s"       # how often the nodes ping each other
 //! # lease = "3s"           # a node not heard from for this long is fenced; also the
 //! #                        # longest a node holds a write before it stops answering
@@ -16,7 +17,8 @@
 
 use super::*;
 use ironsan_server::cluster::{
-    check_lease, ClusterConfig, DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_NOTIFY_TIMEOUT,
+    check_lease, ClusterConfig, DEFAULT_GROUP, DEFAULT_HEARTBEAT, DEFAULT_LEASE,
+    DEFAULT_NOTIFY_TIMEOUT,
 };
 use std::time::Duration;
 
@@ -28,6 +30,7 @@ pub(super) struct FileCluster {
     conf: Option<String>,
     id: Option<String>,
     name: Option<String>,
+    group: Option<String>,
     heartbeat: Option<Spanned<String>>,
     notify_timeout: Option<Spanned<String>>,
     lease: Option<Spanned<String>>,
@@ -53,6 +56,7 @@ fn defaults(node: u16, pool: &str) -> ClusterConfig {
         heartbeat: DEFAULT_HEARTBEAT,
         notify_timeout: DEFAULT_NOTIFY_TIMEOUT,
         lease: DEFAULT_LEASE,
+        group: DEFAULT_GROUP.into(),
     }
 }
 
@@ -115,12 +119,16 @@ pub(super) fn cluster_from_file(
     if let Some(id) = &f.id {
         cfg.id = id.clone();
     }
+    if let Some(g) = &f.group {
+        cfg.group = g.clone();
+    }
     check_name("name", &cfg.name).map_err(|e| at(c.span(), e))?;
+    check_name("group", &cfg.group).map_err(|e| at(c.span(), e))?;
     check_name("id", &cfg.id).map_err(|e| at(c.span(), e))?;
     Ok(cfg)
 }
 
-/// `--cluster node=N,pool=POOL[,conf=PATH][,id=NAME][,name=NAME][,heartbeat=D][,lease=D][,notify_timeout=D]`.
+/// `--cluster node=N,pool=POOL[,conf=PATH][,id=NAME][,name=NAME][,group=NAME][,heartbeat=D][,lease=D][,notify_timeout=D]`.
 pub(crate) fn parse_cluster_flag(v: &str) -> Result<ClusterConfig, String> {
     let mut cfg = defaults(0, "");
     for part in v.split(',') {
@@ -138,6 +146,7 @@ pub(crate) fn parse_cluster_flag(v: &str) -> Result<ClusterConfig, String> {
             "conf" => cfg.conf = Some(PathBuf::from(val)),
             "id" => cfg.id = val.to_string(),
             "name" => cfg.name = val.to_string(),
+            "group" => cfg.group = val.to_string(),
             "heartbeat" => cfg.heartbeat = interval(k, val).map_err(|e| format!("--cluster: {e}"))?,
             "notify_timeout" => {
                 cfg.notify_timeout = interval(k, val).map_err(|e| format!("--cluster: {e}"))?
@@ -145,7 +154,7 @@ pub(crate) fn parse_cluster_flag(v: &str) -> Result<ClusterConfig, String> {
             "lease" => cfg.lease = interval(k, val).map_err(|e| format!("--cluster: {e}"))?,
             _ => {
                 return Err(format!(
-                    "--cluster: unknown key '{k}' (node, pool, conf, id, name, heartbeat, lease, notify_timeout)"
+                    "--cluster: unknown key '{k}' (node, pool, conf, id, name, group, heartbeat, lease, notify_timeout)"
                 ))
             }
         }
@@ -154,7 +163,12 @@ pub(crate) fn parse_cluster_flag(v: &str) -> Result<ClusterConfig, String> {
     if cfg.node == 0 {
         return Err("--cluster needs node=N (1-65535, unique in the cluster)".into());
     }
-    for (what, val) in [("pool", &cfg.pool), ("id", &cfg.id), ("name", &cfg.name)] {
+    for (what, val) in [
+        ("pool", &cfg.pool),
+        ("id", &cfg.id),
+        ("name", &cfg.name),
+        ("group", &cfg.group),
+    ] {
         check_name(what, val).map_err(|e| format!("--cluster: {e}"))?;
     }
     Ok(cfg)
@@ -163,8 +177,8 @@ pub(crate) fn parse_cluster_flag(v: &str) -> Result<ClusterConfig, String> {
 /// The `[cluster]` section `ctl save` writes.
 pub(crate) fn cluster_toml(c: &ClusterConfig) -> String {
     let mut s = format!(
-        "\n[cluster]\nnode = {}\npool = {:?}\nid = {:?}\nname = {:?}\n",
-        c.node, c.pool, c.id, c.name
+        "\n[cluster]\nnode = {}\npool = {:?}\nid = {:?}\nname = {:?}\ngroup = {:?}\n",
+        c.node, c.pool, c.id, c.name, c.group
     );
     if let Some(conf) = &c.conf {
         s += &format!("conf = {:?}\n", conf.display().to_string());

@@ -711,6 +711,7 @@ node = 3
 pool = "gw"
 conf = "/etc/ceph/ceph.conf"
 name = "gw3"
+group = "east"
 heartbeat = "1s"
 lease = "4s"
 [[target]]
@@ -727,6 +728,7 @@ spec = "ram:1M"
     assert_eq!(c.conf.as_deref(), Some(Path::new("/etc/ceph/ceph.conf")));
     assert_eq!(c.heartbeat, std::time::Duration::from_secs(1));
     assert_eq!(c.lease, std::time::Duration::from_secs(4));
+    assert_eq!(c.group, "east");
     // `listen` is the node's portal group: tags are relative ports, unique in the cluster.
     assert_eq!(plan.portal_groups[0].tag, 3);
     // What `ctl save` writes reads back as the same node.
@@ -754,12 +756,12 @@ spec = "ram:1M"
     );
     let e = bad("heartbeat = \"1s\"", "heartbeat = \"2h\"");
     assert!(
-        e.starts_with("t.toml:7:") && e.contains("between 100ms and 60s"),
+        e.starts_with("t.toml:8:") && e.contains("between 100ms and 60s"),
         "{e}"
     );
     // A lease that a peer's next answer could miss: refused, naming its line.
     let e = bad("lease = \"4s\"", "lease = \"2s\"");
-    assert!(e.starts_with("t.toml:8:") && e.contains("too short"), "{e}");
+    assert!(e.starts_with("t.toml:9:") && e.contains("too short"), "{e}");
     let e = bad("pool = \"gw\"\n", "");
     assert!(e.contains("pool"), "{e}");
     let e = bad(

@@ -3,7 +3,7 @@
 //! image"). Everything the nodes share goes through Ceph's own primitives, no consensus of
 //! ours:
 //!
-//! * **The cluster object** (`ironsan.cluster` in the cluster's pool) lists every node (its
+//! * **The cluster object** (`ironsan.cluster.<group>` in the cluster's pool) lists every node (its
 //!   number, name and RADOS client address) and every address fenced so far, replaced with
 //!   compare-and-set ([`SharedPool::update`]). Every node watches it and pings on it.
 //! * **Leases and fencing** ([`liveness`]). Every `heartbeat` each node pings the cluster
@@ -78,6 +78,9 @@ pub struct ClusterConfig {
     pub heartbeat: Duration,
     /// How long a reservation change waits for the other nodes before fencing them.
     pub notify_timeout: Duration,
+    /// The cluster's name: the nodes of one pool and group are one cluster (their cluster
+    /// object is `ironsan.cluster.<group>`); other groups in the pool are other clusters.
+    pub group: String,
     /// How long an answer to a ping keeps a node alive in the others' view; also how long
     /// a node may hold a write before it stops answering (docs/OPERATIONS.md, "The time
     /// budget of a cluster").
@@ -110,8 +113,13 @@ pub fn check_lease(heartbeat: Duration, lease: Duration) -> Result<(), String> {
     Ok(())
 }
 
-/// The object every node of the cluster registers in, watches and pings on.
-pub const CLUSTER_OBJECT: &str = "ironsan.cluster";
+/// The object every node of cluster `group` registers in, watches and pings on.
+pub fn cluster_object(group: &str) -> String {
+    format!("ironsan.cluster.{group}")
+}
+
+/// Default `group`.
+pub const DEFAULT_GROUP: &str = "default";
 
 /// How long a fenced address stays blocklisted (and listed in the cluster object): longer
 /// than any pause a process could come back from with writes in hand.
@@ -267,6 +275,8 @@ struct LastFence {
 /// This process as a node of a cluster.
 pub struct ClusterNode {
     cfg: ClusterConfig,
+    /// The cluster object of this node's group.
+    oid: String,
     pool: Arc<SharedPool>,
     address: String,
     control: OnceLock<Control>,
@@ -357,6 +367,7 @@ impl ClusterNode {
         let address = pool.address().map_err(|e| format!("[cluster]: {e}"))?;
         let live = Liveness::new(cfg.node, cfg.lease, Instant::now());
         Ok(Arc::new(ClusterNode {
+            oid: cluster_object(&cfg.group),
             cfg,
             pool: Arc::new(pool),
             address,
@@ -421,9 +432,9 @@ impl ClusterNode {
         control.set_cluster(Arc::clone(self));
         self.register()?;
         self.watch_cluster()
-            .map_err(|e| format!("[cluster] {CLUSTER_OBJECT}: {e}"))?;
+            .map_err(|e| format!("[cluster] {}: {e}", self.oid))?;
         self.read_cluster()
-            .map_err(|e| format!("[cluster] {CLUSTER_OBJECT}: {e}"))?;
+            .map_err(|e| format!("[cluster] {}: {e}", self.oid))?;
         for target in control.target_names() {
             self.join_target(&control, &target)?;
         }
@@ -477,11 +488,38 @@ impl ClusterNode {
             instance: self.pool.instance_id(),
             joined: epoch_secs(),
         };
+        // A live node with this number (a second node given the same number, or this one
+        // started twice) answers a ping: refused, rather than fencing it.
+        let cur = self
+            .pool
+            .read(&self.oid)
+            .map_err(|e| format!("[cluster] {}: {e}", self.oid))?;
+        let obj: ClusterObject = parse(cur.as_ref().map(|v| v.data.as_slice()))
+            .map_err(|e| format!("[cluster] {}: {e}", self.oid))?;
+        if let Some(old) = obj.members.get(&me).filter(|o| o.address != entry.address) {
+            let msg = encode(&Message::Ping { from: me });
+            let alive = self
+                .pool
+                .notify(&self.oid, &msg, PING_TIMEOUT)
+                .map(|r| {
+                    r.acks
+                        .iter()
+                        .filter_map(|(_, _, p)| serde_json::from_slice::<Ack>(p).ok())
+                        .any(|a| a.node == me)
+                })
+                .unwrap_or(false);
+            if alive {
+                return Err(format!(
+                    "[cluster] node {me} is running already (client {}): give this node another number, or stop that one first",
+                    old.address
+                ));
+            }
+        }
         let mut previous = None;
         let mut unreadable = None;
         let written = self
             .pool
-            .update(CLUSTER_OBJECT, 50, |cur| {
+            .update(&self.oid, 50, |cur| {
                 let mut obj: ClusterObject = match parse(cur) {
                     Ok(o) => o,
                     Err(e) => {
@@ -508,12 +546,12 @@ impl ClusterNode {
                 obj.members.insert(me, entry.clone());
                 Some(encode(&obj))
             })
-            .map_err(|e| format!("[cluster] {CLUSTER_OBJECT}: {e}"))?;
+            .map_err(|e| format!("[cluster] {}: {e}", self.oid))?;
         if let Some(e) = unreadable {
-            return Err(format!("[cluster] {CLUSTER_OBJECT}: {e}"));
+            return Err(format!("[cluster] {}: {e}", self.oid));
         }
         if written.is_none() {
-            return Err(format!("[cluster] {CLUSTER_OBJECT}: not registered"));
+            return Err(format!("[cluster] {}: not registered", self.oid));
         }
         if let Some(old) = previous {
             tracing::warn!(
@@ -610,7 +648,7 @@ impl ClusterNode {
         drop(lock(&self.cluster_watch).take());
         let (n1, n2) = (Arc::downgrade(self), Arc::downgrade(self));
         let w = self.pool.watch(
-            CLUSTER_OBJECT,
+            &self.oid,
             move |n| {
                 if let Some(node) = n1.upgrade() {
                     node.on_cluster_notify(n);
@@ -619,7 +657,8 @@ impl ClusterNode {
             move |err| {
                 if let Some(node) = n2.upgrade() {
                     tracing::warn!(
-                        "cluster: the watch of {CLUSTER_OBJECT} broke ({}); watching it again",
+                        "cluster: the watch of {} broke ({}); watching it again",
+                        node.oid,
                         std::io::Error::from_raw_os_error(-err)
                     );
                     drop(lock(&node.cluster_watch).take());
@@ -634,7 +673,7 @@ impl ClusterNode {
     /// address among the fenced makes it fenced for good.
     fn read_cluster(&self) -> Result<(), SharedError> {
         let t = Instant::now();
-        let cur = self.pool.read(CLUSTER_OBJECT)?;
+        let cur = self.pool.read(&self.oid)?;
         let obj: ClusterObject = parse(cur.as_ref().map(|v| v.data.as_slice()))?;
         // A fenced member is taken for fenced here only once this node has blocklisted it
         // itself (whoever listed it may have stopped before it could).
@@ -683,7 +722,7 @@ impl ClusterNode {
                 let msg = encode(&Message::Ping {
                     from: node.cfg.node,
                 });
-                let r = node.pool.notify(CLUSTER_OBJECT, &msg, PING_TIMEOUT);
+                let r = node.pool.notify(&node.oid, &msg, PING_TIMEOUT);
                 node.pinged(s, r);
                 node.pings.fetch_sub(1, Ordering::AcqRel);
             });
@@ -711,7 +750,26 @@ impl ClusterNode {
             .filter_map(|(_, _, payload)| serde_json::from_slice::<Ack>(payload).ok())
             .collect();
         let nodes: BTreeSet<u16> = acks.iter().map(|a| a.node).collect();
-        lock(&self.live).pinged(s, Instant::now(), &nodes);
+        let now = Instant::now();
+        let changed = {
+            let mut l = lock(&self.live);
+            let states = |l: &Liveness| -> Vec<Option<PeerState>> {
+                let mut v: Vec<_> = l
+                    .peer_numbers()
+                    .into_iter()
+                    .map(|n| l.state(n, now))
+                    .collect();
+                v.push(Some(if l.self_valid(now) {
+                    PeerState::Alive
+                } else {
+                    PeerState::Pending
+                }));
+                v
+            };
+            let before = states(&l);
+            l.pinged(s, now, &nodes);
+            before != states(&l)
+        };
         for a in acks {
             for agent in self.agents() {
                 if let Some(v) = lock(&agent.view).get_mut(&a.node) {
@@ -722,6 +780,11 @@ impl ClusterNode {
             }
         }
         self.publish_gate();
+        // A node (or this one) that just became alive is active in the port groups now,
+        // not at the next heartbeat.
+        if changed {
+            self.publish_all_groups();
+        }
     }
 
     /// A ping on the cluster object (a librados thread): answered while this node is not
@@ -748,7 +811,7 @@ impl ClusterNode {
             applied: BTreeMap::new(),
             targets,
         };
-        if let Err(e) = self.pool.ack(CLUSTER_OBJECT, &n, &encode(&ack)) {
+        if let Err(e) = self.pool.ack(&self.oid, &n, &encode(&ack)) {
             tracing::debug!("cluster: answering a ping: {e}");
         }
     }
@@ -924,13 +987,20 @@ impl ClusterNode {
     }
 
     /// A notification on a target's object (a librados thread): apply, then acknowledge.
-    fn on_notify(&self, agent: &TargetAgent, n: Notification) {
+    fn on_notify(self: &Arc<Self>, agent: &TargetAgent, n: Notification) {
+        // An LU whose tasks this notification aborted: acknowledged only once their writes
+        // have left the device, so that the notifier's initiator cannot write through
+        // another node and see an aborted write land after it.
+        let mut aborted = None;
         match serde_json::from_slice::<Message>(&n.data) {
             Ok(Message::Pr { lun, record }) => {
                 if let Some(control) = self.control.get() {
                     if let Some(lu) = control.scsi_lun(&agent.name, lun) {
                         match lu.apply_shared_pr(&record, true) {
-                            Ok(true) => control.abort_preempted(&agent.name, lun),
+                            Ok(true) => {
+                                control.abort_preempted(&agent.name, lun);
+                                aborted = Some(lu);
+                            }
                             Ok(false) => {}
                             Err(e) => {
                                 // Not acknowledged: the notifier fences this node rather
@@ -945,6 +1015,7 @@ impl ClusterNode {
             Ok(Message::Reset { from, lun }) if from != self.cfg.node => {
                 if let Some(control) = self.control.get() {
                     control.reset_lun(&agent.name, lun);
+                    aborted = control.scsi_lun(&agent.name, lun);
                 }
             }
             Ok(Message::Ping { .. } | Message::Reset { .. }) => {}
@@ -955,12 +1026,42 @@ impl ClusterNode {
         if !self.in_touch() {
             return;
         }
+        let Some(lu) = aborted.filter(|lu| lu.config().cluster.is_some()) else {
+            self.ack_target(agent, &n);
+            return;
+        };
+        // Not on librados' callback thread: the writes being waited for complete there.
+        let (node, name, oid) = (Arc::clone(self), agent.name.clone(), agent.oid.clone());
+        let limit = self.cfg.notify_timeout;
+        let spawned = std::thread::Builder::new()
+            .name("ironsan-settle".into())
+            .spawn(move || {
+                if !block_on_for(lu.aborts_settled(), limit) {
+                    tracing::warn!(target = %name, "aborted writes still in the device after {limit:?}: not acknowledging (the notifier fences this node)");
+                    return;
+                }
+                let ack = Ack {
+                    node: node.cfg.node,
+                    applied: node.applied(&name),
+                    targets: BTreeMap::new(),
+                };
+                if let Err(e) = node.pool.ack(&oid, &n, &encode(&ack)) {
+                    tracing::warn!(target = %name, "{e}");
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(target = %agent.name, "cluster: waiting for aborted writes: {e}");
+        }
+    }
+
+    /// Acknowledge `n` on `agent`'s object with what this node applied.
+    fn ack_target(&self, agent: &TargetAgent, n: &Notification) {
         let ack = Ack {
             node: self.cfg.node,
             applied: self.applied(&agent.name),
             targets: BTreeMap::new(),
         };
-        if let Err(e) = self.pool.ack(&agent.oid, &n, &encode(&ack)) {
+        if let Err(e) = self.pool.ack(&agent.oid, n, &encode(&ack)) {
             tracing::warn!(target = %agent.name, "{e}");
         }
     }
@@ -1032,7 +1133,7 @@ impl ClusterNode {
                     self.fenced_now(e.to_string());
                     return;
                 }
-                tracing::debug!("cluster: watching {CLUSTER_OBJECT}: {e}");
+                tracing::debug!("cluster: watching {}: {e}", self.oid);
             }
         }
         if let Err(e) = self.read_cluster() {
@@ -1040,7 +1141,7 @@ impl ClusterNode {
                 self.fenced_now(e.to_string());
                 return;
             }
-            tracing::debug!("cluster: reading {CLUSTER_OBJECT}: {e}");
+            tracing::debug!("cluster: reading {}: {e}", self.oid);
         }
         let suspects = lock(&self.live).to_fence(Instant::now());
         for (n, address) in suspects {
@@ -1097,9 +1198,16 @@ impl ClusterNode {
         let me = self.cfg.node;
         let lapsed_at = Instant::now();
         let mut me_fenced = None;
+        let mut unreadable = None;
         self.pool
-            .update(CLUSTER_OBJECT, 50, |cur| {
-                let mut obj: ClusterObject = parse(cur).ok()?;
+            .update(&self.oid, 50, |cur| {
+                let mut obj: ClusterObject = match parse(cur) {
+                    Ok(o) => o,
+                    Err(e) => {
+                        unreadable = Some(e);
+                        return None;
+                    }
+                };
                 if let Some(f) = obj.fenced.get(&self.address) {
                     me_fenced = Some(f.by);
                     return None;
@@ -1127,6 +1235,11 @@ impl ClusterNode {
         if let Some(by) = me_fenced {
             self.fenced_now(format!("node {by} fenced this node first"));
             return Err("this node is fenced itself".into());
+        }
+        // Never a blocklist that the fenced list does not record: the list is what keeps
+        // two nodes from fencing each other.
+        if let Some(e) = unreadable {
+            return Err(format!("{}: {e}", self.oid));
         }
         tracing::warn!(node = n, address, "cluster: fencing node {n} ({why})");
         self.blocklist(address).map_err(|e| e.to_string())?;
@@ -1317,7 +1430,7 @@ impl ClusterNode {
             ));
         }
         let mut found = 0;
-        let removed = self.pool.update(CLUSTER_OBJECT, 50, |cur| {
+        let removed = self.pool.update(&self.oid, 50, |cur| {
             let mut obj: ClusterObject = parse(cur).ok()?;
             obj.members.remove(&n)?;
             Some(encode(&obj))
@@ -1456,6 +1569,8 @@ impl ClusterNode {
             "node": me,
             "name": self.cfg.name,
             "pool": self.cfg.pool,
+            "group": self.cfg.group,
+            "object": self.oid,
             "address": self.address,
             "health": my_state,
             "reason": reason,
@@ -1546,6 +1661,30 @@ pub struct LeaseMetrics {
     pub waited_seconds: f64,
     pub refused: u64,
     pub fences: u64,
+}
+
+/// Run `f` to completion on this thread, for at most `limit`: whether it completed.
+fn block_on_for(f: impl std::future::Future<Output = ()>, limit: Duration) -> bool {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    let t0 = Instant::now();
+    loop {
+        if f.as_mut().poll(&mut cx).is_ready() {
+            return true;
+        }
+        let left = limit.saturating_sub(t0.elapsed());
+        if left.is_zero() {
+            return false;
+        }
+        std::thread::park_timeout(left.min(Duration::from_millis(10)));
+    }
 }
 
 /// Forget fenced addresses older than the blocklist.
