@@ -392,6 +392,28 @@ pub(crate) struct Server {
     dir: tempfile::TempDir,
 }
 
+/// The target a server started with `args` serves first (`--target`, else the default).
+fn target_of(args: &[&str]) -> String {
+    args.iter()
+        .position(|a| *a == "--target")
+        .and_then(|i| args.get(i + 1))
+        .map(|s| s.to_string())
+        .unwrap_or_else(|| DEFAULT_TARGET.to_string())
+}
+
+/// `serve --listen LISTEN --data-dir DATA ARGS...`.
+fn serve_args(listen: &str, data: &Path, args: &[&str]) -> Vec<String> {
+    let mut full: Vec<String> = vec![
+        "serve".into(),
+        "--listen".into(),
+        listen.into(),
+        "--data-dir".into(),
+        data.display().to_string(),
+    ];
+    full.extend(args.iter().map(|s| s.to_string()));
+    full
+}
+
 impl Server {
     /// `ironsan serve --listen 127.0.0.1:PORT --data-dir TMP/data ARGS...` on a free port.
     ///
@@ -404,12 +426,7 @@ impl Server {
             .prefix("ironsan-test-")
             .tempdir()
             .expect("tempdir");
-        let target = args
-            .iter()
-            .position(|a| *a == "--target")
-            .and_then(|i| args.get(i + 1))
-            .map(|s| s.to_string())
-            .unwrap_or_else(|| DEFAULT_TARGET.to_string());
+        let target = target_of(args);
         let data = dir.path().join("data");
         let mut s = Server {
             child: None,
@@ -425,16 +442,8 @@ impl Server {
         const ATTEMPTS: u32 = 5;
         for attempt in 1..=ATTEMPTS {
             let port = free_port();
-            let mut full: Vec<String> = vec![
-                "serve".into(),
-                "--listen".into(),
-                format!("127.0.0.1:{port}"),
-                "--data-dir".into(),
-                data.display().to_string(),
-            ];
-            full.extend(args.iter().map(|s| s.to_string()));
             s.port = port;
-            s.args = full;
+            s.args = serve_args(&format!("127.0.0.1:{port}"), &data, args);
             s.addrs = vec![SocketAddr::from((Ipv4Addr::LOCALHOST, port))];
             match s.try_spawn() {
                 Ok(()) => return s,
@@ -509,21 +518,14 @@ impl Server {
             .prefix("ironsan-test-")
             .tempdir()
             .expect("tempdir");
-        let target = args
-            .iter()
-            .position(|a| *a == "--target")
-            .and_then(|i| args.get(i + 1))
-            .map(|s| s.to_string())
-            .unwrap_or_else(|| DEFAULT_TARGET.to_string());
-        let mut full: Vec<String> = vec![
-            "serve".into(),
-            "--listen".into(),
-            addr.to_string(),
-            "--data-dir".into(),
-            dir.path().join("data").display().to_string(),
-        ];
-        full.extend(args.iter().map(|s| s.to_string()));
-        Server::launch_in(dir, full, vec![addr], target, Some(netns.to_string()))
+        let full = serve_args(&addr.to_string(), &dir.path().join("data"), args);
+        Server::launch_in(
+            dir,
+            full,
+            vec![addr],
+            target_of(args),
+            Some(netns.to_string()),
+        )
     }
 
     /// Stop the process (SIGSTOP): every thread of it, as a pause, a swapped-out or hung

@@ -11,7 +11,9 @@ use crate::admin::Control;
 use crate::counters::ConnCounters;
 use crate::metrics::{Class, BUCKETS, STAGES};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, NoLabelSet,
+};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::fmt::Error;
@@ -42,11 +44,11 @@ fn le_seconds(i: usize) -> f64 {
     (1u64 << i) as f64 / 1e6
 }
 
-fn counter(
+fn counter<V: EncodeCounterValue>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    series: impl IntoIterator<Item = (Labels<'static>, u64)>,
+    series: impl IntoIterator<Item = (Labels<'static>, V)>,
 ) -> Result<(), Error> {
     let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
     for (labels, v) in series {
@@ -56,42 +58,15 @@ fn counter(
     Ok(())
 }
 
-fn gauge(
+fn gauge<V: EncodeGaugeValue>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    series: impl IntoIterator<Item = (Labels<'static>, i64)>,
+    series: impl IntoIterator<Item = (Labels<'static>, V)>,
 ) -> Result<(), Error> {
     let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
     for (labels, v) in series {
         m.encode_family(&labels)?.encode_gauge(&v)?;
-    }
-    Ok(())
-}
-
-fn gauge_f64(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    series: impl IntoIterator<Item = (Labels<'static>, f64)>,
-) -> Result<(), Error> {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (labels, v) in series {
-        m.encode_family(&labels)?.encode_gauge(&v)?;
-    }
-    Ok(())
-}
-
-fn counter_f64(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    series: impl IntoIterator<Item = (Labels<'static>, f64)>,
-) -> Result<(), Error> {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-    for (labels, v) in series {
-        m.encode_family(&labels)?
-            .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
     }
     Ok(())
 }
@@ -129,7 +104,7 @@ impl Collector for Families {
             )?;
             let me = || vec![("node", node.node().to_string())];
             let m = node.lease_metrics();
-            gauge_f64(
+            gauge(
                 &mut enc,
                 "ironsan_cluster_lease_remaining_seconds",
                 "How long this node's lease still holds (0: lapsed: it starts no write to a shared LUN)",
@@ -154,7 +129,7 @@ impl Collector for Families {
                     })
                 }),
             )?;
-            gauge_f64(
+            gauge(
                 &mut enc,
                 "ironsan_cluster_peer_lease_remaining_seconds",
                 "How long each other node's lease still holds in this node's view",
@@ -174,7 +149,7 @@ impl Collector for Families {
                 "Commands that waited for the write gate (a node pending or suspect)",
                 [(me(), m.waited)],
             )?;
-            counter_f64(
+            counter(
                 &mut enc,
                 "ironsan_cluster_write_hold_seconds",
                 "Time commands spent waiting for the write gate, in all",

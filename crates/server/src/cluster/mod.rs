@@ -172,18 +172,14 @@ struct TargetObject {
     luns: BTreeMap<u64, String>,
 }
 
-/// One node's registration for a target.
+/// One node's registration for a target: the node, and its ports there.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 struct NodeEntry {
-    name: String,
+    #[serde(flatten)]
+    member: Member,
     /// Relative target ports (= portal group tags) through which it serves the target.
     ports: Vec<u16>,
     portals: Vec<String>,
-    /// Its RADOS client's address: what fencing it blocklists.
-    address: String,
-    instance: u64,
-    /// When it registered (seconds since the epoch).
-    joined: u64,
 }
 
 /// What a node notifies the others of.
@@ -482,12 +478,7 @@ impl ClusterNode {
     /// listed as fenced in the same write, and blocklisted right after.
     fn register(&self) -> Result<(), String> {
         let me = self.cfg.node;
-        let entry = Member {
-            name: self.cfg.name.clone(),
-            address: self.address.clone(),
-            instance: self.pool.instance_id(),
-            joined: epoch_secs(),
-        };
+        let entry = self.member();
         // A live node with this number (a second node given the same number, or this one
         // started twice) answers a ping: refused, rather than fencing it.
         let cur = self
@@ -565,6 +556,16 @@ impl ClusterNode {
         Ok(())
     }
 
+    /// This node as the shared objects list it.
+    fn member(&self) -> Member {
+        Member {
+            name: self.cfg.name.clone(),
+            address: self.address.clone(),
+            instance: self.pool.instance_id(),
+            joined: epoch_secs(),
+        }
+    }
+
     fn my_entry(&self, control: &Control, target: &str) -> NodeEntry {
         let tags = control.portal_groups(target).ok().flatten();
         let portals = control.portal_list();
@@ -577,16 +578,13 @@ impl ClusterNode {
         ports.sort_unstable();
         ports.dedup();
         NodeEntry {
-            name: self.cfg.name.clone(),
+            member: self.member(),
             ports,
             portals: portals
                 .iter()
                 .filter(|p| serving(p.tag))
                 .map(|p| p.addr.to_string())
                 .collect(),
-            address: self.address.clone(),
-            instance: self.pool.instance_id(),
-            joined: epoch_secs(),
         }
     }
 
@@ -610,7 +608,7 @@ impl ClusterNode {
                     if let Some(p) = entry.ports.iter().find(|p| other.ports.contains(p)) {
                         refused = Some(format!(
                             "portal group tag {p} is node {n}'s ({}): give every node its own portal group tags",
-                            other.name
+                            other.member.name
                         ));
                         return None;
                     }
@@ -1388,12 +1386,12 @@ impl ClusterNode {
                     target,
                     lun,
                     node = n,
-                    address = %entry.address,
+                    address = %entry.member.address,
                     "node {n} did not confirm a reservation change: fencing it"
                 );
                 self.fence_node(
                     *n,
-                    &entry.address,
+                    &entry.member.address,
                     "it did not confirm a reservation change",
                 )?;
             }
@@ -1524,13 +1522,13 @@ impl ClusterNode {
                     };
                     json!({
                         "node": n,
-                        "name": v.entry.name,
+                        "name": v.entry.member.name,
                         "self": is_me,
                         "state": state,
                         "lease_ms": lease_ms,
                         "ports": v.entry.ports,
                         "portals": v.entry.portals,
-                        "address": v.entry.address,
+                        "address": v.entry.member.address,
                         "last_ack_ms": last_ack_ms,
                         "applied": if is_me { &mine } else { &v.applied },
                     })
