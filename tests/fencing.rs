@@ -502,7 +502,8 @@ async fn client(
                 // No answer in time, or the connection broke: given up with its connection,
                 // sent through the other node.
                 _ => {
-                    let park = give_up == GiveUp::Park || (give_up == GiveUp::Mixed && i % 2 == 0);
+                    let park = give_up == GiveUp::Park
+                        || (give_up == GiveUp::Mixed && i.is_multiple_of(2));
                     if let Some(c) = paths[p].client.take().filter(|_| park) {
                         rec.lock().unwrap().parked.push(c);
                     }
