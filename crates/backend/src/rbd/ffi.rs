@@ -543,6 +543,8 @@ extern "C" fn watch_err_cb(arg: *mut c_void, _cookie: u64, err: c_int) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (h.on_error)(err)));
 }
 
+/// Dropping the watch unregisters it and waits for its callbacks to finish: never drop it
+/// from one of its own callbacks (that waits for itself).
 impl Drop for ObjectWatch {
     fn drop(&mut self) {
         // SAFETY: the cookie came from `rados_watch2` on this I/O context. After unwatch,

@@ -57,7 +57,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -295,6 +295,10 @@ pub struct ClusterNode {
     last_fence: Mutex<Option<LastFence>>,
     /// The watch of the cluster object (`None`: broken, watched again at the next tick).
     cluster_watch: Mutex<Option<Watcher>>,
+    /// The cluster object's watch broke: the heartbeat watches it again. (Set by librados'
+    /// error callback, which must not drop the watch itself: unwatching waits for the
+    /// callbacks to finish, the one running among them.)
+    cluster_watch_broken: AtomicBool,
     /// Pings waiting for their answers.
     pings: AtomicUsize,
 }
@@ -380,6 +384,7 @@ impl ClusterNode {
             stats: GateStats::default(),
             last_fence: Mutex::new(None),
             cluster_watch: Mutex::new(None),
+            cluster_watch_broken: AtomicBool::new(false),
             pings: AtomicUsize::new(0),
         }))
     }
@@ -643,7 +648,9 @@ impl ClusterNode {
 
     /// Watch the cluster object (replacing a broken watch).
     fn watch_cluster(self: &Arc<Self>) -> Result<(), SharedError> {
-        drop(lock(&self.cluster_watch).take());
+        self.cluster_watch_broken.store(false, Ordering::Release);
+        let old = lock(&self.cluster_watch).take();
+        drop(old);
         let (n1, n2) = (Arc::downgrade(self), Arc::downgrade(self));
         let w = self.pool.watch(
             &self.oid,
@@ -659,7 +666,7 @@ impl ClusterNode {
                         node.oid,
                         std::io::Error::from_raw_os_error(-err)
                     );
-                    drop(lock(&node.cluster_watch).take());
+                    node.cluster_watch_broken.store(true, Ordering::Release);
                 }
             },
         )?;
@@ -1125,7 +1132,8 @@ impl ClusterNode {
         if matches!(*lock(&self.health), Health::Fenced(_)) {
             return;
         }
-        if lock(&self.cluster_watch).is_none() {
+        if self.cluster_watch_broken.load(Ordering::Acquire) || lock(&self.cluster_watch).is_none()
+        {
             if let Err(e) = self.watch_cluster() {
                 if e.fenced() {
                     self.fenced_now(e.to_string());
