@@ -316,18 +316,24 @@ exp_iometer() {
     for t in ironsan tgt istgt; do serves "$t" shm && { start_target "$t" "$t" shm; names+=("$t"); }; done
     local qds="1 4 16" sizes="512 4096 32768 131072"
     if ((FULL)); then qds="1 2 4 8 16" sizes="512 1024 2048 4096 8192 16384 32768 65536 131072"; fi
-    if ((QUICK)); then qds="1 16" sizes="4096 131072"; fi
+    # --quick: every pattern, both ends of the grid on the diagonal (QD1 x 128 KiB, QD16 x 4 KiB).
+    local points=""
+    if ((QUICK)); then points="1:131072 16:4096"; fi
     local line
     line=$(printf '%-9s %3s %7s' pattern qd bytes)
     for t in "${names[@]}"; do line+=$(printf ' | %-22s' "$t"); done
     [[ ${#names[@]} -gt 1 ]] && line+=" | ironsan/others MB/s"
     say "$line"
-    local p rw mix q bs
+    local p rw mix q bs pt
     for p in read randread write randwrite rw randrw; do
         rw=$p mix=()
         [[ $p == rw || $p == randrw ]] && mix=(--rwmixread 70)
-        for q in $qds; do
-            for bs in $sizes; do
+        if [[ -z $points ]]; then
+            for q in $qds; do for bs in $sizes; do points+=" $q:$bs"; done; done
+        fi
+        for pt in $points; do
+            q=${pt%%:*} bs=${pt#*:}
+            {
                 line=$(printf '%-9s %3s %7s' "$p${mix:+ 70/30}" "$q" "$bs")
                 local first="" ratios=""
                 for t in "${names[@]}"; do
@@ -339,7 +345,7 @@ exp_iometer() {
                     else ratios+=" $(awk -v a="$first" -v b="$mbs" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')"; fi
                 done
                 say "$line${ratios:+ |$ratios}"
-            done
+            }
         done
     done
     stop_all

@@ -59,12 +59,14 @@ apt_install() {
 # kernel initiator in an emulated guest (scripts/kernel-initiator.sh); multipath-tools and
 # sg3-utils go into that guest for the multipath test (scripts/kernel-multipath.sh).
 # python3-matplotlib draws the benchmark report (bench/report.py); chromium loads it and the status
-# page (tests/http.rs); prometheus brings promtool, which checks /metrics (tests/http.rs). dpkg-dev
+# page (tests/system/http.rs); prometheus brings promtool, which checks /metrics (tests/system/http.rs). dpkg-dev
 # builds and checks the Debian package (scripts/package-test.sh). gcc links every Rust binary and
-# compiles mimalloc, the allocator.
+# compiles mimalloc, the allocator. librbd-dev and librados-dev bring the headers the RBD
+# declarations are checked against (crates/backend/src/rbd/ffi/headers.rs); ironsan itself
+# loads librbd1 at run time and links nothing of Ceph.
 PLAIN=(gcc libiscsi-bin tgt istgt iproute2 procps python3 shellcheck
     qemu-system-x86 linux-image-amd64 busybox-static open-iscsi e2fsprogs
-    ceph-mon ceph-osd ceph-common librbd1 tgt-rbd fio multipath-tools sg3-utils
+    ceph-mon ceph-osd ceph-common librbd1 librbd-dev librados-dev tgt-rbd fio multipath-tools sg3-utils
     python3-matplotlib chromium prometheus dpkg-dev curl)
 missing=()
 for pkg in "${PLAIN[@]}"; do

@@ -5,7 +5,12 @@
 #   scripts/test.sh --quick    the same without fmt/clippy/shellcheck
 #   scripts/test.sh --long     also run long soak modes (IRONSAN_LONG=1)
 #
-# Stops at the first failing step with a non-zero exit status.
+# Stops at the first failing step with a non-zero exit status. Ends with one line counting
+# the tests run: cargo's tests, libiscsi's (conformance) and the scripted end-to-end steps,
+# passed, failed and skipped. A test that cannot run on this machine is a skip
+# (ironsan-testkit's `skip`, recorded in $IRONSAN_SKIP_LOG); under IRONSAN_REQUIRE_TOOLS=1,
+# as here, it fails instead, so a CI run shows 0 skipped. libiscsi's waived skips
+# (conformance/waivers.txt) are counted apart.
 #
 # The workspace tests run with IRONSAN_REQUIRE_TOOLS=1: tests that drive
 # external initiators (iscsi-test-cu, qemu-img, ...) fail instead of
@@ -35,6 +40,34 @@ fi
 START=$(date +%s)
 SECTION=""
 SECTION_START=$START
+TALLY=$(mktemp -d "${TMPDIR:-/tmp}/ironsan-test-tally.XXXXXX")
+export IRONSAN_SKIP_LOG=$TALLY/skips
+: >"$IRONSAN_SKIP_LOG"
+# Totals: cargo tests, libiscsi tests, scripted steps.
+declare -A N=([passed]=0 [failed]=0 [skipped]=0 [ignored]=0 [cu_passed]=0 [cu_failed]=0 [cu_waived]=0 [steps]=0)
+
+# tally LOG: add the counts of a step's output (cargo's "test result:" lines, the
+# conformance report's closing line) and print them for the step.
+tally() {
+    local log=$1 p f i cp cf cs
+    read -r p f i < <(awk '/^test result:/ { for (k = 1; k <= NF; k++) { if ($(k+1) ~ /^passed/) p += $k; if ($(k+1) ~ /^failed/) f += $k; if ($(k+1) ~ /^ignored/) i += $k } } END { print p + 0, f + 0, i + 0 }' "$log")
+    read -r cp cf cs < <(awk '/^conformance: [0-9]+ passed/ { p += $2; f += $4; s += $6 } END { print p + 0, f + 0, s + 0 }' "$log")
+    N[passed]=$((N[passed] + p)); N[failed]=$((N[failed] + f)); N[ignored]=$((N[ignored] + i))
+    N[cu_passed]=$((N[cu_passed] + cp)); N[cu_failed]=$((N[cu_failed] + cf)); N[cu_waived]=$((N[cu_waived] + cs))
+    if ((p + f + i)); then printf '    (tests in this step: %d passed, %d failed, %d ignored)\n' "$p" "$f" "$i"; fi
+    if ((cp + cf + cs)); then printf '    (libiscsi tests in this step: %d passed, %d failed, %d skipped and waived)\n' "$cp" "$cf" "$cs"; fi
+}
+
+# run_logged CMD...: run it with its output shown and kept for tally.
+run_logged() {
+    local log=$TALLY/step.log rc=0
+    "$@" 2>&1 | tee "$log" || rc=$?
+    tally "$log"
+    return $rc
+}
+
+# step_passed: one scripted end-to-end check (a guest, the package, a benchmark smoke) passed.
+step_passed() { N[steps]=$((N[steps] + 1)); }
 
 fmt_secs() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 
@@ -53,10 +86,20 @@ section() {
 
 on_exit() {
     local rc=$?
-    local total
+    local total skipped
     total=$(fmt_secs $(($(date +%s) - START)))
+    skipped=$(grep -c '^skipped:' "$IRONSAN_SKIP_LOG" 2>/dev/null || true)
     if [[ $rc -eq 0 ]]; then
         end_section
+    fi
+    if ((skipped)); then
+        echo "Skipped tests (a tool, right or kernel feature missing):"
+        sed 's/^/  /' "$IRONSAN_SKIP_LOG"
+    fi
+    printf '\n==== tests: %d passed, %d failed, %d skipped (%d ignored); libiscsi: %d passed, %d failed, %d waived skips; end-to-end steps: %d passed ====\n' \
+        "${N[passed]}" "${N[failed]}" "${skipped:-0}" "${N[ignored]}" "${N[cu_passed]}" "${N[cu_failed]}" "${N[cu_waived]}" "${N[steps]}"
+    rm -rf "$TALLY"
+    if [[ $rc -eq 0 ]]; then
         printf '\n==== ALL PASSED (total %s) ====\n' "$total"
     else
         printf '\n==== FAILED in step "%s" (exit %d, total %s) ====\n' "$SECTION" "$rc" "$total"
@@ -101,60 +144,74 @@ section "cargo build --release"
 cargo build --release
 
 section "third-party MC/S initiator (tests/mcs-peer: iscsi-client-rs, a test tool)"
-# A separate package (AGPL, never linked into ironsan); tests/clients.rs runs it.
+# A separate package (AGPL, never linked into ironsan); tests/system/clients.rs runs it.
 CARGO_TARGET_DIR="$TARGET_DIR/mcs-peer" cargo build --release --manifest-path tests/mcs-peer/Cargo.toml
 export IRONSAN_MCS_PEER="$TARGET_DIR/mcs-peer/release/ironsan-mcs-peer"
 
 section "cargo test --workspace --release"
-IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" \
-    cargo test --workspace --release
+export IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan"
+# The fencing scenarios run on their own after the rest: they pause and cut off cluster
+# nodes on a two-second lease, which a heavy test beside them would only make noisier.
+run_logged cargo test --workspace --release -- --skip fencing::
+
+section "cargo test: gateways paused or cut off (tests/system/fencing.rs, network namespaces)"
+run_logged cargo test --release --test system fencing::
 
 section "conformance (iscsi-test-cu ALL: RAM LUN, file LUN, 4K-physical and read-only passes)"
 # The report parser guards the verdict, so check it can still fail first.
 python3 scripts/cunit_report.py --self-test
-export IRONSAN_BIN="$TARGET_DIR/release/ironsan"
-# Every test on a RAM LUN and on a file LUN; skips must be in conformance/waivers.txt.
-bash scripts/conformance.sh --all --lun ram:256M
+# Every test on a RAM LUN and on a file LUN; skips must be in conformance/waivers.txt, and
+# every waiver must be used.
+run_logged bash scripts/conformance.sh --all --lun ram:256M
 # The file LUN with zero-copy reads forced on (this host's BBR would turn "auto" off), so
 # libiscsi's whole suite reads through sendfile.
-bash scripts/conformance.sh --all --lun file:lun0.img:256M --serve-arg --zero-copy-reads --serve-arg on
+run_logged bash scripts/conformance.sh --all --lun file:lun0.img:256M --serve-arg --zero-copy-reads --serve-arg on
 # The waived tests that need another LU shape, run on that shape with no waivers.
-bash scripts/conformance.sh --suites conformance/suites-pbs4k.txt --waivers conformance/no-waivers.txt --lun ram:256M,pbs=4096
-bash scripts/conformance.sh --suites conformance/suites-readonly.txt --waivers conformance/no-waivers.txt --lun ram:256M,ro
+run_logged bash scripts/conformance.sh --suites conformance/suites-pbs4k.txt --waivers conformance/no-waivers.txt --lun ram:256M,pbs=4096
+run_logged bash scripts/conformance.sh --suites conformance/suites-readonly.txt --waivers conformance/no-waivers.txt --lun ram:256M,ro
 
 section "conformance on an RBD LUN (a throwaway Ceph cluster: scripts/ceph-micro.sh)"
 CEPH_DIR=$(mktemp -d /tmp/ironsan-ceph-ci.XXXXXX)
 rmdir "$CEPH_DIR"
 bash scripts/ceph-micro.sh start "$CEPH_DIR" --die-with $$ >/dev/null
 rbd --conf "$CEPH_DIR/ceph.conf" create --size 256M rbd/conformance
-bash scripts/conformance.sh --all --lun "rbd:rbd/conformance,conf=$CEPH_DIR/ceph.conf"
+run_logged bash scripts/conformance.sh --all --lun "rbd:rbd/conformance,conf=$CEPH_DIR/ceph.conf"
 bash scripts/ceph-micro.sh destroy "$CEPH_DIR"
 
 section "linux kernel initiator (open-iscsi in a QEMU guest)"
-IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
+bash scripts/kernel-initiator.sh
+step_passed
 # Again without digests: the guest's reads then come by sendfile (zero-copy reads forced on).
-IRONSAN_REQUIRE_TOOLS=1 IRONSAN_KERNEL_DIGEST=None IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-initiator.sh
+IRONSAN_KERNEL_DIGEST=None bash scripts/kernel-initiator.sh
+step_passed
 
 section "linux dm-multipath with ALUA (two paths in a QEMU guest, states and a portal changed under a verified write stream)"
-IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-multipath.sh
+bash scripts/kernel-multipath.sh
+step_passed
 
 section "linux dm-multipath across two cluster nodes (one RBD image; node 1 killed and restarted under a verified write stream)"
-IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/kernel-multipath.sh --cluster
+bash scripts/kernel-multipath.sh --cluster
+step_passed
 
 section "benchmark report (bench/report.py on the checked-in run, opened in headless Chromium)"
 bash scripts/report-test.sh
+step_passed
 
 section "Debian package (packaging/build-deb.sh: install, serve from the installed config, remove, purge)"
 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/package-test.sh
+step_passed
 
 section "bench smoke (bench/run.sh, 1 s per workload: the tool works, figures not judged)"
 # Every client against every target once, interleaved as in a real run; exits 1 if any
 # client run fails. Idle and memory are left out (about 2 minutes of waiting between them).
 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/run.sh --duration 1 --only ram,qd1,scale,file,load,disk --no-save
-# The RBD section on small images (its own throwaway cluster; includes the ~30 s restart
-# without the lock-owner record).
+step_passed
+# The RBD section on small images (its own throwaway cluster; of the restarts after kill -9,
+# only the one with its lock-owner record: the other waits ~30 s for librbd).
 RBD_MB=64 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/run.sh --duration 1 --only rbd --no-save
+step_passed
 
 section "classic experiments smoke (bench/classic.sh --quick: every experiment once, figures not judged)"
 # Namespaces, veth lines with tbf, every peer; exits 1 if any client run fails.
 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/classic.sh --quick --no-save
+step_passed

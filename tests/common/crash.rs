@@ -1,5 +1,5 @@
-//! Crash-consistency harness shared by `tests/crash.rs` (SIGKILL of `ironsan serve`) and
-//! `tests/powerfail/` (SIGKILL plus a power cut of the FUSE file system under the backing file).
+//! Crash-consistency harness shared by `tests/system/crash.rs` (SIGKILL of `ironsan serve`) and
+//! `tests/system/powerfail.rs` (SIGKILL plus a power cut of the FUSE file system under the backing file).
 //!
 //! Several writer sessions (one iSCSI session each, each owning a disjoint region) write
 //! 4 KiB records through `ironsan-initiator` and record every write: issued (in flight), acked,

@@ -129,7 +129,7 @@ pub struct FileBackend {
     punch: bool,
     /// Make durable writes with write + `fdatasync` instead of `RWF_DSYNC`: FUSE in direct-I/O
     /// mode drops the RWF_DSYNC flag (the FUSE server sees a plain WRITE and no FSYNC), which
-    /// the power-loss harness (tests/powerfail) showed loses acknowledged writes.
+    /// the power-loss harness (tests/system/powerfail.rs) showed loses acknowledged writes.
     dsync_by_fdatasync: bool,
     /// The file lives on tmpfs/ramfs: its I/O never waits for a device, so it runs inline on
     /// the caller's thread (no I/O-thread hop). Such file systems do not support RWF_NOWAIT.
@@ -674,7 +674,7 @@ mod tests {
     /// A new 8 MiB LUN file on tmpfs (`/dev/shm`), or `None` (the test skips) without one.
     fn tmpfs_lun() -> Option<(tempfile::TempDir, PathBuf, FileBackend)> {
         if !Path::new("/dev/shm").is_dir() {
-            eprintln!("no /dev/shm: skipped");
+            ironsan_testkit::skip("no /dev/shm (tmpfs) for an in-memory LUN file");
             return None;
         }
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
@@ -858,7 +858,9 @@ mod tests {
                 return Some(dir);
             }
         }
-        eprintln!("no disk file system for a scratch file: skipped");
+        ironsan_testkit::skip(
+            "no disk file system (not tmpfs or ramfs) under /var/tmp, /tmp or . for a scratch file",
+        );
         None
     }
 

@@ -135,7 +135,7 @@ pub use lease::Lease;
 pub use null::NullBackend;
 pub use ram::{set_free_memory_release, RamBackend};
 pub use rbd::{RadosClient, RbdBackend, RbdOptions};
-pub use sys::{no_transparent_huge_pages, MappedDest};
+pub use sys::{no_transparent_huge_pages, MappedDest, Mapping};
 
 /// Data that stays in a file until it is sent: `len` bytes at `offset` of `file`. A backend
 /// returns one from [`BlockDevice::read_in_place`] when the kernel can send the range straight

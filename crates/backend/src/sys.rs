@@ -367,6 +367,11 @@ impl Mapping {
         self.len
     }
 
+    /// Whether nothing is mapped (never: a mapping has at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// An `iovec` naming `len` bytes at byte `at` of the mapping, for a system call that reads
     /// them (a vectored send of Data-In); `None` when the range is not inside the mapping.
     /// Making one reads nothing, and nothing in user space reads through it: the kernel's

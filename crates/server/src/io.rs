@@ -6,7 +6,7 @@ use bytes::{Bytes, BytesMut};
 use ironsan_backend::{FileRange, InPlaceWrite};
 use ironsan_proto::digest;
 use ironsan_proto::pdu::{pad_len, Bhs, Header, Pdu, ReceivePlan, BHS_LEN};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
@@ -430,20 +430,17 @@ impl Part {
             p => p.as_slice().len(),
         }
     }
-    /// The part from byte `skip` on, for a vectored send; `None` for a file range sent with
-    /// `sendfile`.
-    fn iovec(&self, skip: usize) -> Option<libc::iovec> {
+    /// Add the part from byte `skip` on to a vectored send; false (nothing added) for a file
+    /// range sent with `sendfile`.
+    fn send_from<'a>(&'a self, skip: usize, list: &mut crate::sys::SendList<'a>) -> bool {
         match self {
-            Part::File(r) => r
-                .map
-                .as_ref()?
-                .iovec(r.offset as usize + skip, r.len - skip),
+            Part::File(r) => match &r.map {
+                Some(m) => list.push_mapped(m, r.offset as usize + skip, r.len - skip),
+                None => false,
+            },
             p => {
-                let s = &p.as_slice()[skip..];
-                Some(libc::iovec {
-                    iov_base: s.as_ptr() as *mut libc::c_void,
-                    iov_len: s.len(),
-                })
+                list.push_slice(&p.as_slice()[skip..]);
+                true
             }
         }
     }
@@ -534,16 +531,13 @@ impl WriteBatch {
         while self.part < self.parts.len() {
             let (part, off) = (self.part, self.off);
             let mut file_follows = false;
-            let iov: Vec<libc::iovec> = self.parts[part..]
-                .iter()
-                .take(1024)
-                .enumerate()
-                .map_while(|(i, p)| {
-                    let v = p.iovec(if i == 0 { off } else { 0 });
-                    file_follows = v.is_none();
-                    v
-                })
-                .collect();
+            let mut iov = crate::sys::SendList::default();
+            for (i, p) in self.parts[part..].iter().take(1024).enumerate() {
+                if !p.send_from(if i == 0 { off } else { 0 }, &mut iov) {
+                    file_follows = true;
+                    break;
+                }
+            }
             // Nothing before the first file range that is not mapped: `sendfile` it.
             if let (true, Part::File(r)) = (iov.is_empty(), &self.parts[part]) {
                 let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
@@ -565,7 +559,7 @@ impl WriteBatch {
                 continue;
             }
             let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
-                crate::sys::send_iovecs(fd, &iov, file_follows)
+                crate::sys::send_iovecs(stream.as_fd(), &iov, file_follows)
             });
             let mut n = match sent {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),

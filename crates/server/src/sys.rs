@@ -35,14 +35,56 @@ pub(crate) fn monotonic_ns() -> u64 {
         .wrapping_add(ts.tv_nsec as u64)
 }
 
-/// `sendmsg(fd, iov, MSG_DONTWAIT | MSG_NOSIGNAL)` on the non-blocking socket `fd`, with
+/// The memory one vectored send reads, as `iovec`s that each borrow what they name for `'a`:
+/// a byte slice, or a range of a file's shared mapping (which nothing in user space reads; a
+/// page of it past the file's end makes the send fail with EFAULT). Only these two can be
+/// added, so every `iovec` [`send_iovecs`] hands the kernel names memory alive for the call.
+#[derive(Debug, Default)]
+pub(crate) struct SendList<'a> {
+    iov: Vec<libc::iovec>,
+    _borrows: std::marker::PhantomData<&'a [u8]>,
+}
+
+impl<'a> SendList<'a> {
+    pub(crate) fn push_slice(&mut self, s: &'a [u8]) {
+        self.iov.push(libc::iovec {
+            iov_base: s.as_ptr() as *mut libc::c_void,
+            iov_len: s.len(),
+        });
+    }
+
+    /// `len` bytes at byte `at` of `map`; false (nothing added) when that is not inside it.
+    pub(crate) fn push_mapped(
+        &mut self,
+        map: &'a ironsan_backend::Mapping,
+        at: usize,
+        len: usize,
+    ) -> bool {
+        match map.iovec(at, len) {
+            Some(v) => {
+                self.iov.push(v);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.iov.is_empty()
+    }
+}
+
+/// `sendmsg(fd, list, MSG_DONTWAIT | MSG_NOSIGNAL)` on the non-blocking socket `fd`, with
 /// `MSG_MORE` when `more` (the kernel then holds a partial segment back for what comes next, a
 /// `sendfile`). `MSG_NOSIGNAL`: a peer that reset gives EPIPE, never SIGPIPE, whether or not
-/// the process embedding the server ignores that signal. `iov` names memory
-/// the kernel reads: our buffers, or a file's shared mapping that nothing in user space reads
-/// (`Mapping::iovec`); a page of it past the file's end makes the call fail with EFAULT, or
-/// stop short after the bytes before it.
-pub(crate) fn send_iovecs(fd: RawFd, iov: &[libc::iovec], more: bool) -> std::io::Result<usize> {
+/// the process embedding the server ignores that signal. A mapped range past its file's end
+/// makes the call fail with EFAULT, or stop short after the bytes before it.
+pub(crate) fn send_iovecs(
+    fd: BorrowedFd<'_>,
+    list: &SendList<'_>,
+    more: bool,
+) -> std::io::Result<usize> {
+    let iov = &list.iov;
     let count = iov.len().min(libc::UIO_MAXIOV as usize);
     // SAFETY: all-zero is a valid `msghdr` (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -53,10 +95,10 @@ pub(crate) fn send_iovecs(fd: RawFd, iov: &[libc::iovec], more: bool) -> std::io
         flags |= libc::MSG_MORE;
     }
     // SAFETY: `msg` points at `iov`, borrowed (alive, unmoved) for the call, and `count` is
-    // at most its length; the kernel only reads the iovecs and the memory they name, which the
-    // caller keeps alive for the call (a bad address only makes the call fail); a bad fd only
-    // makes the call fail.
-    let ret = unsafe { libc::sendmsg(fd, &msg, flags) };
+    // at most its length; the kernel only reads the iovecs and the memory they name, which
+    // `list` borrows for at least the call (`SendList` takes nothing else); `fd` is borrowed,
+    // so open for the call.
+    let ret = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, flags) };
     check(ret)
 }
 

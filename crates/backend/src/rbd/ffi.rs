@@ -56,8 +56,10 @@ struct NotifyTimeout {
     cookie: u64,
 }
 
+/// `rbd_lock_mode_t`, a C enum of non-negative values: an `unsigned int` to the compiler.
+type LockMode = std::ffi::c_uint;
 /// `rbd_lock_mode_t`: RBD_LOCK_MODE_EXCLUSIVE.
-const LOCK_MODE_EXCLUSIVE: c_int = 0;
+const LOCK_MODE_EXCLUSIVE: LockMode = 0;
 /// `RBD_FEATURE_EXCLUSIVE_LOCK` (`rbd/features.h`).
 pub(super) const FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
 /// The exclusive lock and the features that need it (`rbd/features.h`), in the order
@@ -150,11 +152,11 @@ struct Api {
     rbd_update_unwatch: unsafe extern "C" fn(ImageT, u64) -> c_int,
     rbd_diff_iterate2:
         unsafe extern "C" fn(ImageT, *const c_char, u64, u64, u8, u8, DiffCb, *mut c_void) -> c_int,
-    rbd_lock_acquire: unsafe extern "C" fn(ImageT, c_int) -> c_int,
+    rbd_lock_acquire: unsafe extern "C" fn(ImageT, LockMode) -> c_int,
     rbd_lock_get_owners:
-        unsafe extern "C" fn(ImageT, *mut c_int, *mut *mut c_char, *mut usize) -> c_int,
+        unsafe extern "C" fn(ImageT, *mut LockMode, *mut *mut c_char, *mut usize) -> c_int,
     rbd_lock_get_owners_cleanup: unsafe extern "C" fn(*mut *mut c_char, usize),
-    rbd_lock_break: unsafe extern "C" fn(ImageT, c_int, *const c_char) -> c_int,
+    rbd_lock_break: unsafe extern "C" fn(ImageT, LockMode, *const c_char) -> c_int,
     rbd_aio_create_completion:
         unsafe extern "C" fn(*mut c_void, CompleteCb, *mut CompletionT) -> c_int,
     rbd_aio_get_return_value: unsafe extern "C" fn(CompletionT) -> isize,
@@ -937,7 +939,7 @@ impl Image {
 
     /// The current owners of the image's exclusive lock (empty: none).
     pub(super) fn lock_owners(&self) -> Result<Vec<String>, Errno> {
-        let mut mode: c_int = 0;
+        let mut mode: LockMode = 0;
         let mut owners: [*mut c_char; 16] = [std::ptr::null_mut(); 16];
         let mut n = owners.len();
         // SAFETY: open image; `owners` has room for `n` pointers, which librbd fills with
@@ -1293,3 +1295,6 @@ impl Pending {
         }
     }
 }
+
+#[cfg(test)]
+mod headers;

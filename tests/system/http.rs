@@ -2,7 +2,7 @@
 //! (`promtool check metrics`, Debian package `prometheus`) on a scrape taken under load, and
 //! the status page loaded by headless Chromium while a libiscsi session is logged in.
 
-mod common;
+use crate::common;
 use common::*;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! connection allegiance, logout of a named connection, connection reinstatement, the limits,
 //! and what an initiator that breaks the rules gets.
 
-mod support;
+use crate::support;
 
 use bytes::Bytes;
 use ironsan_initiator::{read16_cdb, write16_cdb, Client, Error, LoginOptions};

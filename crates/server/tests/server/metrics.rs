@@ -2,7 +2,7 @@
 //! scrape over TCP parsed line by line (HELP/TYPE, samples), counters moved by exactly the I/O
 //! done, histogram buckets cumulative and ending with +Inf = count; and `ctl stats`.
 
-mod support;
+use crate::support;
 use bytes::Bytes;
 use ironsan_backend::RamBackend;
 use ironsan_initiator::{Client, LoginOptions};

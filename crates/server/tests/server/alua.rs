@@ -4,7 +4,7 @@
 //! effect on the other path), SET TARGET PORT GROUPS from an initiator, a timed transition,
 //! groups following portals added live, and the metrics.
 
-mod support;
+use crate::support;
 use ironsan_initiator::Client;
 use ironsan_server::admin::{Control, Hooks};
 use ironsan_server::{Portal, PortalGroup, Server, ServerConfig};

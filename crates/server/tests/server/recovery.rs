@@ -3,7 +3,7 @@
 //! dropped, SNACKs answered from what the connection kept, and what a level-0 session gets
 //! instead.
 
-mod support;
+use crate::support;
 
 use bytes::Bytes;
 use ironsan_initiator::{Client, Corrupt, LoginOptions};

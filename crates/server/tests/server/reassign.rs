@@ -7,7 +7,7 @@
 //! LUN 0 is a [`FaultBackend`] over RAM: reads and writes of LBAs 2000-2007 take 1.5 s, so a
 //! command is still running when its connection is cut.
 
-mod support;
+use crate::support;
 
 use bytes::{Bytes, BytesMut};
 use ironsan_backend::{BlockDevice, FaultBackend, FaultRule, RamBackend};

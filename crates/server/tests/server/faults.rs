@@ -4,7 +4,7 @@
 //! failing LBA in INFORMATION, SPACE ALLOCATION FAILED, ...), the other LUN unaffected, and
 //! ABORT TASK / LUN RESET complete while the backend I/O is stuck, without a double completion.
 
-mod support;
+use crate::support;
 use bytes::Bytes;
 use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBackend};
 use ironsan_initiator::{Client, CommandResult, LoginOptions};
@@ -394,7 +394,7 @@ async fn thin_file_out_of_space_reports_space_allocation_failed() {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIP: cannot mount a small tmpfs (not root?)");
+        ironsan_testkit::skip("cannot mount a 1 MiB tmpfs (needs root)");
         return;
     }
     struct Umount(std::path::PathBuf);

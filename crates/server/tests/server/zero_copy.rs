@@ -5,7 +5,7 @@
 //! against what was written (and written bytes in the backing file itself), and the server's
 //! own counters say whether the bytes went in place or by copy.
 
-mod support;
+use crate::support;
 use bytes::Bytes;
 use ironsan_backend::{BlockDevice, FileBackend, FileOptions, NullBackend, RamBackend};
 use ironsan_initiator::{Client, CommandResult, LoginOptions};

@@ -3,7 +3,7 @@
 //! do not choose themselves (digests, R2T-only writes, small segments, window abuse, task
 //! management, reinstatement, hostile PDUs).
 
-mod support;
+use crate::support;
 use bytes::Bytes;
 use ironsan_initiator::{Client, LoginOptions};
 use ironsan_proto::pdu::*;
@@ -579,15 +579,21 @@ async fn unanswered_nop_in_closes_the_connection() {
 
 #[tokio::test]
 async fn answered_nop_in_keeps_the_connection() {
+    // Pings are answered for longer than the NOP-In timeout (so the answers are what keeps
+    // the connection); each answer has the whole 3 s timeout, ample on a loaded machine.
+    let timeout = Duration::from_secs(3);
     let (addr, _stop) = start_with(|c| {
         c.limits.nop_interval = Duration::from_millis(100);
-        c.limits.nop_timeout = Duration::from_millis(1000);
+        c.limits.nop_timeout = timeout;
     })
     .await;
     let mut c = Client::login(addr, &LoginOptions::new(Some(TARGET)))
         .await
         .unwrap();
-    for _ in 0..3 {
+    let t0 = std::time::Instant::now();
+    let mut answered = 0;
+    while t0.elapsed() < timeout + Duration::from_secs(1) {
+        answered += 1;
         let p = tokio::time::timeout(Duration::from_secs(5), c.recv())
             .await
             .unwrap()
@@ -605,6 +611,11 @@ async fn answered_nop_in_keeps_the_connection() {
         };
         c.send(Header::NopOut(reply), Bytes::new()).await.unwrap();
     }
+    assert!(
+        answered > 1,
+        "only {answered} ping(s) in {:?}",
+        t0.elapsed()
+    );
     let r = c.command(0, &[0u8; 6], None, 0).await.unwrap();
     assert_eq!(r.status, 0);
 }

@@ -7,7 +7,7 @@
 //! tool skips the test with a message, or fails it when `IRONSAN_REQUIRE_TOOLS=1` (CI).
 //! The tests parse what the tools print; an exit status alone proves little.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -602,46 +602,6 @@ fn iscsi_perf_runs_reads_and_writes() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 6. Conformance: libiscsi's iscsi-test-cu, via scripts/conformance.sh
-// ---------------------------------------------------------------------------------------------
-
-#[test]
-fn iscsi_test_cu_core_suites_pass() {
-    if !require_tools(&["iscsi-test-cu", "python3", "ss", "bash"]) {
-        return;
-    }
-    // scripts/conformance.sh starts its own ironsan (IRONSAN_BIN) on a free port with a RAM
-    // LUN, runs each pattern as its own iscsi-test-cu run, and judges the CUnit output with
-    // scripts/cunit_report.py (failed tests, crashes, unwaived skips, server death, SIGTERM).
-    // The suite list is conformance/suites.txt, the same one the script uses on its own.
-    let tmp = tempfile::tempdir().unwrap();
-    let suites = concat!(env!("CARGO_MANIFEST_DIR"), "/conformance/suites.txt");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/conformance.sh");
-    let logs = tmp.path().join("logs").display().to_string();
-    let out = run_env(
-        "bash",
-        &[script, "--suites", suites],
-        &[
-            ("IRONSAN_BIN", bin()),
-            ("CONFORMANCE_LOG_DIR", &logs),
-            ("CONFORMANCE_TIMEOUT", "120"),
-        ],
-        Duration::from_secs(600),
-    );
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{text}");
-    assert!(
-        out.status.success(),
-        "iscsi-test-cu conformance failed (report above and here):\n{text}"
-    );
-    assert!(text.contains("conformance: OK"), "{text}");
-}
-
-// ---------------------------------------------------------------------------------------------
 // 7. Defaults: data directory, connect lines, durability across a restart
 // ---------------------------------------------------------------------------------------------
 
@@ -929,9 +889,8 @@ fn sigterm_shuts_down_cleanly() {
     // iscsi-perf prints its progress line once a second of I/O has completed.
     perf.wait_for_stdout("iops current", Duration::from_secs(15));
     s.assert_alive();
-    let t0 = Instant::now();
+    // 20 s only catches a hang; the order of events below is what is checked.
     let st = s.stop_within(Duration::from_secs(20));
-    let took = t0.elapsed();
     let st = st.unwrap_or_else(|| {
         panic!(
             "ironsan did not exit within 20 s of SIGTERM with a client connected\n{}\n{}",
@@ -945,12 +904,16 @@ fn sigterm_shuts_down_cleanly() {
         "ironsan exit status on SIGTERM: {st}\n{}",
         s.logs()
     );
-    // Below the 10 s default grace time: the server exits once the initiator has logged
-    // out, not when the grace time is over (with slack for a loaded machine).
+    // The server exited because the initiator's session ended, not because the grace time
+    // ran out: "every session has ended", and no session closed for not logging out.
+    let log = s.stderr();
     assert!(
-        took < Duration::from_secs(9),
-        "SIGTERM → exit took {took:?}\n{}",
-        s.logs()
+        log.contains("shutdown: every session has ended"),
+        "the shutdown did not see every session end\n{log}"
+    );
+    assert!(
+        !log.contains("did not log out"),
+        "a session was closed at the end of the grace time\n{log}"
     );
     assert!(
         std::net::TcpStream::connect(s.addr()).is_err(),
@@ -1549,18 +1512,22 @@ async fn sigterm_asks_initiators_to_log_out_and_exits_within_the_grace_time() {
         polite.logout().await.expect("logout while draining"),
         ironsan_proto::pdu::LogoutResponseCode::CLOSED
     );
+    // 20 s only catches a hang; that the configured grace time was used is read from the log.
     let st = s.wait_exit(Duration::from_secs(20));
     let took = t0.elapsed();
     let st = st.unwrap_or_else(|| panic!("no exit within 20 s of SIGTERM\n{}", s.logs()));
     assert_eq!(st.code(), Some(0), "exit status {st}\n{}", s.logs());
-    // Below 9 s: slack for a loaded machine, yet distinguishable from the 10 s default grace
-    // time (the configured one ignored) and from no exit at all.
+    // Not before the grace time (a lower bound: a loaded machine only makes it later).
     assert!(
-        took >= Duration::from_millis(1900) && took < Duration::from_secs(9),
-        "SIGTERM → exit took {took:?} with a 2 s grace time and a session that does not log out\n{}",
+        took >= Duration::from_millis(1900),
+        "SIGTERM → exit took {took:?}, less than the 2 s grace time, with a session that does not log out\n{}",
         s.logs()
     );
     let log = s.stderr();
+    assert!(
+        log.contains("waiting up to 2s"),
+        "the shutdown did not wait the configured 2 s grace time\n{log}"
+    );
     assert!(
         log.lines()
             .any(|l| l.contains("logout") && l.contains("initiator=")),
@@ -2045,7 +2012,7 @@ fn block_device_lun_verifies_every_block_with_io_uring_and_with_threads() {
     let dev = match common::LoopDevice::over_new_file(&img, 64 << 20) {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("SKIP: {e}; block device LUN not tested");
+            ironsan_testkit::skip(format!("{e}; block device LUN not tested"));
             return;
         }
     };
@@ -2094,11 +2061,11 @@ impl Drop for Sysctl {
 #[test]
 fn without_io_uring_auto_falls_back_to_threads_and_uring_refuses_to_start() {
     if common::which("setpriv").is_none() {
-        eprintln!("SKIP: no setpriv (util-linux)");
+        ironsan_testkit::skip("no setpriv (util-linux)");
         return;
     }
     let Some(_sysctl) = Sysctl::set("/proc/sys/kernel/io_uring_disabled", "1") else {
-        eprintln!("SKIP: cannot set kernel.io_uring_disabled (kernel < 6.6 or not root)");
+        ironsan_testkit::skip("cannot set kernel.io_uring_disabled (kernel < 6.6 or not root)");
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -2268,10 +2235,9 @@ fn a_third_party_mcs_initiator_moves_verified_data_over_several_connections() {
         )
     });
     if !Path::new(&peer).exists() {
-        if std::env::var("IRONSAN_REQUIRE_TOOLS").as_deref() == Ok("1") {
-            panic!("{peer} is missing: scripts/test.sh builds it (tests/mcs-peer)");
-        }
-        eprintln!("SKIPPED: {peer} is not built (cargo build --release --manifest-path tests/mcs-peer/Cargo.toml)");
+        ironsan_testkit::skip(format!(
+            "{peer} is not built (scripts/test.sh builds it: cargo build --release --manifest-path tests/mcs-peer/Cargo.toml)"
+        ));
         return;
     }
     let s = Server::start(&["--lun", "ram:64M"]);

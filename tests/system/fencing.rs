@@ -21,9 +21,8 @@
 //!
 //! Needs root (`ip netns`), ceph-mon, ceph-osd and ceph-common.
 
-#[path = "common/ceph.rs"]
-mod ceph;
-mod common;
+use crate::ceph;
+use crate::common;
 
 use bytes::Bytes;
 use ceph::Cluster;
@@ -258,11 +257,7 @@ fn is_root() -> bool {
 
 /// Not root: a skip (or, with `IRONSAN_REQUIRE_TOOLS=1`, a failure) that says why.
 fn skip<T>(why: &str) -> Option<T> {
-    assert!(
-        std::env::var_os("IRONSAN_REQUIRE_TOOLS").is_none(),
-        "{why} (IRONSAN_REQUIRE_TOOLS is set)"
-    );
-    eprintln!("skipped: {why}");
+    ironsan_testkit::skip(why);
     None
 }
 

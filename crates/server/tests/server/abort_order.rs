@@ -20,7 +20,7 @@
 //!
 //! LUN 0 is a [`FaultBackend`] over RAM; the test reads the RAM under it directly.
 
-mod support;
+use crate::support;
 use bytes::Bytes;
 use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBackend};
 use ironsan_initiator::{Client, CommandResult, LoginOptions};
@@ -608,11 +608,8 @@ async fn silent_initiator_is_dropped_by_nop_timeout_and_acknowledged_writes_surv
         acked_late.len(),
         checked
     );
-    // Generous for a loaded machine, yet far below a wait for the device or a hang.
-    assert!(
-        elapsed < Duration::from_secs(30),
-        "silent initiator scenario took {elapsed:?}"
-    );
+    // No bound on the whole: every step above waits at most WAIT for its event, so a hang
+    // fails there, naming the step.
 }
 
 /// Log in (ISID ending in `isid`, InitialR2T=Yes, no immediate data) and send an 8 KiB

@@ -3,7 +3,7 @@
 //! a login on a portal outside the target's groups fails with 0203 (not found). Portals are
 //! added and removed live through the control socket while another session does I/O.
 
-mod support;
+use crate::support;
 use ironsan_initiator::{Client, Error, LoginOptions};
 use ironsan_server::admin;
 use ironsan_server::{Portal, PortalGroup, Server, ServerConfig};

@@ -6,11 +6,10 @@
 //! WCE=1. 5 cycles each; `IRONSAN_LONG=1` runs 100; `IRONSAN_SEED=N` replays a schedule.
 //!
 //! SIGKILL cannot lose what is in the page cache, so this proves ordering, atomicity and
-//! acknowledgement discipline, not that flushes are issued: `tests/powerfail/` does that.
+//! acknowledgement discipline, not that flushes are issued: `tests/system/powerfail.rs` does that.
 
-mod common;
-#[path = "common/crash.rs"]
-mod crash_harness;
+use crate::common;
+use crate::crash_harness;
 
 use common::Server;
 use crash_harness::{Crashable, Plan};
@@ -143,10 +142,10 @@ async fn file_buffered_wce1() {
 async fn file_direct_wce0_and_wce1() {
     let dir = tempfile::tempdir().unwrap();
     if !direct_supported(dir.path()) {
-        eprintln!(
-            "SKIP: {} refuses O_DIRECT; file O_DIRECT mode not tested",
+        ironsan_testkit::skip(format!(
+            "{} refuses O_DIRECT; file O_DIRECT mode not tested",
             dir.path().display()
-        );
+        ));
         return;
     }
     for wce in [false, true] {
@@ -172,7 +171,7 @@ async fn block_device_loop_wce0_and_wce1() {
         let dev = match common::LoopDevice::over_new_file(&img, 64 << 20) {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("SKIP: {e}; block device mode not tested");
+                ironsan_testkit::skip(format!("{e}; block device mode not tested"));
                 return;
             }
         };

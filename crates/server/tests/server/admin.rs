@@ -1,7 +1,7 @@
 //! The control socket in process: views (sessions with negotiated keys and TCP_INFO) and
 //! run-time changes (LUN add/remove/resize, ACLs, targets) while other sessions do I/O.
 
-mod support;
+use crate::support;
 use bytes::Bytes;
 use ironsan_backend::RamBackend;
 use ironsan_initiator::{Client, LoginOptions};

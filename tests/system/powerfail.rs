@@ -11,10 +11,8 @@
 //!
 //! Needs root and /dev/fuse (skipped with a message otherwise).
 
-#[path = "../common/mod.rs"]
-mod common;
-#[path = "../common/crash.rs"]
-mod crash_harness;
+use crate::common;
+use crate::crash_harness;
 mod memfs;
 
 use bytes::Bytes;
@@ -46,7 +44,7 @@ impl Mounted {
 
 fn mount(direct_io: bool) -> Option<Mounted> {
     if !Path::new("/dev/fuse").exists() {
-        eprintln!("SKIP: no /dev/fuse; power-loss emulation not run");
+        ironsan_testkit::skip("no /dev/fuse; power-loss emulation not run");
         return None;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -68,7 +66,9 @@ fn mount(direct_io: bool) -> Option<Mounted> {
             })
         }
         Err(e) => {
-            eprintln!("SKIP: cannot mount FUSE ({e}; needs root or fusermount3); not run");
+            ironsan_testkit::skip(format!(
+                "cannot mount FUSE ({e}; needs root or fusermount3)"
+            ));
             None
         }
     }

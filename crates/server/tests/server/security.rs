@@ -3,7 +3,7 @@
 //! do CHAP one-way and mutual, MD5 and SHA-256, hex and base64, and misbehave on purpose).
 //! Every refusal is checked for its exact login status or SCSI status.
 
-mod support;
+use crate::support;
 use bytes::Bytes;
 use ironsan_backend::RamBackend;
 use ironsan_initiator::{ChapOptions, Client, Error, LoginOptions};
