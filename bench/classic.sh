@@ -535,6 +535,13 @@ exp_sessions() {
             ironsan) modes="mcs-rr mcs-rr-fair mcs-lqd mcs-lqd-fair sessions" ;;
             istgt) modes="mcs-rr mcs-lqd sessions" ;;
         esac
+        # The smoke runs each spreading and each fairness setting once.
+        if ((QUICK)); then
+            case $t in
+                ironsan) modes="mcs-rr mcs-lqd-fair sessions" ;;
+                istgt) modes="mcs-lqd sessions" ;;
+            esac
+        fi
         for mode in $modes; do
             IRONSAN_ARGS=()
             if [[ $t == ironsan ]]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one test command (README, CI via .ci/run):
 #
-#   scripts/test.sh            deps, fmt, clippy, release build, tests, conformance
+#   scripts/test.sh            deps, fmt, clippy, build (profile ci), tests, conformance
 #   scripts/test.sh --quick    the same without fmt/clippy/shellcheck
 #   scripts/test.sh --long     also run long soak modes (IRONSAN_LONG=1)
 #
@@ -15,7 +15,7 @@
 # The workspace tests run with IRONSAN_REQUIRE_TOOLS=1: tests that drive
 # external initiators (iscsi-test-cu, qemu-img, ...) fail instead of
 # skipping when a tool is missing, so a broken install cannot turn into a
-# quietly green run. IRONSAN_BIN points them at the release binary built here.
+# quietly green run. IRONSAN_BIN points them at the binary built here (profile ci).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -137,25 +137,31 @@ if [[ $QUICK -eq 0 ]]; then
     shellcheck -S warning -s sh tests/kernel/init tests/kernel/init-multipath
 
     section "fuzz smoke (scripts/fuzz.sh: every target briefly; docs/FUZZING.md for long runs)"
-    bash scripts/fuzz.sh --seconds "${FUZZ_SECONDS:-20}"
+    bash scripts/fuzz.sh --seconds "${FUZZ_SECONDS:-10}"
 fi
 
-section "cargo build --release"
-cargo build --release
+# Everything below builds and tests the `ci` profile (Cargo.toml): release optimisation without
+# thin LTO and debug info, which halves the build of the test binaries. `cargo build --release`
+# (what users and the benchmarks run) differs only in how it links.
+PROFILE=${IRONSAN_TEST_PROFILE:-ci}
+section "cargo build --profile $PROFILE"
+cargo build --profile "$PROFILE"
 
 section "third-party MC/S initiator (tests/mcs-peer: iscsi-client-rs, a test tool)"
-# A separate package (AGPL, never linked into ironsan); tests/system/clients.rs runs it.
-CARGO_TARGET_DIR="$TARGET_DIR/mcs-peer" cargo build --release --manifest-path tests/mcs-peer/Cargo.toml
-export IRONSAN_MCS_PEER="$TARGET_DIR/mcs-peer/release/ironsan-mcs-peer"
+# A separate package (AGPL, never linked into ironsan); tests/system/clients.rs runs it. A
+# debug build: it is a test tool, and its speed is not what is tested.
+CARGO_TARGET_DIR="$TARGET_DIR/mcs-peer" cargo build --manifest-path tests/mcs-peer/Cargo.toml
+export IRONSAN_MCS_PEER="$TARGET_DIR/mcs-peer/debug/ironsan-mcs-peer"
 
-section "cargo test --workspace --release"
-export IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/release/ironsan"
+section "cargo test --workspace --profile $PROFILE"
+export IRONSAN_REQUIRE_TOOLS=1 IRONSAN_BIN="$TARGET_DIR/$PROFILE/ironsan"
 # The fencing scenarios run on their own after the rest: they pause and cut off cluster
 # nodes on a two-second lease, which a heavy test beside them would only make noisier.
-run_logged cargo test --workspace --release -- --skip fencing::
+run_logged cargo test --workspace --profile "$PROFILE" --lib --bins --tests -- --skip fencing::
 
 section "cargo test: gateways paused or cut off (tests/system/fencing.rs, network namespaces)"
-run_logged cargo test --release --test system fencing::
+# The same selection of packages as above (--workspace), so nothing is built again.
+run_logged cargo test --workspace --profile "$PROFILE" --test system fencing::
 
 section "conformance (iscsi-test-cu ALL: RAM LUN, file LUN, 4K-physical and read-only passes)"
 # The report parser guards the verdict, so check it can still fail first.
@@ -198,20 +204,20 @@ bash scripts/report-test.sh
 step_passed
 
 section "Debian package (packaging/build-deb.sh: install, serve from the installed config, remove, purge)"
-IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash scripts/package-test.sh
+bash scripts/package-test.sh
 step_passed
 
 section "bench smoke (bench/run.sh, 1 s per workload: the tool works, figures not judged)"
 # Every client against every target once, interleaved as in a real run; exits 1 if any
 # client run fails. Idle and memory are left out (about 2 minutes of waiting between them).
-IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/run.sh --duration 1 --only ram,qd1,scale,file,load,disk --no-save
+bash bench/run.sh --duration 1 --only ram,qd1,scale,file,load,disk --no-save
 step_passed
 # The RBD section on small images (its own throwaway cluster; of the restarts after kill -9,
 # only the one with its lock-owner record: the other waits ~30 s for librbd).
-RBD_MB=64 IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/run.sh --duration 1 --only rbd --no-save
+RBD_MB=64 bash bench/run.sh --duration 1 --only rbd --no-save
 step_passed
 
 section "classic experiments smoke (bench/classic.sh --quick: every experiment once, figures not judged)"
 # Namespaces, veth lines with tbf, every peer; exits 1 if any client run fails.
-IRONSAN_BIN="$TARGET_DIR/release/ironsan" bash bench/classic.sh --quick --no-save
+bash bench/classic.sh --quick --no-save
 step_passed

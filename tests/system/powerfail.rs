@@ -219,7 +219,10 @@ impl InProc {
             error_recovery_level: None,
             scsi: Arc::new(scsi),
         };
-        let cfg = ironsan_server::ServerConfig::new(vec![self.addr], vec![t]);
+        let mut cfg = ironsan_server::ServerConfig::new(vec![self.addr], vec![t]);
+        // A power cut: the server stops at once, it does not wait for the harness's writers
+        // to log out (they never do).
+        cfg.limits.shutdown_grace = Duration::ZERO;
         let server = ironsan_server::Server::bind(cfg).await.unwrap();
         self.addr = server.local_addrs()[0];
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
