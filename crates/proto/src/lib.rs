@@ -7,6 +7,8 @@
 //! * [`pdu`] — BHS/AHS codec with a two-stage decode (header → receive plan → payload).
 //! * [`digest`] — CRC32C header and data digests (hardware-accelerated).
 //! * [`serial`] — RFC 1982 serial arithmetic for CmdSN, StatSN, DataSN.
+//! * [`intake`] — what a connection does with each PDU it reads in the full-feature phase:
+//!   damaged headers, ExpStatSN, which PDUs take a CmdSN, Rejects before the CmdSN.
 //! * [`text`] — text key=value segments (RFC 7143 §6).
 //! * [`negotiate`] — table-driven operational key negotiation (RFC 7143 §13).
 //! * [`login`] — the target's login state machine (RFC 7143 §6.3, §11.12).
@@ -24,6 +26,7 @@
 pub mod chap;
 pub mod connection;
 pub mod digest;
+pub mod intake;
 pub mod keepalive;
 pub mod login;
 pub mod negotiate;

@@ -156,6 +156,14 @@ fn set_ack(d: &mut DataIn) -> bool {
     }
 }
 
+/// Whether a Data-In of a task reassigned with ExpDataSN `from` is sent again on the new
+/// connection (RFC 7143 §7.2.2, §11.5.1): those from `from` on, and the one carrying the
+/// status even when its data was acknowledged (`from` is the initiator's ExpDataSN, or the
+/// first not acknowledged by a DataACK when it sent 0).
+pub fn resent_on_reassign(d: &DataIn, from: DataSn, carries_status: bool) -> bool {
+    !d.data_sn.lt(from) || carries_status
+}
+
 /// Fit a reassigned task's resumed response to the new connection's
 /// MaxRecvDataSegmentLength `max` (RFC 7143 §11.5.6: the number of Data-In sent again depends
 /// on whether MaxRecvDataSegmentLength changed with the reassignment; §7.2.2). With every
@@ -362,6 +370,17 @@ struct Status {
     body: Body,
 }
 
+impl Status {
+    /// Whether this is the status of task `itt` (and still held).
+    fn is_of(&self, itt: Itt) -> bool {
+        match (&self.body, self.task) {
+            (Body::InTask(_), Some((i, _))) => i == itt,
+            (Body::Own(Header::ScsiResponse(r), _), _) => r.itt == itt,
+            _ => false,
+        }
+    }
+}
+
 /// The PDUs a connection retains for SNACK at ErrorRecoveryLevel 1 or higher (RFC 7143 §11.16).
 /// See the module docs.
 #[derive(Debug)]
@@ -497,14 +516,7 @@ impl<S: BuildHasher + Default> Retained<S> {
     /// StatSN). `None` while no status of the task is held (still running, or let go): the
     /// caller waits or answers that the task does not exist. The task is let go here.
     pub fn reassign(&mut self, itt: Itt, exp_data_sn: DataSn) -> Option<Vec<(Header, Bytes)>> {
-        let at = self
-            .statuses
-            .iter()
-            .rposition(|s| match (&s.body, s.task) {
-                (Body::InTask(_), Some((i, _))) => i == itt,
-                (Body::Own(Header::ScsiResponse(r), _), _) => r.itt == itt,
-                _ => false,
-            })?;
+        let at = self.statuses.iter().rposition(|s| s.is_of(itt))?;
         let status = self.statuses.get_mut(at)?;
         let (own, carrier) = match &status.body {
             Body::Own(h, d) => (Some((h.clone(), d.clone())), None),
@@ -530,8 +542,7 @@ impl<S: BuildHasher + Default> Retained<S> {
             out.extend(
                 t.data
                     .iter()
-                    // The status goes again even when its data was acknowledged.
-                    .filter(|(h, _)| !h.data_sn.lt(from) || Some(h.data_sn) == carrier)
+                    .filter(|(h, _)| resent_on_reassign(h, from, Some(h.data_sn) == carrier))
                     .map(|(h, d)| (Header::DataIn(h.clone()), d.clone())),
             );
             self.remove_task(itt);
@@ -541,6 +552,11 @@ impl<S: BuildHasher + Default> Retained<S> {
         }
         out.extend(own);
         Some(out)
+    }
+
+    /// Whether a status of task `itt` is held ([`Retained::reassign`] would answer).
+    pub fn has_status(&self, itt: Itt) -> bool {
+        self.statuses.iter().any(|s| s.is_of(itt))
     }
 
     /// Answer a SNACK Request (RFC 7143 §11.16): the PDUs to send again, a DataACK taken, a

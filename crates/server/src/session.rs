@@ -277,13 +277,6 @@ impl Session {
         self.recovers
     }
 
-    /// How long a failed connection's tasks are kept (DefaultTime2Wait + DefaultTime2Retain).
-    pub(crate) fn retention(&self) -> std::time::Duration {
-        std::time::Duration::from_secs(
-            u64::from(self.params.default_time2wait) + u64::from(self.params.default_time2retain),
-        )
-    }
-
     /// Run `f` on what kept connections left (ErrorRecoveryLevel 2).
     pub(crate) fn orphans<R>(&self, f: impl FnOnce(&mut crate::conn::Orphans) -> R) -> R {
         let mut o = lock(&self.orphans);
@@ -296,7 +289,17 @@ impl Session {
     /// for a TASK REASSIGN when the session recovers connections, else dropped.
     pub(crate) fn park(&self, id: ConnId, out: crate::writer::Out) {
         if self.recovers {
-            self.orphans(|o| o.park(id, out));
+            let ready = self.orphans(|o| o.park(id, out));
+            crate::conn::send_forwards(ready);
+        }
+    }
+
+    /// The writer of the kept connection `id` has stopped: what it stamped for tasks
+    /// reassigned meanwhile goes to their new connections.
+    pub(crate) fn writer_stopped(&self, id: ConnId) {
+        if self.recovers {
+            let ready = self.orphans(|o| o.resolve(id));
+            crate::conn::send_forwards(ready);
         }
     }
 

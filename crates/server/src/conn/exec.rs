@@ -65,29 +65,6 @@ pub(super) fn in_place_reads(
     })
 }
 
-/// The CDB with any Extended CDB AHS appended (RFC 7143 §11.2.2.3). `None` if an AHS is
-/// malformed.
-pub(super) fn extended_cdb(cdb16: &[u8; 16], ahs: &Bytes) -> Option<Bytes> {
-    if ahs.is_empty() {
-        return Some(Bytes::copy_from_slice(cdb16));
-    }
-    let mut cdb = cdb16.to_vec();
-    let mut rest = &ahs[..];
-    while !rest.is_empty() {
-        let hdr = rest.get(..3)?;
-        let len = u16::from_be_bytes([hdr[0], hdr[1]]) as usize;
-        let ahs_type = hdr[2];
-        let body = rest.get(4..4 + len.saturating_sub(1))?;
-        if ahs_type == 1 {
-            cdb.extend_from_slice(body);
-        }
-        let total = 4 + len.saturating_sub(1);
-        let padded = total + ironsan_proto::pdu::pad_len(total);
-        rest = rest.get(padded..).unwrap_or(&[]);
-    }
-    Some(Bytes::from(cdb))
-}
-
 /// Turn a SCSI response into iSCSI PDUs ([`response_pdus`]: Data-In with the status collapsed
 /// into the last one when there is no sense data, and/or a SCSI Response with the sense),
 /// slicing the read data (never copying it) into the Data-In segments.

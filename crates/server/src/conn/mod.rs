@@ -23,7 +23,7 @@ pub(crate) use exec::abort_preempted;
 mod keepalive;
 mod login;
 mod reassign;
-pub(crate) use reassign::Orphans;
+pub(crate) use reassign::{send_forwards, Orphans};
 mod recovery;
 mod text;
 mod tmf;
@@ -38,6 +38,7 @@ use crate::{Portal, Shared};
 use bytes::{Bytes, BytesMut};
 use ironsan_backend::int_map::IntHasher;
 use ironsan_backend::IntMap;
+use ironsan_proto::intake::{DamagedHeader, Intake, IntakeParams, Route};
 use ironsan_proto::negotiate::ConnParams;
 use ironsan_proto::pdu::*;
 use ironsan_proto::session::{ConnId, Event, PduAdmission};
@@ -225,10 +226,9 @@ struct Connection {
     /// ErrorRecoveryLevel above 0 (RFC 7143 §7.1.5): lost data is asked for again, damaged
     /// headers are dropped, SNACKs are answered.
     recovery: bool,
-    /// Header digest errors in a row (a dropped PDU's successor must be sound).
-    bad_headers: u8,
-    /// The last ExpStatSN handed to what the writer keeps for SNACKs.
-    acked: Option<StatSn>,
+    /// The protocol core's intake of this connection's PDUs (damaged headers, ExpStatSN,
+    /// where each PDU goes).
+    intake: Intake,
     /// On a cluster node: proof that the initiator is live after a silence, before a command
     /// that changes a shared medium runs ([`Probing`]).
     probe: Option<Probing>,
@@ -378,8 +378,11 @@ pub(crate) async fn run(
         in_place: exec::in_place_reads(shared.cfg.limits.zero_copy_reads, &params, fd)
             .filter(|_| !recovery),
         recovery,
-        bad_headers: 0,
-        acked: None,
+        intake: Intake::new(IntakeParams {
+            cid: Cid(cid),
+            error_recovery_level: session.params.error_recovery_level,
+            discovery: session.target.is_none(),
+        }),
         probe: shared
             .cluster
             .get()
@@ -458,6 +461,7 @@ pub(crate) async fn run(
         for out in unsent {
             session.park(id, out);
         }
+        session.writer_stopped(id);
         tokio::spawn(reassign::expire_later(
             Arc::clone(&session),
             Arc::clone(&shared),
@@ -768,33 +772,22 @@ impl Connection {
             }
             Err(ReadError::HeaderDigest(plan)) => {
                 self.count_digest_error();
-                // RFC 7143 §7.9: discard the PDU, or close the connection. At
-                // ErrorRecoveryLevel 1 the PDU is dropped when its length field still
-                // describes a valid PDU (what it carried is recovered as lost: a DataSN gap,
-                // a command retried, a SNACK); a second damaged header in a row means the
-                // stream is out of step, and closes.
-                self.bad_headers += 1;
-                match plan {
-                    Some(plan) if self.recovery && self.bad_headers < 2 => {
+                match (self.intake.damaged_header(plan.is_some()), plan) {
+                    (DamagedHeader::Drop, Some(plan)) => {
                         tracing::warn!(peer = %self.peer, initiator = %self.session.initiator_name, tsih = self.session.tsih.0, cid = self.cid, "header digest error; PDU dropped");
                         self.count_recovery(crate::counters::Recovery::HeaderDropped);
                         io::skip_data(rd, &plan).await?;
                         return Ok(());
                     }
-                    _ => return Err(ReadError::HeaderDigest(plan).into()),
+                    (_, plan) => return Err(ReadError::HeaderDigest(plan).into()),
                 }
             }
             Err(e) => return Err(e.into()),
         };
-        self.bad_headers = 0;
-        let other_conn = bhs.logout_cid().is_some_and(|c| c.0 != self.cid);
-        if let Some(kept) = self.writer.retained.get().filter(|_| !other_conn) {
-            // What an initiator PDU's ExpStatSN acknowledges need not be kept for SNACKs any
-            // more; most PDUs repeat the last one, which costs no lock. (A Logout naming
-            // another connection carries that connection's ExpStatSN.)
-            let sn = bhs.exp_stat_sn();
-            if self.acked != Some(sn) {
-                self.acked = Some(sn);
+        // What an initiator PDU's ExpStatSN acknowledges need not be kept for SNACKs any
+        // more; most PDUs repeat the last one, which costs no lock.
+        if let Some(sn) = self.intake.header(&bhs) {
+            if let Some(kept) = self.writer.retained.get() {
                 kept.lock().unwrap_or_else(|p| p.into_inner()).ack(sn);
             }
         }
@@ -806,19 +799,26 @@ impl Connection {
         if let Some(p) = &mut self.probe {
             p.core.received(rx_ms);
         }
-        match Header::decode(&bhs) {
-            Header::ScsiCommand(cmd) => {
+        let header = Header::decode(&bhs);
+        match (self.intake.route(&header), header) {
+            (Route::Command, Header::ScsiCommand(cmd)) => {
                 self.on_scsi_command(rd, &bhs, ahs, &plan, cmd, t_header)
                     .await?
             }
-            Header::DataOut(d) => self.on_data_out(rd, &bhs, &plan, d).await?,
-            other => {
+            (Route::DataOut, Header::DataOut(d)) => self.on_data_out(rd, &bhs, &plan, d).await?,
+            (Route::Reject(reason), Header::ScsiCommand(_)) => {
+                io::skip_data(rd, &plan).await?;
+                self.send(vec![reject(reason, &bhs)]).await;
+            }
+            (route, other) => {
                 let mut data = BytesMut::zeroed(plan.data_len);
-                if io::read_data_into(rd, &plan, &mut data).await? {
-                    self.on_other(&bhs, other, data.freeze()).await?;
-                } else {
+                if !io::read_data_into(rd, &plan, &mut data).await? {
                     let r = self.digest_error(RejectReason::DATA_DIGEST_ERROR, &bhs);
                     self.send(vec![r]).await;
+                } else if let Route::Reject(reason) = route {
+                    self.send(vec![reject(reason, &bhs)]).await;
+                } else {
+                    self.on_other(&bhs, route, other, data.freeze()).await?;
                 }
             }
         }
@@ -877,16 +877,14 @@ impl Connection {
     /// A PDU other than a SCSI Command or Data-Out. Those that carry a CmdSN (NOP-Out with a
     /// task tag, Text, task management, Logout) take their place in CmdSN order across the
     /// session's connections (RFC 7143 §3.2.2.1); one that arrives ahead of a gap waits.
-    async fn on_other(&mut self, bhs: &Bhs, header: Header, data: Bytes) -> ConnResult {
-        let sequenced = match &header {
-            // A NOP-Out with the reserved ITT (an answer to our ping) carries no command.
-            Header::NopOut(n) if n.itt != Itt::RESERVED => Some((n.cmd_sn, n.immediate)),
-            Header::TextRequest(t) => Some((t.cmd_sn, t.immediate)),
-            Header::TaskMgmtRequest(t) => Some((t.cmd_sn, t.immediate)),
-            Header::LogoutRequest(l) => Some((l.cmd_sn, l.immediate)),
-            _ => None,
-        };
-        if let Some((cmd_sn, immediate)) = sequenced {
+    async fn on_other(
+        &mut self,
+        bhs: &Bhs,
+        route: Route,
+        header: Header,
+        data: Bytes,
+    ) -> ConnResult {
+        if let Route::Sequenced { cmd_sn, immediate } = route {
             let id = self.id;
             match self.sess(|c| c.admit_pdu(id, cmd_sn, immediate)) {
                 PduAdmission::Now => {}
@@ -925,19 +923,13 @@ impl Connection {
             Header::TaskMgmtRequest(t) => self.on_task_management(t).await?,
             Header::LogoutRequest(l) => self.on_logout(l).await?,
             Header::SnackRequest(s) => self.on_snack(bhs, s).await,
-            Header::LoginRequest(_) => {
-                // A login on a connection already in full feature phase (RFC 7143 §6.3).
-                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
-                    .await;
-            }
-            Header::Unknown(_) => {
-                self.send(vec![reject(RejectReason::COMMAND_NOT_SUPPORTED, bhs)])
-                    .await;
-            }
-            _ => {
-                // Target-only opcodes sent by an initiator.
-                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
-                    .await;
+            // Rejected by `Intake::route` before they get here.
+            other => {
+                let reason = match self.intake.route(&other) {
+                    Route::Reject(reason) => reason,
+                    _ => RejectReason::PROTOCOL_ERROR,
+                };
+                self.send(vec![reject(reason, bhs)]).await;
             }
         }
         Ok(())

@@ -22,7 +22,7 @@
 use super::{ConnResult, Connection};
 use crate::counters::Recovery;
 use crate::session::Session;
-use crate::writer::{Out, OutPdu, Retained, SnMode};
+use crate::writer::{Out, OutPdu, Queue, Retained, SnMode};
 use crate::Shared;
 use ironsan_proto::connection::Write;
 use ironsan_proto::pdu::*;
@@ -31,7 +31,6 @@ use ironsan_proto::DataSn;
 use ironsan_scsi::DataIn as Segment;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 /// What one kept connection left behind.
 #[derive(Default)]
@@ -44,6 +43,30 @@ struct Kept {
     parked: HashMap<Itt, Vec<OutPdu>>,
     /// Delivered writes that were waiting for Data-Out.
     writes: Vec<Write<super::write::PendingWrite>>,
+    /// Tasks reassigned while still running, by task: where their response goes once it is
+    /// here (parked, or kept by the writer when it stops).
+    waiting: HashMap<Itt, Forward>,
+}
+
+/// The connection a reassigned, still running task now belongs to.
+struct Forward {
+    tx: Queue,
+    exp_data_sn: DataSn,
+    max_xmit: u32,
+}
+
+/// Responses of reassigned tasks to send on their new connections (outside the lock).
+pub(crate) type Forwards = Vec<(Queue, Vec<OutPdu>)>;
+
+/// Send what [`Orphans`] found for reassigned tasks on their new connections.
+pub(crate) fn send_forwards(forwards: Forwards) {
+    for (tx, pdus) in forwards {
+        // Called under no lock but from synchronous code: the queue may be full. If that
+        // connection has gone too, its initiator reassigns again.
+        tokio::spawn(async move {
+            let _ = tx.send(Out::Pdus(pdus)).await;
+        });
+    }
 }
 
 /// What the session's kept connections left behind, by connection.
@@ -81,7 +104,8 @@ fn task_of(h: &Header) -> Option<Itt> {
 impl Orphans {
     /// Keep responses of the connection `id` that were never stamped (Data-In and statuses
     /// by task; anything else is dropped: the initiator gave up on that connection).
-    pub(crate) fn park(&mut self, id: ConnId, out: Out) {
+    /// Returns the responses of reassigned tasks that are complete now.
+    pub(crate) fn park(&mut self, id: ConnId, out: Out) -> Forwards {
         let kept = self.conns.entry(id).or_default();
         let mut stack = vec![out];
         while let Some(o) = stack.pop() {
@@ -98,6 +122,65 @@ impl Orphans {
                 _ => {}
             }
         }
+        self.resolve(id)
+    }
+
+    /// The responses of tasks reassigned away from the kept connection `id` that are
+    /// complete: after something was parked, or when its writer stopped (a response its
+    /// writer stamped is in what the writer kept).
+    pub(crate) fn resolve(&mut self, id: ConnId) -> Forwards {
+        let Some(kept) = self.conns.get(&id) else {
+            return Vec::new();
+        };
+        let ready: Vec<Itt> = kept
+            .waiting
+            .keys()
+            .copied()
+            .filter(|itt| {
+                kept.parked
+                    .get(itt)
+                    .is_some_and(|v| v.iter().any(|p| carries_status(&p.header)))
+                    || kept.retained.as_ref().is_some_and(|r| {
+                        r.lock().unwrap_or_else(|p| p.into_inner()).has_status(*itt)
+                    })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for itt in ready {
+            let Some(f) = self.conns.get_mut(&id).and_then(|k| k.waiting.remove(&itt)) else {
+                continue;
+            };
+            if let Some(p) = self.take_output(Some(id), itt, f.exp_data_sn, f.max_xmit) {
+                out.push((f.tx, p));
+            }
+        }
+        out
+    }
+
+    /// Send the response of task `itt`, reassigned from the kept connection `from` while
+    /// still running, to `tx` once it is complete; returned at once if it is already.
+    fn forward_when_done(
+        &mut self,
+        from: ConnId,
+        itt: Itt,
+        tx: Queue,
+        exp_data_sn: DataSn,
+        max_xmit: u32,
+    ) -> Forwards {
+        if let Some(p) = self.take_output(Some(from), itt, exp_data_sn, max_xmit) {
+            return vec![(tx, p)];
+        }
+        if let Some(kept) = self.conns.get_mut(&from) {
+            kept.waiting.insert(
+                itt,
+                Forward {
+                    tx,
+                    exp_data_sn,
+                    max_xmit,
+                },
+            );
+        }
+        Vec::new()
     }
 
     /// The connection `id` is kept: its writer and its writes waiting for data.
@@ -135,6 +218,7 @@ impl Orphans {
     pub(crate) fn tag_reused(&mut self, itt: Itt) {
         for kept in self.conns.values_mut() {
             kept.parked.remove(&itt);
+            kept.waiting.remove(&itt);
             if let Some(r) = &kept.retained {
                 r.lock().unwrap_or_else(|p| p.into_inner()).forget_task(itt);
             }
@@ -221,7 +305,11 @@ impl Orphans {
                 return Some(
                     pdus.into_iter()
                         .filter(|p| match &p.header {
-                            Header::DataIn(d) => !d.data_sn.lt(exp_data_sn) || d.status.is_some(),
+                            Header::DataIn(d) => ironsan_proto::recovery::resent_on_reassign(
+                                d,
+                                exp_data_sn,
+                                d.status.is_some(),
+                            ),
                             _ => true,
                         })
                         .map(|p| (p.header, p.data))
@@ -254,11 +342,6 @@ fn mode_of(h: &Header) -> SnMode {
         SnMode::Current
     }
 }
-
-/// How often a reassigned task still running is looked at for its response.
-const FORWARD_POLL: Duration = Duration::from_millis(5);
-/// How long a reassigned task that left the task table may take to park its response.
-const FORWARD_GRACE: Duration = Duration::from_secs(2);
 
 impl Connection {
     /// TASK REASSIGN at ErrorRecoveryLevel 2 (RFC 7143 §11.5.1): the TMF response, then
@@ -330,33 +413,16 @@ impl Connection {
             self.send(resume).await;
         }
         if let Some(from) = forward {
-            // Behind the TMF response: what the reader kept goes first.
+            // Behind the TMF response: what the reader kept goes first. Its response is
+            // sent here when it is parked or its old writer stops (`Orphans::resolve`); a
+            // task aborted meanwhile sends nothing, and the entry goes with the kept
+            // connection.
             self.flush().await;
-            let session = Arc::clone(&self.session);
             let tx = self.tx.clone();
-            let limit = session.retention();
-            tokio::spawn(async move {
-                let deadline = tokio::time::Instant::now() + limit;
-                let mut gone_since = None;
-                while tokio::time::Instant::now() < deadline {
-                    if let Some(p) =
-                        session.orphans(|o| o.take_output(Some(from), itt, exp, max_xmit))
-                    {
-                        let _ = tx.send(Out::Pdus(p)).await;
-                        return;
-                    }
-                    // A task leaves the table just before its response is built and parked;
-                    // one gone for long with no response was aborted (a task management
-                    // function): nothing will come.
-                    if session.with_core(|c| c.task(itt).is_none()) {
-                        let since = *gone_since.get_or_insert_with(tokio::time::Instant::now);
-                        if since.elapsed() > FORWARD_GRACE {
-                            return;
-                        }
-                    }
-                    tokio::time::sleep(FORWARD_POLL).await;
-                }
-            });
+            let ready = self
+                .session
+                .orphans(|o| o.forward_when_done(from, itt, tx, exp, max_xmit));
+            send_forwards(ready);
         }
         Ok(())
     }

@@ -50,8 +50,7 @@ const RECOVERY_CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs
 
 impl Connection {
     pub(super) async fn on_task_management(&mut self, t: TaskMgmtRequest) -> ConnResult {
-        if t.function == TmfFunction::TASK_REASSIGN && self.session.params.error_recovery_level >= 2
-        {
+        if self.intake.reassigns(&t) {
             return self.on_reassign(t).await;
         }
         let code = self.task_management(&t);
@@ -283,21 +282,12 @@ impl Connection {
             response = code.0,
             "logout"
         );
-        // §11.15: after a logout for recovery at level 2, Time2Retain is how long the tasks
-        // wait for reassignment after Time2Wait.
-        let for_recovery = l.reason == LogoutReason::REMOVE_CONNECTION_FOR_RECOVERY
-            && code == LogoutResponseCode::CLOSED;
-        let resp = Header::LogoutResponse(LogoutResponse {
-            response: code,
-            itt: l.itt,
-            time2wait: self.session.params.default_time2wait,
-            time2retain: if for_recovery {
-                self.session.params.default_time2retain
-            } else {
-                0
-            },
-            ..Default::default()
-        });
+        let resp = Header::LogoutResponse(ironsan_proto::intake::logout_response(
+            &l,
+            code,
+            self.session.params.default_time2wait,
+            self.session.params.default_time2retain,
+        ));
         self.send(vec![OutPdu::status(resp, Bytes::new())]).await;
         if recover_self {
             return Err(ConnError::Recovery { by_logout: true });

@@ -165,26 +165,12 @@ impl Connection {
         cmd: ScsiCommand,
         t_header: Stamp,
     ) -> ConnResult {
-        if self.session.target.is_none() {
-            // SCSI commands are not allowed in a discovery session (RFC 7143 §4.3).
-            io::skip_data(rd, plan).await?;
-            self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
-                .await;
-            return Ok(());
-        }
         let edtl = cmd.expected_data_transfer_length;
         let immediate_len = plan.data_len as u32;
-        // Faults of the PDU itself are rejected before its CmdSN is looked at: a rejected
-        // command is not received (RFC 7143 §7.3), the initiator plugs the gap.
-        let cdb = match super::exec::extended_cdb(&cmd.cdb, &ahs) {
-            Some(c) if immediate_len <= edtl => c,
-            bad => {
+        let cdb = match self.intake.command(&cmd, &ahs, immediate_len) {
+            Ok(c) => c,
+            Err(reason) => {
                 io::skip_data(rd, plan).await?;
-                let reason = if bad.is_none() {
-                    RejectReason::INVALID_PDU_FIELD
-                } else {
-                    RejectReason::PROTOCOL_ERROR
-                };
                 self.send(vec![reject(reason, bhs)]).await;
                 return Ok(());
             }
@@ -289,7 +275,9 @@ impl Connection {
             shared = None;
             buf.clear();
         }
-        let immediate_lost = !digest_ok && self.recovery && cmd.write && edtl > 0;
+        let immediate_lost = !digest_ok
+            && self.intake.damaged_immediate(&cmd)
+                == ironsan_proto::intake::DamagedImmediate::AskAgain;
         let start = if !digest_ok && !immediate_lost {
             Start::Fail(fail(SenseReason::ProtocolCrcError))
         } else if oversize {
