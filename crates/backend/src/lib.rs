@@ -105,7 +105,7 @@ pub(crate) fn zeros_in_place(len: usize, how: InPlaceRead) -> Option<FileRange> 
             return None;
         }
         sys::sealed_zero_file(c"ironsan-zeros", ZERO_FILE_LEN)
-            .map_err(|e| eprintln!("ironsan: no zero file for zero-copy reads of holes: {e}"))
+            .map_err(|e| tracing::warn!("no zero file for zero-copy reads of holes: {e}"))
             .ok()
             .map(Arc::new)
     });

@@ -224,7 +224,7 @@ pub(crate) async fn mode_select(
     // blocks, "no change") are accepted so a MODE SENSE result can be sent back as is.
     let mut off = hdr;
     while off < hdr + bdl {
-        let field = |i: usize, n: usize| (i..i + n).fold(0u64, |a, j| (a << 8) | u64::from(at(j)));
+        let field = |i: usize, n: usize| crate::cdb::Cdb(p).be(i, n);
         let (blocks, cur_blocks, blen_at, blen) = if longlba {
             (
                 field(off, 8),

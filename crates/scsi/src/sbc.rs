@@ -715,8 +715,7 @@ pub(crate) async fn unmap(
         return Err(SenseReason::ParameterListLengthError);
     }
     let p = &data_out[..len];
-    let at = |i: usize| p.get(i).copied().unwrap_or(0);
-    let be = |i: usize, n: usize| (i..i + n).fold(0u64, |a, j| (a << 8) | u64::from(at(j)));
+    let be = |i: usize, n: usize| crate::cdb::Cdb(p).be(i, n);
     // UNMAP BLOCK DESCRIPTOR DATA LENGTH, bounded by what was actually sent.
     let bd_len = (be(2, 2) as usize).min(len - 8);
     let count = bd_len / 16;

@@ -214,10 +214,9 @@ struct ParamList {
     segments: Vec<Segment>,
 }
 
+/// Big-endian field of `n` bytes at `i` (0 past the end), as in a CDB.
 fn be(p: &[u8], i: usize, n: usize) -> u64 {
-    (i..i + n).fold(0u64, |a, j| {
-        (a << 8) | u64::from(p.get(j).copied().unwrap_or(0))
-    })
+    crate::cdb::Cdb(p).be(i, n)
 }
 
 /// Parse and check the EXTENDED COPY (LID1) parameter list (everything that does not need

@@ -88,9 +88,7 @@ fn target_names<'a>(rt: &'a Runtime, target: Option<&str>) -> Result<Vec<&'a Str
     Ok(names)
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::lock;
 
 impl Control {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {

@@ -246,19 +246,13 @@ impl LiveTarget {
 
     /// The counters of a LUN (made on first use).
     pub(crate) fn lun_metrics(&self, lun: u64) -> Arc<metrics::LunMetrics> {
-        Arc::clone(
-            self.metrics
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry(lun)
-                .or_default(),
-        )
+        Arc::clone(crate::lock(&self.metrics).entry(lun).or_default())
     }
 
     /// The counters of every current LUN and of every LUN that ever served a command.
     pub(crate) fn all_lun_metrics(&self) -> Vec<(u64, Arc<metrics::LunMetrics>)> {
         let luns: Vec<u64> = self.scsi().luns().map(|(n, _)| n).collect();
-        let mut m = self.metrics.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = crate::lock(&self.metrics);
         for n in luns {
             m.entry(n).or_default();
         }
@@ -534,10 +528,7 @@ impl Shared {
     }
 
     fn all_sessions(&self) -> Vec<Arc<session::Session>> {
-        self.sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .all()
+        crate::lock(&self.sessions).all()
     }
 
     fn open_connections(&self) -> usize {
@@ -555,10 +546,7 @@ impl Shared {
     /// End the sessions with no connection (kept for reassignment at ErrorRecoveryLevel 2).
     fn end_idle_sessions(&self) {
         for s in self.all_sessions().into_iter().filter(|s| s.is_idle()) {
-            self.sessions
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retire(&s);
+            crate::lock(&self.sessions).retire(&s);
         }
     }
 }
@@ -633,7 +621,9 @@ impl Listeners {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// Take a mutex, taking over one a panicking holder poisoned: every critical section in this
+/// crate leaves its state consistent before it can panic, so the state is still good.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 

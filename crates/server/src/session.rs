@@ -24,12 +24,10 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use tokio::sync::{watch, Notify};
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::lock;
 
 /// The session-wide protocol core, as this server instantiates it.
 pub(crate) type Core =

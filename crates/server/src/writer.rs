@@ -11,7 +11,7 @@ use bytes::Bytes;
 use ironsan_proto::pdu::{Header, Pdu, StatSnCounter};
 use ironsan_proto::StatSn;
 use ironsan_scsi::DataIn;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::mpsc;
 
@@ -109,7 +109,7 @@ fn push(
     stats: &TxStats,
     retained: Option<&Mutex<Retained>>,
 ) {
-    let mut kept = retained.map(|r| r.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut kept = retained.map(|r| crate::lock(r));
     for mut p in pdus {
         let window = session.as_ref().map(|s| s.window_sn());
         if kept.is_some() && p.mode != SnMode::Resend {
@@ -233,9 +233,7 @@ impl Core {
     }
 }
 
-fn lock(m: &Mutex<Core>) -> MutexGuard<'_, Core> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::lock;
 
 /// A connection's writer: the socket's sending half and the [`Core`], shared by the writer
 /// task and the connection's reader. The reader writes its own batch directly when the

@@ -312,9 +312,7 @@ impl std::fmt::Debug for ClusterNode {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::lock;
 
 /// The shared object of target `name`.
 pub fn object_name(target: &str) -> String {

@@ -316,7 +316,7 @@ async fn new_session(
     info: ConnInfo,
 ) -> Result<(Arc<Session>, ConnId), LoginStatus> {
     let reinstated = {
-        let mut reg = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reg = crate::lock(&shared.sessions);
         let old = reg.find_same_nexus(
             &ready.initiator_name,
             ready.isid,

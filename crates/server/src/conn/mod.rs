@@ -788,7 +788,7 @@ impl Connection {
         // more; most PDUs repeat the last one, which costs no lock.
         if let Some(sn) = self.intake.header(&bhs) {
             if let Some(kept) = self.writer.retained.get() {
-                kept.lock().unwrap_or_else(|p| p.into_inner()).ack(sn);
+                crate::lock(kept).ack(sn);
             }
         }
         self.stats.received(48 + ahs.len() + plan.data_len);

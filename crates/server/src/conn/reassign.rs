@@ -140,9 +140,10 @@ impl Orphans {
                 kept.parked
                     .get(itt)
                     .is_some_and(|v| v.iter().any(|p| carries_status(&p.header)))
-                    || kept.retained.as_ref().is_some_and(|r| {
-                        r.lock().unwrap_or_else(|p| p.into_inner()).has_status(*itt)
-                    })
+                    || kept
+                        .retained
+                        .as_ref()
+                        .is_some_and(|r| crate::lock(r).has_status(*itt))
             })
             .collect();
         let mut out = Vec::new();
@@ -209,7 +210,7 @@ impl Orphans {
             .filter(|(_, k)| k.cid == Some(cid))
             .max_by_key(|(id, _)| **id);
         if let Some(r) = latest.and_then(|(_, k)| k.retained.as_ref()) {
-            r.lock().unwrap_or_else(|p| p.into_inner()).ack(exp_stat_sn);
+            crate::lock(r).ack(exp_stat_sn);
         }
     }
 
@@ -220,7 +221,7 @@ impl Orphans {
             kept.parked.remove(&itt);
             kept.waiting.remove(&itt);
             if let Some(r) = &kept.retained {
-                r.lock().unwrap_or_else(|p| p.into_inner()).forget_task(itt);
+                crate::lock(r).forget_task(itt);
             }
         }
     }
@@ -316,11 +317,10 @@ impl Orphans {
                         .collect(),
                 );
             }
-            let retained = kept.retained.as_ref().and_then(|r| {
-                r.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .reassign(itt, exp_data_sn)
-            });
+            let retained = kept
+                .retained
+                .as_ref()
+                .and_then(|r| crate::lock(r).reassign(itt, exp_data_sn));
             if let Some(v) = retained {
                 return Some(
                     v.into_iter()

@@ -26,7 +26,7 @@ impl Connection {
             return;
         };
         let answer = {
-            let mut kept = kept.lock().unwrap_or_else(|p| p.into_inner());
+            let mut kept = crate::lock(kept);
             kept.ack(req.exp_stat_sn);
             kept.snack(&req, self.params.max_xmit_data_segment_length)
         };
