@@ -554,11 +554,6 @@ impl<S: BuildHasher + Default> Retained<S> {
         Some(out)
     }
 
-    /// Whether a status of task `itt` is held ([`Retained::reassign`] would answer).
-    pub fn has_status(&self, itt: Itt) -> bool {
-        self.statuses.iter().any(|s| s.is_of(itt))
-    }
-
     /// Answer a SNACK Request (RFC 7143 §11.16): the PDUs to send again, a DataACK taken, a
     /// Data/R2T SNACK this store cannot answer, or a refusal. `max_xmit` is the initiator's
     /// current MaxRecvDataSegmentLength (for an R-Data SNACK's resegmentation, §11.16.3).

@@ -129,30 +129,21 @@ impl Orphans {
     /// complete: after something was parked, or when its writer stopped (a response its
     /// writer stamped is in what the writer kept).
     pub(crate) fn resolve(&mut self, id: ConnId) -> Forwards {
-        let Some(kept) = self.conns.get(&id) else {
-            return Vec::new();
+        let waiting: Vec<(Itt, DataSn, u32)> = match self.conns.get(&id) {
+            Some(k) => k
+                .waiting
+                .iter()
+                .map(|(itt, f)| (*itt, f.exp_data_sn, f.max_xmit))
+                .collect(),
+            None => return Vec::new(),
         };
-        let ready: Vec<Itt> = kept
-            .waiting
-            .keys()
-            .copied()
-            .filter(|itt| {
-                kept.parked
-                    .get(itt)
-                    .is_some_and(|v| v.iter().any(|p| carries_status(&p.header)))
-                    || kept
-                        .retained
-                        .as_ref()
-                        .is_some_and(|r| crate::lock(r).has_status(*itt))
-            })
-            .collect();
         let mut out = Vec::new();
-        for itt in ready {
-            let Some(f) = self.conns.get_mut(&id).and_then(|k| k.waiting.remove(&itt)) else {
-                continue;
-            };
-            if let Some(p) = self.take_output(Some(id), itt, f.exp_data_sn, f.max_xmit) {
-                out.push((f.tx, p));
+        // `take_output` answers `None`, changing nothing, while the status is not here.
+        for (itt, exp_data_sn, max_xmit) in waiting {
+            if let Some(p) = self.take_output(Some(id), itt, exp_data_sn, max_xmit) {
+                if let Some(f) = self.conns.get_mut(&id).and_then(|k| k.waiting.remove(&itt)) {
+                    out.push((f.tx, p));
+                }
             }
         }
         out
