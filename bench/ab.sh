@@ -21,15 +21,20 @@
 #   --old-arg A, --new-arg A
 #                     one more client argument for the old / new runs only (repeatable;
 #                     e.g. the same binary twice with --old-arg --erl=0 --new-arg --erl=1)
+#   --sends           count the target's send syscalls (needs perf; see below)
 #   CLIENT_ARGS       iscsi-perf arguments (default: -m 32 -b 8 -r, 4K QD32 random read)
 #
 # Per run it prints IOPS, target CPU % and CPU us per I/O (utime+stime from /proc/PID/stat)
-# and I/Os per write syscall (syscw from /proc/PID/io: how well responses are batched).
+# and, with --sends, I/Os per send syscall (write, writev, sendmsg, sendto and sendfile of the
+# target, counted by `perf stat` on the syscall tracepoints: how well responses are batched).
+# /proc/PID/io's syscw does not count them (socket sendmsg and sendfile bypass vfs_write), and
+# the tracepoints cost the target CPU (1-2 us per 4K read here), so IOPS and us/IO of a
+# --sends run are not comparable with a run without it.
 # The target is pinned to CPU 0 and iscsi-perf to CPU 1, as in bench/run.sh. Alternating
 # the binaries in one run is what makes a before/after figure worth quoting on a shared box.
 set -euo pipefail
 
-rounds=3 secs=5 lun=ram:1G load=0 qemu=0 prefill=0
+rounds=3 secs=5 lun=ram:1G load=0 qemu=0 prefill=0 count_sends=0
 old_extra=() new_extra=()
 while [[ $# -gt 0 ]]; do
     case $1 in
@@ -39,9 +44,10 @@ while [[ $# -gt 0 ]]; do
         --load) load=1; shift ;;
         --qemu) qemu=1; shift ;;
         --prefill) prefill=1; shift ;;
+        --sends) count_sends=1; shift ;;
         --old-arg) old_extra+=("$2"); shift 2 ;;
         --new-arg) new_extra+=("$2"); shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
         *) break ;;
     esac
 done
@@ -77,7 +83,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-field() { awk -v k="$1" '$1 == k":" {print $2}' "/proc/$2/io"; }
+sends=(syscalls:sys_enter_write syscalls:sys_enter_writev syscalls:sys_enter_sendmsg
+    syscalls:sys_enter_sendto syscalls:sys_enter_sendfile64)
+if [[ $count_sends -eq 1 ]] && ! perf stat -e "$(IFS=,; echo "${sends[*]}")" true >/dev/null 2>&1; then
+    echo "bench/ab.sh: --sends needs perf (linux-perf) with syscall tracepoints" >&2; exit 2
+fi
 cpu_ticks() { awk '{sub(/^.*\) /, ""); print $12 + $13}' "/proc/$1/stat"; }
 
 run_one() {
@@ -91,11 +101,17 @@ run_one() {
         grep -q "serving" "$work/serve.log" 2>/dev/null && break
         sleep 0.1
     done
-    local w0 c0 w1 c1 iops url="iscsi://127.0.0.1:$port/iqn.2026-11.org.ironsan:default/0"
+    local c0 c1 iops url="iscsi://127.0.0.1:$port/iqn.2026-11.org.ironsan:default/0"
     if [[ $prefill -eq 1 ]]; then
         taskset -c 1 "$new" load "$url" --rw write --bs 1048576 --qd 4 --count 1024 >/dev/null
     fi
-    w0=$(field syscw "$pid"); c0=$(cpu_ticks "$pid")
+    local perf_pid=
+    if [[ $count_sends -eq 1 ]]; then
+        perf stat -x, -e "$(IFS=,; echo "${sends[*]}")" -p "$pid" -o "$work/sends.csv" &
+        perf_pid=$!
+        sleep 0.2
+    fi
+    c0=$(cpu_ticks "$pid")
     local t0 run_secs=$secs
     t0=$(date +%s.%N)
     if [[ $load -eq 1 ]]; then
@@ -106,7 +122,12 @@ run_one() {
     else
         taskset -c 1 iscsi-perf "${perf_args[@]}" "${extra[@]}" -t "$secs" "$url" >"$work/perf.log" 2>&1 || true
     fi
-    w1=$(field syscw "$pid"); c1=$(cpu_ticks "$pid")
+    c1=$(cpu_ticks "$pid")
+    local writes=0
+    if [[ -n $perf_pid ]]; then
+        kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
+        writes=$(awk -F, '$3 ~ /^syscalls:/ && $1 ~ /^[0-9]+$/ { s += $1 } END { print s + 0 }' "$work/sends.csv")
+    fi
     local rss
     rss=$(awk '$1 == "VmHWM:" {print int($2 / 1024)}' "/proc/$pid/status")
     kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
@@ -118,14 +139,15 @@ run_one() {
     else
         iops=$(grep -o 'iops average [0-9]*' "$work/perf.log" | tail -n 1 | awk '{print $3}')
     fi
-    python3 - "$label" "${iops:-0}" $((c1 - c0)) $((w1 - w0)) "$run_secs" "${rss:-0}" <<'EOF'
+    python3 - "$label" "${iops:-0}" $((c1 - c0)) "$writes" "$run_secs" "${rss:-0}" <<'EOF'
 import os, sys
 label, iops, ticks, writes, secs, rss = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
 hz = os.sysconf("SC_CLK_TCK")
 cpu_s = ticks / hz
 ios = iops * secs
 print(f"{label:4} {iops:>9} IOPS  CPU {100 * cpu_s / secs:5.1f} %  "
-      f"{(1e6 * cpu_s / ios) if ios else 0:8.2f} us/IO  {ios / max(writes, 1):6.1f} IO/write  "
+      f"{(1e6 * cpu_s / ios) if ios else 0:8.2f} us/IO  "
+      f"{f'{ios / writes:6.1f}' if writes else '     -'} IO/send  "
       f"peak RSS {rss} MiB")
 EOF
 }

@@ -499,7 +499,6 @@ async fn serve(args: ServeArgs) -> Result<()> {
         targets.push(TargetDef {
             name: t.name.clone(),
             alias: t.alias.clone(),
-            tpgt: 1,
             max_connections: t.connections_per_session,
             error_recovery_level: t.error_recovery_level,
             scsi: Arc::new(scsi),
@@ -513,7 +512,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
     // A cluster node registers and catches up on the shared state (reservations, the other
     // nodes) before it accepts a connection.
     if let Some(node) = CLUSTER.get() {
-        let (joining, c) = (Arc::clone(node), control.clone());
+        control.set_cluster(Arc::clone(node));
+        let (joining, c) = (Arc::clone(node), Arc::new(control.clone()));
         tokio::task::spawn_blocking(move || joining.join(c))
             .await?
             .map_err(anyhow::Error::msg)?;

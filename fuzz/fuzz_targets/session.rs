@@ -90,7 +90,6 @@ fn target(backends: &[Arc<dyn BlockDevice>]) -> TargetDef {
     TargetDef {
         name: TARGET.into(),
         alias: None,
-        tpgt: 1,
         max_connections: None,
         error_recovery_level: None,
         scsi: Arc::new(scsi),

@@ -185,7 +185,6 @@ impl BinHooks {
                             TargetDef {
                                 name: t.name.clone(),
                                 alias: t.alias.clone(),
-                                tpgt: 1,
                                 max_connections: t.connections_per_session,
                                 error_recovery_level: t.error_recovery_level,
                                 scsi: Arc::new(scsi),
@@ -743,7 +742,6 @@ mod tests {
             targets.push(TargetDef {
                 name: t.name.clone(),
                 alias: None,
-                tpgt: 1,
                 max_connections: t.connections_per_session,
                 error_recovery_level: t.error_recovery_level,
                 scsi: Arc::new(scsi),

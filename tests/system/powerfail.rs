@@ -214,7 +214,6 @@ impl InProc {
         let t = ironsan_server::TargetDef {
             name: TARGET.into(),
             alias: None,
-            tpgt: 1,
             max_connections: None,
             error_recovery_level: None,
             scsi: Arc::new(scsi),

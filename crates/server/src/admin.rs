@@ -398,6 +398,11 @@ impl Control {
     }
 
     /// (target, LUN, counters) of one target or of every target, sorted.
+    /// `ironsan ctl stats [TARGET]` ([`crate::metrics::stats_view`]).
+    pub fn stats(&self, target: Option<&str>) -> Result<Value, String> {
+        Ok(crate::metrics::stats_view(&self.lun_metrics(target)?))
+    }
+
     pub fn lun_metrics(
         &self,
         target: Option<&str>,
@@ -525,7 +530,7 @@ impl Control {
     /// cluster completed.
     pub fn abort_preempted(&self, target: &str, lun: u64) {
         if let Ok(t) = self.target(target) {
-            crate::conn::abort_preempted(&self.shared, &t, lun);
+            crate::session::abort_preempted(&self.shared.sessions, &t, lun);
         }
     }
 
@@ -782,7 +787,7 @@ impl Control {
             ["portals"] => Ok(self.portals()),
             ["show", "target", t] => self.show_target(t),
             ["counters"] => Ok(self.counters()),
-            ["stats"] => crate::metrics::stats_view(self, None),
+            ["stats"] => self.stats(None),
             ["cluster"] => self.cluster_node().map(|c| c.status()),
             ["cluster", "forget", n] => {
                 let n = u16::try_from(num(n, "node")?)
@@ -790,7 +795,7 @@ impl Control {
                 let node = Arc::clone(self.cluster_node()?);
                 ok(node.forget(n)?)
             }
-            ["stats", t] => crate::metrics::stats_view(self, Some(t)),
+            ["stats", t] => self.stats(Some(t)),
             ["lun", "add", t, spec] | ["lun", "add", t, spec, _] => {
                 let want = match a.get(4) {
                     Some(n) => Some(num(n, "LUN")?),
@@ -826,7 +831,6 @@ impl Control {
                     TargetDef {
                         name: name.to_string(),
                         alias: a.get(4).map(|s| s.to_string()),
-                        tpgt: 1,
                         max_connections: None,
                         error_recovery_level: None,
                         scsi: Arc::new(ironsan_scsi::Target::new()),
@@ -896,6 +900,53 @@ impl Control {
                 argv.join(" ")
             )),
         }
+    }
+}
+
+impl crate::cluster::Host for Control {
+    fn target_names(&self) -> Vec<String> {
+        Control::target_names(self)
+    }
+
+    fn target_portals(&self, target: &str) -> Vec<(u16, SocketAddr)> {
+        let tags = self.portal_groups(target).ok().flatten();
+        self.portal_list()
+            .into_iter()
+            .filter(|p| tags.as_ref().is_none_or(|t| t.contains(&p.tag)))
+            .map(|p| (p.tag, p.addr))
+            .collect()
+    }
+
+    fn logical_units(&self, target: &str) -> Vec<(u64, Arc<LogicalUnit>)> {
+        self.lun_list(target)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(lun, lu, _)| (lun, lu))
+            .collect()
+    }
+
+    fn logical_unit(&self, target: &str, lun: u64) -> Option<Arc<LogicalUnit>> {
+        self.scsi_lun(target, lun)
+    }
+
+    fn abort_preempted(&self, target: &str, lun: u64) {
+        Control::abort_preempted(self, target, lun)
+    }
+
+    fn reset_lun(&self, target: &str, lun: u64) {
+        Control::reset_lun(self, target, lun)
+    }
+
+    fn port_groups(&self, target: &str) -> Result<Vec<ironsan_scsi::PortGroup>, String> {
+        Control::port_groups(self, target).map(|(_, g)| g)
+    }
+
+    fn set_port_groups(
+        &self,
+        target: &str,
+        groups: Vec<ironsan_scsi::PortGroup>,
+    ) -> Result<(), String> {
+        Control::set_port_groups(self, target, Some(groups))
     }
 }
 

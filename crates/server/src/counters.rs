@@ -6,6 +6,17 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
+/// Per-connection counters the writer keeps.
+#[derive(Debug, Default)]
+pub struct TxStats {
+    pub pdus: AtomicU64,
+    pub bytes: AtomicU64,
+    /// Of `bytes`, those sent straight from a file LUN's page cache (`sendfile`).
+    pub zero_copy_bytes: AtomicU64,
+    /// The server-wide total of `zero_copy_bytes` (for the metrics).
+    pub server_zero_copy_bytes: Arc<AtomicU64>,
+}
+
 /// Per-connection counters, updated by the reader with relaxed atomics.
 #[derive(Debug, Default)]
 pub struct ConnStats {

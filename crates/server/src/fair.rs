@@ -20,7 +20,7 @@
 //! and nobody waits more than [`MAX_WAIT`]. A session of one connection never looks at it.
 
 use crate::counters::ConnStats;
-use crate::writer::TxStats;
+use crate::counters::TxStats;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;

@@ -62,7 +62,7 @@ async fn status(State(control): State<Control>) -> Response {
             "luns": control.luns(None).unwrap_or_default(),
             "sessions": control.sessions(),
             "portals": control.portals(),
-            "stats": crate::metrics::stats_view(&control, None).unwrap_or_default(),
+            "stats": control.stats(None).unwrap_or_default(),
         })
     })
     .await;

@@ -50,10 +50,6 @@ pub struct TargetDef {
     /// iSCSI qualified name.
     pub name: String,
     pub alias: Option<String>,
-    /// Kept for source compatibility and ignored: the TargetPortalGroupTag a login and
-    /// SendTargets announce is the tag of the portal (see [`ServerConfig::portal_groups`]);
-    /// which groups serve a target is [`ServerConfig::target_portal_groups`].
-    pub tpgt: u16,
     /// The most connections a session with this target may have (MaxConnections, RFC 7143
     /// §13.2); `None`: [`ServerConfig::negotiation`]'s.
     pub max_connections: Option<u16>,

@@ -24,7 +24,6 @@
 //! one more counts longer ones (`+Inf`). Quantiles are interpolated linearly inside a bucket,
 //! so they are accurate to a factor of two at worst.
 
-use crate::admin::Control;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -238,9 +237,9 @@ impl Timing {
 
 /// `ironsan ctl stats [TARGET]`: per target, LUN and class, the count, bytes and per stage the
 /// mean and p50/p99 (µs) and the raw buckets.
-pub fn stats_view(control: &Control, target: Option<&str>) -> Result<Value, String> {
+pub fn stats_view(luns: &[(String, u64, Arc<LunMetrics>)]) -> Value {
     let mut out = Vec::new();
-    for (tname, lun, m) in control.lun_metrics(target)? {
+    for (tname, lun, m) in luns {
         for class in Class::ALL {
             let c = &m.classes[class as usize];
             let stages: serde_json::Map<String, Value> = STAGES
@@ -271,7 +270,7 @@ pub fn stats_view(control: &Control, target: Option<&str>) -> Result<Value, Stri
             }));
         }
     }
-    Ok(Value::Array(out))
+    Value::Array(out)
 }
 
 fn round2(v: f64) -> f64 {

@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::{watch, Notify};
 
 use crate::lock;
+use crate::writer::SnWindow;
 
 /// The session-wide protocol core, as this server instantiates it.
 pub(crate) type Core =
@@ -158,7 +159,7 @@ pub(crate) struct ConnInfo {
     /// Counters of the reader side (relaxed atomics).
     pub stats: Arc<crate::counters::ConnStats>,
     /// Counters of the writer side.
-    pub tx: Arc<crate::writer::TxStats>,
+    pub tx: Arc<crate::counters::TxStats>,
     /// When the login completed.
     pub since: std::time::SystemTime,
     /// Set to make the connection close.
@@ -185,8 +186,8 @@ pub(crate) struct Session {
     /// The byte shares of the session's connections ([`crate::fair`]).
     pub shares: Arc<crate::fair::Shares>,
     core: Mutex<Core>,
-    /// (ExpCmdSN << 32) | MaxCmdSN, published after every change of the core.
-    window: AtomicU64,
+    /// (ExpCmdSN, MaxCmdSN), published after every change of the core.
+    window: SnWindow,
     pub commands: AtomicU64,
     /// Bytes of write data buffered for this session's writes (the write quota).
     pub buffered_writes: AtomicU64,
@@ -236,7 +237,7 @@ impl Session {
             params,
             nexus,
             shares: Arc::new(crate::fair::Shares::new(fairness)),
-            window: AtomicU64::new(0),
+            window: SnWindow::default(),
             core: Mutex::new(core),
             commands: AtomicU64::new(0),
             buffered_writes: AtomicU64::new(0),
@@ -252,11 +253,7 @@ impl Session {
     pub(crate) fn with_core<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {
         let mut core = lock(&self.core);
         let r = f(&mut core);
-        let (exp, max) = core.window_sn();
-        self.window.store(
-            (u64::from(exp.0) << 32) | u64::from(max.0),
-            Ordering::Release,
-        );
+        self.window.set(core.window_sn());
         r
     }
 
@@ -328,8 +325,12 @@ impl Session {
 
     /// (ExpCmdSN, MaxCmdSN) to stamp on outgoing PDUs, the same on every connection.
     pub(crate) fn window_sn(&self) -> (CmdSn, CmdSn) {
-        let w = self.window.load(Ordering::Acquire);
-        (CmdSn((w >> 32) as u32), CmdSn(w as u32))
+        self.window.get()
+    }
+
+    /// The window word the writers of this session's connections stamp from.
+    pub(crate) fn sn_window(&self) -> SnWindow {
+        self.window.clone()
     }
 
     /// Add a logged-in connection (see [`Core::join`]). On a connection reinstatement the old
@@ -582,6 +583,27 @@ pub struct SessionInfo {
     /// (CID, tasks, milliseconds left) per connection kept for reassignment.
     pub kept: Vec<(u16, usize, u64)>,
     pub commands: u64,
+}
+
+/// PREEMPT AND ABORT (SPC-4): the SCSI layer names the I_T nexuses whose tasks on the LUN
+/// must be aborted; find their sessions and abort those tasks (no responses are sent for them).
+pub(crate) fn abort_preempted(sessions: &Mutex<Registry>, target: &LiveTarget, lun: u64) {
+    let Some(lu) = target.scsi().lun(lun).cloned() else {
+        return;
+    };
+    let victims = lu.take_pr_aborts();
+    if victims.is_empty() {
+        return;
+    }
+    let sessions = lock(sessions).of_target(&target.name);
+    for s in sessions {
+        let hit = victims.iter().any(|(i, t)| {
+            *i == s.nexus.initiator_port && ironsan_scsi::names_port(t, &s.nexus.target_port)
+        });
+        if hit {
+            s.abort_where(false, |_, t| t.lun == lun);
+        }
+    }
 }
 
 /// All sessions of the server, by TSIH.

@@ -4,13 +4,14 @@
 //! writer task drains its queue (responses of commands that became tasks, pings, login) and
 //! sends everything ready in one vectored write, and alone waits for a full socket.
 
+use crate::counters::TxStats;
 use crate::io::{Digests, WriteBatch};
 use crate::metrics::{Stamp, Timing};
-use crate::session::Session;
 use bytes::Bytes;
 use ironsan_proto::pdu::{Header, Pdu, StatSnCounter};
-use ironsan_proto::StatSn;
+use ironsan_proto::{CmdSn, StatSn};
 use ironsan_scsi::DataIn;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::mpsc;
@@ -57,7 +58,7 @@ pub(crate) enum Out {
         timing: Option<Timing>,
     },
     /// From now on, stamp sequence numbers from this session's window.
-    Attach(Arc<Session>),
+    Attach(SnWindow),
     /// From now on, use these digests (set after the final login response).
     Digests(Digests),
     /// Flush and close the socket after everything before this message.
@@ -81,17 +82,6 @@ impl Out {
     }
 }
 
-/// Counters the writer keeps for the admin view.
-#[derive(Debug, Default)]
-pub struct TxStats {
-    pub pdus: std::sync::atomic::AtomicU64,
-    pub bytes: std::sync::atomic::AtomicU64,
-    /// Of `bytes`, those sent straight from a file LUN's page cache (`sendfile`).
-    pub zero_copy_bytes: std::sync::atomic::AtomicU64,
-    /// The server-wide total of `zero_copy_bytes` (for the metrics).
-    pub server_zero_copy_bytes: Arc<std::sync::atomic::AtomicU64>,
-}
-
 /// What a connection at ErrorRecoveryLevel 1 keeps of what it sent, for SNACKs
 /// ([`ironsan_proto::recovery`]); the writer fills it as it stamps, the reader empties it.
 pub(crate) type Retained = ironsan_proto::recovery::Retained<
@@ -104,14 +94,14 @@ fn push(
     pdus: Vec<OutPdu>,
     batch: &mut WriteBatch,
     stat_sn: &mut StatSnCounter,
-    session: &Option<Arc<Session>>,
+    window: &Option<SnWindow>,
     digests: Digests,
     stats: &TxStats,
     retained: Option<&Mutex<Retained>>,
 ) {
     let mut kept = retained.map(|r| crate::lock(r));
     for mut p in pdus {
-        let window = session.as_ref().map(|s| s.window_sn());
+        let window = window.as_ref().map(SnWindow::get);
         if kept.is_some() && p.mode != SnMode::Resend {
             ironsan_proto::recovery::mark_ack(&mut p.header);
         }
@@ -159,11 +149,30 @@ fn push(
     }
 }
 
-/// What the writer keeps between writes: the StatSN counter, the session whose window it
+/// A session's (ExpCmdSN, MaxCmdSN) as one word the session stores after every change of its
+/// window and the writers of its connections read for every PDU they stamp, with no lock.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct SnWindow(Arc<AtomicU64>);
+
+impl SnWindow {
+    pub(crate) fn get(&self) -> (CmdSn, CmdSn) {
+        let w = self.0.load(Ordering::Acquire);
+        (CmdSn((w >> 32) as u32), CmdSn(w as u32))
+    }
+
+    pub(crate) fn set(&self, (exp, max): (CmdSn, CmdSn)) {
+        self.0.store(
+            (u64::from(exp.0) << 32) | u64::from(max.0),
+            Ordering::Release,
+        );
+    }
+}
+
+/// What the writer keeps between writes: the StatSN counter, the window of the session it
 /// stamps, the digests, and the encoded bytes not yet written with what waits for them.
 struct Core {
     stat_sn: StatSnCounter,
-    session: Option<Arc<Session>>,
+    window: Option<SnWindow>,
     digests: Digests,
     batch: WriteBatch,
     /// Transmit budget of reads in the batch, returned once it is written.
@@ -197,7 +206,7 @@ impl Core {
             pdus,
             &mut self.batch,
             &mut self.stat_sn,
-            &self.session,
+            &self.window,
             self.digests,
             stats,
             retained.get().map(|r| &**r),
@@ -261,7 +270,7 @@ impl Writer {
         Arc::new(Writer {
             core: Mutex::new(Core {
                 stat_sn: StatSnCounter(StatSn(0)),
-                session: None,
+                window: None,
                 digests: Digests::default(),
                 batch: WriteBatch::default(),
                 held: Vec::new(),
@@ -449,7 +458,7 @@ async fn handle(w: &Writer, msg: Out, close: &mut bool) -> std::io::Result<()> {
                 debug_assert!(rest.is_none(), "only PDUs and responses in a batch");
             }
         }
-        Some(Out::Attach(s)) => lock(&w.core).session = Some(s),
+        Some(Out::Attach(s)) => lock(&w.core).window = Some(s),
         Some(Out::Digests(d)) => {
             // Everything queued so far was negotiated without digests.
             w.drain().await?;

@@ -45,7 +45,6 @@
 
 mod liveness;
 
-use crate::admin::Control;
 use ironsan_backend::rbd::shared::{Notification, NotifyReply, SharedError, SharedPool, Watcher};
 use ironsan_backend::{Lease, RadosClient};
 use ironsan_scsi::{
@@ -268,6 +267,27 @@ struct LastFence {
     at: Instant,
 }
 
+/// What a cluster node needs of the server it belongs to, and nothing more: its targets,
+/// their portals, logical units and port groups, and two task operations a change made
+/// through another node asks for. The control plane implements it
+/// ([`crate::admin::Control`]); the cluster sees no session, connection or PDU.
+pub trait Host: Send + Sync {
+    /// The names of the targets served.
+    fn target_names(&self) -> Vec<String>;
+    /// (portal group tag, bound address) of every portal that serves `target`.
+    fn target_portals(&self, target: &str) -> Vec<(u16, std::net::SocketAddr)>;
+    /// `target`'s logical units by LUN.
+    fn logical_units(&self, target: &str) -> Vec<(u64, Arc<ironsan_scsi::LogicalUnit>)>;
+    fn logical_unit(&self, target: &str, lun: u64) -> Option<Arc<ironsan_scsi::LogicalUnit>>;
+    /// Abort the tasks of the I_T nexuses a PREEMPT AND ABORT named.
+    fn abort_preempted(&self, target: &str, lun: u64);
+    /// A LOGICAL UNIT RESET made through another node.
+    fn reset_lun(&self, target: &str, lun: u64);
+    /// `target`'s ALUA target port groups.
+    fn port_groups(&self, target: &str) -> Result<Vec<PortGroup>, String>;
+    fn set_port_groups(&self, target: &str, groups: Vec<PortGroup>) -> Result<(), String>;
+}
+
 /// This process as a node of a cluster.
 pub struct ClusterNode {
     cfg: ClusterConfig,
@@ -275,7 +295,7 @@ pub struct ClusterNode {
     oid: String,
     pool: Arc<SharedPool>,
     address: String,
-    control: OnceLock<Control>,
+    control: OnceLock<Arc<dyn Host>>,
     targets: Mutex<BTreeMap<String, Arc<TargetAgent>>>,
     health: Mutex<Health>,
     /// Addresses this node has blocklisted itself (not blocklisted again).
@@ -426,16 +446,15 @@ impl ClusterNode {
     /// and for every target `control` serves, catch up on the shared state (reservations,
     /// the other nodes), start the heartbeat and wait (a few seconds at most) for this
     /// node's first lease. Blocking; call it before the server accepts connections.
-    pub fn join(self: &Arc<Self>, control: Control) -> Result<(), String> {
-        let _ = self.control.set(control.clone());
-        control.set_cluster(Arc::clone(self));
+    pub fn join(self: &Arc<Self>, control: Arc<dyn Host>) -> Result<(), String> {
+        let _ = self.control.set(Arc::clone(&control));
         self.register()?;
         self.watch_cluster()
             .map_err(|e| format!("[cluster] {}: {e}", self.oid))?;
         self.read_cluster()
             .map_err(|e| format!("[cluster] {}: {e}", self.oid))?;
         for target in control.target_names() {
-            self.join_target(&control, &target)?;
+            self.join_target(control.as_ref(), &target)?;
         }
         let me = Arc::downgrade(self);
         let every = self.cfg.heartbeat;
@@ -569,29 +588,19 @@ impl ClusterNode {
         }
     }
 
-    fn my_entry(&self, control: &Control, target: &str) -> NodeEntry {
-        let tags = control.portal_groups(target).ok().flatten();
-        let portals = control.portal_list();
-        let serving = |tag: u16| tags.as_ref().is_none_or(|t| t.contains(&tag));
-        let mut ports: Vec<u16> = portals
-            .iter()
-            .filter(|p| serving(p.tag))
-            .map(|p| p.tag)
-            .collect();
+    fn my_entry(&self, control: &dyn Host, target: &str) -> NodeEntry {
+        let portals = control.target_portals(target);
+        let mut ports: Vec<u16> = portals.iter().map(|(tag, _)| *tag).collect();
         ports.sort_unstable();
         ports.dedup();
         NodeEntry {
             member: self.member(),
             ports,
-            portals: portals
-                .iter()
-                .filter(|p| serving(p.tag))
-                .map(|p| p.addr.to_string())
-                .collect(),
+            portals: portals.iter().map(|(_, a)| a.to_string()).collect(),
         }
     }
 
-    fn join_target(self: &Arc<Self>, control: &Control, target: &str) -> Result<(), String> {
+    fn join_target(self: &Arc<Self>, control: &dyn Host, target: &str) -> Result<(), String> {
         let me = self.cfg.node;
         let oid = object_name(target);
         let entry = self.my_entry(control, target);
@@ -825,7 +834,7 @@ impl ClusterNode {
         let mut oldest = lock(&self.writes).values().next().copied();
         if let Some(control) = self.control.get() {
             for t in control.target_names() {
-                for (_, lu, _) in control.lun_list(&t).unwrap_or_default() {
+                for (_, lu) in control.logical_units(&t) {
                     if let Some(w) = lu.oldest_write() {
                         oldest = Some(oldest.map_or(w, |o| o.min(w)));
                     }
@@ -947,7 +956,7 @@ impl ClusterNode {
         let obj = parse_object(cur.as_ref().map(|v| v.data.as_slice()))?;
         if let Some(control) = self.control.get().filter(|_| records) {
             for (lun, record) in &obj.luns {
-                if let Some(lu) = control.scsi_lun(&agent.name, *lun) {
+                if let Some(lu) = control.logical_unit(&agent.name, *lun) {
                     if lu.config().cluster.is_some() {
                         if let Err(e) = lu.apply_shared_pr(record, false) {
                             tracing::error!(target = %agent.name, lun, "{e}");
@@ -981,11 +990,10 @@ impl ClusterNode {
             return BTreeMap::new();
         };
         control
-            .lun_list(target)
-            .unwrap_or_default()
+            .logical_units(target)
             .into_iter()
-            .filter(|(_, lu, _)| lu.config().cluster.is_some())
-            .map(|(lun, lu, _)| (lun, lu.shared_pr_serial()))
+            .filter(|(_, lu)| lu.config().cluster.is_some())
+            .map(|(lun, lu)| (lun, lu.shared_pr_serial()))
             .collect()
     }
 
@@ -998,7 +1006,7 @@ impl ClusterNode {
         match serde_json::from_slice::<Message>(&n.data) {
             Ok(Message::Pr { lun, record }) => {
                 if let Some(control) = self.control.get() {
-                    if let Some(lu) = control.scsi_lun(&agent.name, lun) {
+                    if let Some(lu) = control.logical_unit(&agent.name, lun) {
                         match lu.apply_shared_pr(&record, true) {
                             Ok(true) => {
                                 control.abort_preempted(&agent.name, lun);
@@ -1018,7 +1026,7 @@ impl ClusterNode {
             Ok(Message::Reset { from, lun }) if from != self.cfg.node => {
                 if let Some(control) = self.control.get() {
                     control.reset_lun(&agent.name, lun);
-                    aborted = control.scsi_lun(&agent.name, lun);
+                    aborted = control.logical_unit(&agent.name, lun);
                 }
             }
             Ok(Message::Ping { .. } | Message::Reset { .. }) => {}
@@ -1307,7 +1315,7 @@ impl ClusterNode {
                 g
             })
             .collect();
-        let Ok((_, now)) = control.port_groups(&agent.name) else {
+        let Ok(now) = control.port_groups(&agent.name) else {
             return;
         };
         let same = now.len() == groups.len()
@@ -1320,7 +1328,7 @@ impl ClusterNode {
                 .iter()
                 .map(|g| format!("{}:{}", g.id, g.state))
                 .collect();
-            match control.set_port_groups(&agent.name, Some(groups)) {
+            match control.set_port_groups(&agent.name, groups) {
                 Ok(()) => {
                     tracing::info!(target = %agent.name, "cluster view: {}", states.join(" "))
                 }
@@ -1543,11 +1551,11 @@ impl ClusterNode {
             let luns: Vec<Value> = self
                 .control
                 .get()
-                .and_then(|c| c.lun_list(&a.name).ok())
+                .map(|c| c.logical_units(&a.name))
                 .unwrap_or_default()
                 .into_iter()
-                .filter(|(_, lu, _)| lu.config().cluster.is_some())
-                .map(|(lun, lu, _)| {
+                .filter(|(_, lu)| lu.config().cluster.is_some())
+                .map(|(lun, lu)| {
                     json!({
                         "lun": lun,
                         "serial": lu.shared_pr_serial(),

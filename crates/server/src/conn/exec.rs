@@ -10,7 +10,7 @@ use super::write::{Slot, WriteData};
 use super::{Connection, PollingFlag};
 use crate::metrics::{Class, Stamp, Timing};
 use crate::writer::{Out, OutPdu};
-use crate::{LiveTarget, Shared};
+use crate::LiveTarget;
 use bytes::Bytes;
 use ironsan_proto::negotiate::ConnParams;
 use ironsan_proto::pdu::*;
@@ -115,31 +115,6 @@ fn response(
         }
     })
     .collect()
-}
-
-/// PREEMPT AND ABORT (SPC-4): the SCSI layer names the I_T nexuses whose tasks on the LUN
-/// must be aborted; find their sessions and abort those tasks (no responses are sent for them).
-pub(crate) fn abort_preempted(shared: &Shared, target: &LiveTarget, lun: u64) {
-    let Some(lu) = target.scsi().lun(lun).cloned() else {
-        return;
-    };
-    let victims = lu.take_pr_aborts();
-    if victims.is_empty() {
-        return;
-    }
-    let sessions = shared
-        .sessions
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .of_target(&target.name);
-    for s in sessions {
-        let hit = victims.iter().any(|(i, t)| {
-            *i == s.nexus.initiator_port && ironsan_scsi::names_port(t, &s.nexus.target_port)
-        });
-        if hit {
-            s.abort_where(false, |_, t| t.lun == lun);
-        }
-    }
 }
 
 impl Connection {
@@ -279,7 +254,7 @@ impl Connection {
                 // Whoever removes the entry owns the completion: TMF or us, never both.
                 session.with_core(|c| c.remove(itt))?;
                 if scmd_op == ironsan_scsi::opcode::PERSISTENT_RESERVE_OUT {
-                    abort_preempted(&shared, &target, lun);
+                    crate::session::abort_preempted(&shared.sessions, &target, lun);
                 }
                 let bytes = match class {
                     Class::Read => (resp.data_in.len() as u64)

@@ -285,7 +285,7 @@ pub(super) async fn login_phase(
         };
         let (resp, data, _, _) = login.complete(session.tsih, sn);
         send_login(tx, resp, data).await;
-        let _ = tx.send(Out::Attach(Arc::clone(&session))).await;
+        let _ = tx.send(Out::Attach(session.sn_window())).await;
         let _ = tx
             .send(Out::Digests(Digests {
                 header: cparams.header_digest,

@@ -19,7 +19,6 @@
 //! * `keepalive` — NOP-In pings after silence.
 
 mod exec;
-pub(crate) use exec::abort_preempted;
 mod keepalive;
 mod login;
 mod reassign;
@@ -30,10 +29,11 @@ mod tmf;
 mod write;
 
 use crate::counters::ConnStats;
+use crate::counters::TxStats;
 use crate::io::{self, Digests, ReadError};
 use crate::metrics::{LunMetrics, Stamp};
 use crate::session::{Close, ConnSignals, Core, Session};
-use crate::writer::{self, Out, OutPdu, TxStats};
+use crate::writer::{self, Out, OutPdu};
 use crate::{Portal, Shared};
 use bytes::{Bytes, BytesMut};
 use ironsan_backend::int_map::IntHasher;

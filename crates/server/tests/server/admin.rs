@@ -55,7 +55,6 @@ async fn start(name: &str) -> (SocketAddr, PathBuf, tokio::sync::oneshot::Sender
     let t = TargetDef {
         name: TARGET.into(),
         alias: Some("adm".into()),
-        tpgt: 1,
         max_connections: None,
         error_recovery_level: None,
         scsi: Arc::new(scsi),

@@ -47,7 +47,6 @@ async fn start_on(inner: Arc<dyn BlockDevice>, rules: &[&str], seed: u64) -> Rig
     let t = TargetDef {
         name: TARGET.into(),
         alias: None,
-        tpgt: 1,
         max_connections: None,
         error_recovery_level: None,
         scsi: Arc::new(scsi),

@@ -41,7 +41,6 @@ async fn start() -> Running {
     let t = TargetDef {
         name: TARGET.into(),
         alias: None,
-        tpgt: 1,
         max_connections: None,
         error_recovery_level: None,
         scsi: Arc::new(scsi),

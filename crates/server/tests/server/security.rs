@@ -31,7 +31,6 @@ fn target(name: &str) -> TargetDef {
     TargetDef {
         name: name.into(),
         alias: None,
-        tpgt: 1,
         max_connections: None,
         error_recovery_level: None,
         scsi: Arc::new(scsi),

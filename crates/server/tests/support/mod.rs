@@ -30,7 +30,6 @@ pub(crate) fn target_on(name: &str, backend: Arc<dyn BlockDevice>, naa: u64) -> 
     TargetDef {
         name: name.into(),
         alias: None,
-        tpgt: 1,
         max_connections: None,
         error_recovery_level: None,
         scsi: Arc::new(scsi),
