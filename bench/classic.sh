@@ -316,9 +316,9 @@ exp_iometer() {
     for t in ironsan tgt istgt; do serves "$t" shm && { start_target "$t" "$t" shm; names+=("$t"); }; done
     local qds="1 4 16" sizes="512 4096 32768 131072"
     if ((FULL)); then qds="1 2 4 8 16" sizes="512 1024 2048 4096 8192 16384 32768 65536 131072"; fi
-    # --quick: every pattern, both ends of the grid on the diagonal (QD1 x 128 KiB, QD16 x 4 KiB).
-    local points=""
-    if ((QUICK)); then points="1:131072 16:4096"; fi
+    # --quick: every pattern once, at one end of the grid's diagonal or the other in turn
+    # (QD1 x 128 KiB, QD16 x 4 KiB).
+    local points="" quick_points=("1:131072" "16:4096") k=0
     local line
     line=$(printf '%-9s %3s %7s' pattern qd bytes)
     for t in "${names[@]}"; do line+=$(printf ' | %-22s' "$t"); done
@@ -328,7 +328,10 @@ exp_iometer() {
     for p in read randread write randwrite rw randrw; do
         rw=$p mix=()
         [[ $p == rw || $p == randrw ]] && mix=(--rwmixread 70)
-        if [[ -z $points ]]; then
+        if ((QUICK)); then
+            points=${quick_points[k % 2]}
+            k=$((k + 1))
+        elif [[ -z $points ]]; then
             for q in $qds; do for bs in $sizes; do points+=" $q:$bs"; done; done
         fi
         for pt in $points; do

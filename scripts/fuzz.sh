@@ -52,7 +52,13 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "fuzz.sh: cargo-fuzz missing; installing it from crates.io" >&2
     cargo install --locked cargo-fuzz
 fi
-nice -n 10 cargo fuzz build $SAN
+# Runs shorter than 10 minutes (the smoke) build with 16 codegen units: 3m52 instead of 4m46
+# for a cold build of every target here, at some cost in executions per second that a short
+# run does not notice; longer runs keep cargo-fuzz's single unit. Build and run must agree,
+# or the run builds again.
+CGU=()
+((SECS < 600)) && CGU=(--codegen-units 16)
+nice -n 10 cargo fuzz build $SAN "${CGU[@]}"
 
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
@@ -63,7 +69,7 @@ fuzz_one() {
     local t=$1 dict=() rc=0
     mkdir -p "work/$t" "corpus/$t"
     case $t in pdu_decode|text_negotiate|login|chap) dict=(-dict=dict/iscsi.dict) ;; esac
-    nice -n 10 cargo fuzz run $SAN "$t" "work/$t" "corpus/$t" -- \
+    nice -n 10 cargo fuzz run $SAN "${CGU[@]}" "$t" "work/$t" "corpus/$t" -- \
         -max_total_time="$SECS" -print_final_stats=1 -timeout=10 -rss_limit_mb=2048 \
         "${dict[@]}" >"$LOGS/$t.log" 2>&1 || rc=$?
     echo "$rc" >"$LOGS/$t.rc"

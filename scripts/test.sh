@@ -66,6 +66,22 @@ run_logged() {
     return $rc
 }
 
+# run_pair "CMD A" "CMD B": two independent steps at once (each a loopback server and its
+# client, which leave a CPU idle between round trips), their outputs shown one after the other
+# and tallied; fails if either does.
+run_pair() {
+    local a=$TALLY/pair-a.log b=$TALLY/pair-b.log ra=0 rb=0 pa pb
+    bash -c "$1" >"$a" 2>&1 &
+    pa=$!
+    bash -c "$2" >"$b" 2>&1 &
+    pb=$!
+    wait "$pa" || ra=$?
+    wait "$pb" || rb=$?
+    cat "$a"; tally "$a"
+    cat "$b"; tally "$b"
+    ((ra == 0 && rb == 0))
+}
+
 # step_passed: one scripted end-to-end check (a guest, the package, a benchmark smoke) passed.
 step_passed() { N[steps]=$((N[steps] + 1)); }
 
@@ -168,13 +184,14 @@ section "conformance (iscsi-test-cu ALL: RAM LUN, file LUN, 4K-physical and read
 python3 scripts/cunit_report.py --self-test
 # Every test on a RAM LUN and on a file LUN; skips must be in conformance/waivers.txt, and
 # every waiver must be used.
-run_logged bash scripts/conformance.sh --all --lun ram:256M
 # The file LUN with zero-copy reads forced on (this host's BBR would turn "auto" off), so
-# libiscsi's whole suite reads through sendfile.
-run_logged bash scripts/conformance.sh --all --lun file:lun0.img:256M --serve-arg --zero-copy-reads --serve-arg on
+# libiscsi's whole suite reads through sendfile. The passes run two at a time.
+# Each pass of a pair keeps its logs in a directory of its own.
+run_pair "CONFORMANCE_LOG_DIR=target/conformance-ram bash scripts/conformance.sh --all --lun ram:256M" \
+    "CONFORMANCE_LOG_DIR=target/conformance-file bash scripts/conformance.sh --all --lun file:lun0.img:256M --serve-arg --zero-copy-reads --serve-arg on"
 # The waived tests that need another LU shape, run on that shape with no waivers.
-run_logged bash scripts/conformance.sh --suites conformance/suites-pbs4k.txt --waivers conformance/no-waivers.txt --lun ram:256M,pbs=4096
-run_logged bash scripts/conformance.sh --suites conformance/suites-readonly.txt --waivers conformance/no-waivers.txt --lun ram:256M,ro
+run_pair "CONFORMANCE_LOG_DIR=target/conformance-pbs4k bash scripts/conformance.sh --suites conformance/suites-pbs4k.txt --waivers conformance/no-waivers.txt --lun ram:256M,pbs=4096" \
+    "CONFORMANCE_LOG_DIR=target/conformance-ro bash scripts/conformance.sh --suites conformance/suites-readonly.txt --waivers conformance/no-waivers.txt --lun ram:256M,ro"
 
 section "conformance on an RBD LUN (a throwaway Ceph cluster: scripts/ceph-micro.sh)"
 CEPH_DIR=$(mktemp -d /tmp/ironsan-ceph-ci.XXXXXX)
