@@ -170,7 +170,7 @@ impl SnWindow {
 
 /// What the writer keeps between writes: the StatSN counter, the window of the session it
 /// stamps, the digests, and the encoded bytes not yet written with what waits for them.
-struct Core {
+struct WriterState {
     stat_sn: StatSnCounter,
     window: Option<SnWindow>,
     digests: Digests,
@@ -184,7 +184,7 @@ struct Core {
     direct: bool,
 }
 
-impl Core {
+impl WriterState {
     /// Stamp and encode PDUs or a command's response; other messages (only the writer task
     /// handles them) come back.
     fn add(
@@ -244,13 +244,13 @@ impl Core {
 
 use crate::lock;
 
-/// A connection's writer: the socket's sending half and the [`Core`], shared by the writer
+/// A connection's writer: the socket's sending half and the [`WriterState`], shared by the writer
 /// task and the connection's reader. The reader writes its own batch directly when the
 /// writer is idle (nothing unwritten, nobody holding the core): no channel, no wake-up, no
 /// task switch. Otherwise, and for everything else (responses of commands that became
 /// tasks, pings, login), the writer task does it; it alone waits for the socket.
 pub(crate) struct Writer {
-    core: Mutex<Core>,
+    state: Mutex<WriterState>,
     sock: OwnedWriteHalf,
     pub stats: Arc<TxStats>,
     /// The connection's share of its session ([`crate::fair`]), set after login.
@@ -268,7 +268,7 @@ impl std::fmt::Debug for Writer {
 impl Writer {
     pub(crate) fn new(sock: OwnedWriteHalf, stats: Arc<TxStats>) -> Arc<Writer> {
         Arc::new(Writer {
-            core: Mutex::new(Core {
+            state: Mutex::new(WriterState {
                 stat_sn: StatSnCounter(StatSn(0)),
                 window: None,
                 digests: Digests::default(),
@@ -297,7 +297,7 @@ impl Writer {
         if self.pacer.get().is_some_and(|p| p.ahead()) {
             return Err(batch);
         }
-        let Ok(mut core) = self.core.try_lock() else {
+        let Ok(mut core) = self.state.try_lock() else {
             return Err(batch);
         };
         if !core.direct
@@ -324,7 +324,7 @@ impl Writer {
     /// Write everything in the core, waiting for the socket as needed (writer task only).
     async fn drain(&self) -> std::io::Result<()> {
         loop {
-            if lock(&self.core).try_write(&self.sock, &self.stats)? {
+            if lock(&self.state).try_write(&self.sock, &self.stats)? {
                 return Ok(());
             }
             self.sock.as_ref().writable().await?;
@@ -418,7 +418,7 @@ async fn serve(
     first_stat_sn: StatSn,
 ) -> std::io::Result<()> {
     use std::sync::atomic::Ordering::SeqCst;
-    lock(&w.core).stat_sn = StatSnCounter(first_stat_sn);
+    lock(&w.state).stat_sn = StatSnCounter(first_stat_sn);
     const BATCH_BYTES: usize = 1 << 20;
     let mut close = false;
     while let Some(first) = rx.recv().await {
@@ -427,13 +427,13 @@ async fn serve(
             handle(w, msg, &mut close).await?;
             // Encoded: a direct write may now follow it.
             pending.fetch_sub(1, SeqCst);
-            if close || lock(&w.core).batch.len() >= BATCH_BYTES {
+            if close || lock(&w.state).batch.len() >= BATCH_BYTES {
                 break;
             }
             next = rx.try_recv().ok();
         }
         if let Some(p) = w.pacer.get().filter(|p| p.active()) {
-            if lock(&w.core).batch.len() > BATCH_TURN {
+            if lock(&w.state).batch.len() > BATCH_TURN {
                 p.wait_turn().await;
             }
         }
@@ -447,24 +447,24 @@ async fn serve(
 
 /// Encode one message, or act on it (writer task).
 async fn handle(w: &Writer, msg: Out, close: &mut bool) -> std::io::Result<()> {
-    let rest = lock(&w.core).add(msg, &w.stats, &w.retained);
+    let rest = lock(&w.state).add(msg, &w.stats, &w.retained);
     match rest {
         None | Some(Out::Kick) | Some(Out::Pdus(_)) | Some(Out::Command { .. }) => {}
         Some(Out::Batch(v)) => {
             // A reader's batch: PDUs and responses only (what `Connection::flush` keeps).
-            let mut core = lock(&w.core);
+            let mut core = lock(&w.state);
             for m in v {
                 let rest = core.add(m, &w.stats, &w.retained);
                 debug_assert!(rest.is_none(), "only PDUs and responses in a batch");
             }
         }
-        Some(Out::Attach(s)) => lock(&w.core).window = Some(s),
+        Some(Out::Attach(s)) => lock(&w.state).window = Some(s),
         Some(Out::Digests(d)) => {
             // Everything queued so far was negotiated without digests.
             w.drain().await?;
-            lock(&w.core).digests = d;
+            lock(&w.state).digests = d;
         }
-        Some(Out::Direct) => lock(&w.core).direct = true,
+        Some(Out::Direct) => lock(&w.state).direct = true,
         Some(Out::Close) => *close = true,
     }
     Ok(())
