@@ -966,17 +966,24 @@ impl Client {
     /// the next CmdSN (which then advances) and the current ExpStatSN; returns the ITT and
     /// CmdSN, as a task management request names the task.
     pub async fn send_command(&mut self, cmd: ScsiCommand, data: Bytes) -> Result<(Itt, CmdSn)> {
+        let cmd = self.stamp(cmd);
+        let (itt, sn) = (cmd.itt, cmd.cmd_sn);
+        self.send(Header::ScsiCommand(cmd), data).await?;
+        Ok((itt, sn))
+    }
+
+    /// `cmd` with a fresh ITT, the next CmdSN (which then advances) and the current
+    /// ExpStatSN, for a caller that sends it by other means (raw bytes, a damaged digest).
+    pub fn stamp(&mut self, cmd: ScsiCommand) -> ScsiCommand {
         let itt = self.itt();
         let sn = self.cmd_sn;
-        let cmd = ScsiCommand {
+        self.cmd_sn = sn.next();
+        ScsiCommand {
             itt,
             cmd_sn: sn,
             exp_stat_sn: self.exp_stat_sn,
             ..cmd
-        };
-        self.cmd_sn = sn.next();
-        self.send(Header::ScsiCommand(cmd), data).await?;
-        Ok((itt, sn))
+        }
     }
 
     /// [`send_command`](Self::send_command) of a READ(16) of `blocks` blocks of `block_size`

@@ -70,21 +70,16 @@ async fn logout_behind_reads_waiting_for_transmit_budget_completes() {
     let mut wire = Vec::new();
     let mut itts = Vec::new();
     for (lba, blocks) in [(0u64, 64u32), (0, 64 << 10)] {
-        let itt = c.itt();
-        itts.push(itt);
-        let cmd = ScsiCommand {
+        let cmd = c.stamp(ScsiCommand {
             final_bit: true,
             read: true,
             attr: TaskAttr::SIMPLE,
             lun: Lun::from_number(0),
-            itt,
             expected_data_transfer_length: blocks * 512,
-            cmd_sn: c.cmd_sn,
-            exp_stat_sn: c.exp_stat_sn,
             cdb: ironsan_initiator::read16_cdb(lba, blocks),
             ..Default::default()
-        };
-        c.cmd_sn = c.cmd_sn.next();
+        });
+        itts.push(cmd.itt);
         wire.extend_from_slice(&Pdu::new(Header::ScsiCommand(cmd), Bytes::new()).bhs().0);
     }
     let logout = LogoutRequest {
@@ -337,18 +332,14 @@ async fn data_digest_error_rejects_and_fails_the_command_without_writing() {
     o.data_digest = true;
     let mut c = Client::login(addr, &o).await.unwrap();
     // A WRITE(10) of one block with immediate data whose digest is wrong.
-    let itt = c.itt();
-    let cmd = ScsiCommand {
+    let cmd = c.stamp(ScsiCommand {
         final_bit: true,
         write: true,
-        itt,
         expected_data_transfer_length: 512,
-        cmd_sn: c.cmd_sn,
-        exp_stat_sn: c.exp_stat_sn,
         cdb: [0x2a, 0, 0, 0, 0, 9, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0],
         ..Default::default()
-    };
-    c.cmd_sn = c.cmd_sn.next();
+    });
+    let itt = cmd.itt;
     let pdu = Pdu::new(Header::ScsiCommand(cmd), Bytes::from(vec![0xee; 512]));
     let bhs = pdu.bhs();
     let mut raw = bhs.0.to_vec();
@@ -393,20 +384,14 @@ async fn bad_data_sn_fails_the_write_and_writes_nothing() {
     o.initial_r2t = true;
     o.immediate_data = false;
     let mut c = Client::login(addr, &o).await.unwrap();
-    let itt = c.itt();
     let cmd = ScsiCommand {
         final_bit: true,
         write: true,
-        itt,
         expected_data_transfer_length: 1024,
-        cmd_sn: c.cmd_sn,
         cdb: [0x2a, 0, 0, 0, 0, 20, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0],
         ..Default::default()
     };
-    c.cmd_sn = c.cmd_sn.next();
-    c.send(Header::ScsiCommand(cmd), Bytes::new())
-        .await
-        .unwrap();
+    let (itt, _) = c.send_command(cmd, Bytes::new()).await.unwrap();
     let Header::R2t(r2t) = c.recv().await.unwrap().header else {
         panic!("expected R2T")
     };
@@ -441,21 +426,14 @@ async fn abort_task_of_a_write_waiting_for_data() {
     o.initial_r2t = true;
     o.immediate_data = false;
     let mut c = Client::login(addr, &o).await.unwrap();
-    let itt = c.itt();
-    let cmd_sn = c.cmd_sn;
     let cmd = ScsiCommand {
         final_bit: true,
         write: true,
-        itt,
         expected_data_transfer_length: 4096,
-        cmd_sn,
         cdb: [0x2a, 0, 0, 0, 0, 40, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0],
         ..Default::default()
     };
-    c.cmd_sn = c.cmd_sn.next();
-    c.send(Header::ScsiCommand(cmd), Bytes::new())
-        .await
-        .unwrap();
+    let (itt, cmd_sn) = c.send_command(cmd, Bytes::new()).await.unwrap();
     let Header::R2t(_) = c.recv().await.unwrap().header else {
         panic!("expected R2T")
     };
@@ -672,14 +650,11 @@ async fn several_outstanding_r2ts_are_issued_and_honoured() {
     o.max_burst_length = 65536;
     o.max_outstanding_r2t = 4;
     let mut c = Client::login(addr, &o).await.unwrap();
-    let itt = c.itt();
     let len = 512 * 1024u32;
     let cmd = ScsiCommand {
         final_bit: true,
         write: true,
-        itt,
         expected_data_transfer_length: len,
-        cmd_sn: c.cmd_sn,
         cdb: {
             let mut cdb = [0u8; 16];
             cdb[0] = 0x2a;
@@ -688,10 +663,7 @@ async fn several_outstanding_r2ts_are_issued_and_honoured() {
         },
         ..Default::default()
     };
-    c.cmd_sn = c.cmd_sn.next();
-    c.send(Header::ScsiCommand(cmd), Bytes::new())
-        .await
-        .unwrap();
+    let (itt, _) = c.send_command(cmd, Bytes::new()).await.unwrap();
     // Four R2Ts arrive before any data is sent: MaxOutstandingR2T=4 is in force.
     let mut r2ts = Vec::new();
     for _ in 0..4 {
