@@ -22,11 +22,11 @@
 
 use crate::support;
 use bytes::Bytes;
-use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBackend};
+use ironsan_backend::{BlockDevice, FaultControl, RamBackend};
 use ironsan_initiator::{Client, CommandResult, LoginOptions};
 use ironsan_proto::pdu::*;
 use ironsan_proto::{CmdSn, DataSn};
-use ironsan_server::{Server, ServerConfig};
+use ironsan_server::ServerConfig;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,12 +36,7 @@ const TARGET: &str = "iqn.2026-11.org.ironsan:abort-order";
 const BS: u32 = 512;
 const WAIT: Duration = Duration::from_secs(10);
 
-struct Rig {
-    addr: SocketAddr,
-    ctl: Arc<FaultControl>,
-    inner: Arc<dyn BlockDevice>,
-    _stop: tokio::sync::oneshot::Sender<()>,
-}
+type Rig = support::FaultRig;
 
 async fn start(rules: &[&str]) -> Rig {
     start_cfg(rules, |_| {}).await
@@ -49,21 +44,16 @@ async fn start(rules: &[&str]) -> Rig {
 
 async fn start_cfg(rules: &[&str], tune: impl FnOnce(&mut ServerConfig)) -> Rig {
     let inner: Arc<dyn BlockDevice> = Arc::new(RamBackend::new(16 << 20));
-    let rules = rules.iter().map(|r| FaultRule::parse(r).unwrap()).collect();
-    let fault = FaultBackend::new(Arc::clone(&inner), rules, BS, 1);
-    let ctl = fault.control();
-    let t = support::target_on(TARGET, Arc::new(fault), 0x3000_0000_0000_0020);
-    let mut cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
-    tune(&mut cfg);
-    let server = Server::bind(cfg).await.unwrap();
-    let addr = server.local_addrs()[0];
-    let tx = support::run_in_background(server);
-    Rig {
-        addr,
-        ctl,
+    support::fault_rig(
+        TARGET,
         inner,
-        _stop: tx,
-    }
+        rules,
+        1,
+        Vec::new(),
+        0x3000_0000_0000_0020,
+        tune,
+    )
+    .await
 }
 
 fn opts(isid_last: u8) -> LoginOptions {

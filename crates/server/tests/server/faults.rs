@@ -6,12 +6,10 @@
 
 use crate::support;
 use bytes::Bytes;
-use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBackend};
+use ironsan_backend::{BlockDevice, FaultControl, RamBackend};
 use ironsan_initiator::{Client, CommandResult, LoginOptions};
 use ironsan_proto::pdu::*;
 use ironsan_proto::CmdSn;
-use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::{Server, ServerConfig, TargetDef};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,46 +19,13 @@ const TARGET: &str = "iqn.2026-11.org.ironsan:faults";
 const BS: u32 = 512;
 const WAIT: Duration = Duration::from_secs(10);
 
-struct Rig {
-    addr: SocketAddr,
-    ctl: Arc<FaultControl>,
-    inner: Arc<dyn BlockDevice>,
-    _stop: tokio::sync::oneshot::Sender<()>,
-}
+type Rig = support::FaultRig;
 
 /// LUN 0: `rules` over `inner`; LUN 1: a plain RAM disk.
 async fn start_on(inner: Arc<dyn BlockDevice>, rules: &[&str], seed: u64) -> Rig {
-    let rules = rules.iter().map(|r| FaultRule::parse(r).unwrap()).collect();
-    let fault = FaultBackend::new(Arc::clone(&inner), rules, BS, seed);
-    let ctl = fault.control();
-    let mut scsi = ironsan_scsi::Target::new();
-    for (n, be) in [
-        (0u64, Arc::new(fault) as Arc<dyn BlockDevice>),
-        (1, Arc::new(RamBackend::new(16 << 20))),
-    ] {
-        let cfg = LuConfig {
-            naa: 0x3000_0000_0000_0010 + n,
-            ..Default::default()
-        };
-        scsi.add_lun(n, Arc::new(LogicalUnit::new(be, cfg)));
-    }
-    let t = TargetDef {
-        name: TARGET.into(),
-        alias: None,
-        max_connections: None,
-        error_recovery_level: None,
-        scsi: Arc::new(scsi),
-    };
-    let cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
-    let server = Server::bind(cfg).await.unwrap();
-    let addr = server.local_addrs()[0];
-    let tx = support::run_in_background(server);
-    Rig {
-        addr,
-        ctl,
-        inner,
-        _stop: tx,
-    }
+    let plain: Arc<dyn BlockDevice> = Arc::new(RamBackend::new(16 << 20));
+    let naa = 0x3000_0000_0000_0010;
+    support::fault_rig(TARGET, inner, rules, seed, vec![plain], naa, |_| {}).await
 }
 
 async fn start(rules: &[&str]) -> Rig {

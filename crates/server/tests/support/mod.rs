@@ -4,7 +4,7 @@
 #![allow(dead_code)] // each test crate uses a different part
 
 use bytes::Bytes;
-use ironsan_backend::{BlockDevice, RamBackend};
+use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBackend};
 use ironsan_initiator::LoginOptions;
 use ironsan_scsi::{LogicalUnit, LuConfig};
 use ironsan_server::{admin, Server, ServerConfig, TargetDef};
@@ -18,15 +18,19 @@ pub(crate) const TARGET: &str = "iqn.2026-11.org.ironsan:test";
 
 /// A target called `name` with LUN 0 on `backend` (NAA designator `naa`), portal group 1.
 pub(crate) fn target_on(name: &str, backend: Arc<dyn BlockDevice>, naa: u64) -> TargetDef {
+    target_with(name, vec![backend], naa)
+}
+
+/// A target called `name` with LUNs 0, 1, … on `backends` (NAA designators `naa`, `naa + 1`, …).
+pub(crate) fn target_with(name: &str, backends: Vec<Arc<dyn BlockDevice>>, naa: u64) -> TargetDef {
     let mut scsi = ironsan_scsi::Target::new();
-    let lu = LogicalUnit::new(
-        backend,
-        LuConfig {
-            naa,
+    for (n, backend) in (0u64..).zip(backends) {
+        let cfg = LuConfig {
+            naa: naa + n,
             ..Default::default()
-        },
-    );
-    scsi.add_lun(0, Arc::new(lu));
+        };
+        scsi.add_lun(n, Arc::new(LogicalUnit::new(backend, cfg)));
+    }
     TargetDef {
         name: name.into(),
         alias: None,
@@ -43,6 +47,44 @@ pub(crate) fn ram_target(name: &str) -> TargetDef {
         Arc::new(RamBackend::new(64 << 20)),
         0x3000_0000_0000_0001,
     )
+}
+
+/// A server whose LUN 0 fails as fault rules say ([`FaultBackend`] over `inner`), for the
+/// fault and abort-ordering tests; it stops when dropped.
+pub(crate) struct FaultRig {
+    pub addr: SocketAddr,
+    pub ctl: Arc<FaultControl>,
+    /// What LUN 0 stores, read behind the faults.
+    pub inner: Arc<dyn BlockDevice>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+/// Serve target `name`: LUN 0 is `rules` (`fault=` syntax, random choices from `seed`) over
+/// `inner`, the LUNs after it are `more`; `tune` adjusts the configuration before binding.
+pub(crate) async fn fault_rig(
+    name: &str,
+    inner: Arc<dyn BlockDevice>,
+    rules: &[&str],
+    seed: u64,
+    more: Vec<Arc<dyn BlockDevice>>,
+    naa: u64,
+    tune: impl FnOnce(&mut ServerConfig),
+) -> FaultRig {
+    let rules = rules.iter().map(|r| FaultRule::parse(r).unwrap()).collect();
+    let fault = FaultBackend::new(Arc::clone(&inner), rules, 512, seed);
+    let ctl = fault.control();
+    let mut luns: Vec<Arc<dyn BlockDevice>> = vec![Arc::new(fault)];
+    luns.extend(more);
+    let t = target_with(name, luns, naa);
+    let mut cfg = ServerConfig::new(vec!["127.0.0.1:0".parse().unwrap()], vec![t]);
+    tune(&mut cfg);
+    let server = Server::bind(cfg).await.unwrap();
+    FaultRig {
+        addr: server.local_addrs()[0],
+        ctl,
+        inner,
+        _stop: run_in_background(server),
+    }
 }
 
 /// Run a bound server in the background; it stops when the sender is dropped.
