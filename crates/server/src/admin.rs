@@ -397,12 +397,12 @@ impl Control {
         })
     }
 
-    /// (target, LUN, counters) of one target or of every target, sorted.
     /// `ironsan ctl stats [TARGET]` ([`crate::metrics::stats_view`]).
     pub fn stats(&self, target: Option<&str>) -> Result<Value, String> {
         Ok(crate::metrics::stats_view(&self.lun_metrics(target)?))
     }
 
+    /// (target, LUN, counters) of one target or of every target, sorted.
     pub fn lun_metrics(
         &self,
         target: Option<&str>,
@@ -918,11 +918,11 @@ impl crate::cluster::Host for Control {
     }
 
     fn logical_units(&self, target: &str) -> Vec<(u64, Arc<LogicalUnit>)> {
-        self.lun_list(target)
+        // Read on every ping (the oldest write held): the LUN map alone, not `lun_list`'s
+        // specs.
+        self.target(target)
+            .map(|t| t.scsi().luns().map(|(n, lu)| (n, Arc::clone(lu))).collect())
             .unwrap_or_default()
-            .into_iter()
-            .map(|(lun, lu, _)| (lun, lu))
-            .collect()
     }
 
     fn logical_unit(&self, target: &str, lun: u64) -> Option<Arc<LogicalUnit>> {
