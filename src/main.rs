@@ -620,7 +620,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
 /// SIGHUP: apply the configuration file serve started with, as a diff; log what changed.
 async fn reload(
     hooks: &Arc<ctl::BinHooks>,
-    control: &ironsan_server::admin::Control,
+    control: &ironsan_server::control::Control,
     config: Option<&std::path::Path>,
 ) {
     let Some(path) = config.map(std::path::Path::to_owned) else {
@@ -644,15 +644,15 @@ async fn reload(
 /// Bind the control socket (see `--control`) and serve it.
 fn start_control(
     path: Option<PathBuf>,
-    control: ironsan_server::admin::Control,
+    control: ironsan_server::control::Control,
     hooks: Arc<ctl::BinHooks>,
 ) -> Result<Option<tokio::task::JoinHandle<()>>> {
     let (path, explicit) = match &path {
         Some(p) if p.as_os_str() == "none" => return Ok(None),
         Some(p) => (p.clone(), true),
-        None => (ironsan_server::admin::default_socket_path(), false),
+        None => (ironsan_server::control::default_socket_path(), false),
     };
-    let listener = match ironsan_server::admin::bind_control(&path) {
+    let listener = match ironsan_server::control::bind_control(&path) {
         Ok(l) => l,
         Err(e) if !explicit => {
             tracing::warn!("no control socket: {e}");
@@ -664,7 +664,7 @@ fn start_control(
         "  control socket {} (ironsan ctl --control {0} sessions)",
         path.display()
     );
-    Ok(Some(tokio::spawn(ironsan_server::admin::serve_control(
+    Ok(Some(tokio::spawn(ironsan_server::control::serve_control(
         listener, control, hooks,
     ))))
 }

@@ -4,7 +4,7 @@
 use crate::config::{self, Backing, Limits, LunPlan, Plan};
 use anyhow::Result;
 use ironsan_scsi::LogicalUnit;
-use ironsan_server::admin::{Control, Hooks};
+use ironsan_server::control::{Control, Hooks};
 use ironsan_server::{Access, PortalGroup, PortalInfo, TargetDef};
 use serde_json::{json, Value};
 use std::net::SocketAddr;

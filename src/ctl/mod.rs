@@ -2,7 +2,7 @@
 //!
 //! Every command is a clap subcommand with its own `--help`; `--json` and `--control` are
 //! accepted anywhere on the line. A parsed command becomes the `argv` of the control protocol
-//! (crates/server/src/admin.rs, "Protocol"): the words a script would send, so the socket and
+//! (crates/server/src/control/, "Protocol"): the words a script would send, so the socket and
 //! the CLI speak one language. [`render`] turns the answer into the tables printed without
 //! `--json`.
 //!
@@ -16,7 +16,7 @@ mod render;
 pub(crate) use hooks::{lun_spec, BinHooks};
 
 use clap::{Args, Subcommand};
-use ironsan_server::admin::{self, CallError};
+use ironsan_server::control::{self, CallError};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -343,9 +343,9 @@ impl CtlCmd {
 
 /// Run `ironsan ctl`: errors are printed on one line and mapped to the exit status above.
 pub(crate) fn run(args: CtlArgs) -> ExitCode {
-    let path = args.control.unwrap_or_else(admin::default_socket_path);
+    let path = args.control.unwrap_or_else(control::default_socket_path);
     let argv = args.cmd.argv();
-    match admin::call(&path, &argv) {
+    match control::call(&path, &argv) {
         Ok(data) => {
             if args.json {
                 match serde_json::to_string_pretty(&data) {

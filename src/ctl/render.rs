@@ -1,5 +1,5 @@
 //! The tables `ironsan ctl` prints without `--json`, from the JSON views the control socket
-//! answers with (crates/server/src/admin.rs and metrics.rs build those views).
+//! answers with (crates/server/src/control/ and metrics.rs build those views).
 
 use super::CtlCmd;
 use ironsan_server::metrics::STAGES;

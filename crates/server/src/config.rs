@@ -1,7 +1,7 @@
 //! What the server is configured with: its targets, portals and portal groups, the
 //! negotiation defaults and limits ([`ServerConfig`]), and how large reads go out
 //! ([`ZeroCopyReads`]). Plain data: the binary builds it from flags and the file, the
-//! control plane changes a running server through `admin::Control`.
+//! control plane changes a running server through `control::Control`.
 
 use crate::access::Access;
 use crate::limits::Limits;

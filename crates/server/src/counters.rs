@@ -161,7 +161,7 @@ impl ServerStats {
     }
 }
 
-/// Server-wide gauges and counters, as [`crate::admin::Control::gauges`] reads them.
+/// Server-wide gauges and counters, as [`crate::control::Control::gauges`] reads them.
 #[derive(Clone, Debug, Default)]
 pub struct Gauges {
     pub connections: u64,

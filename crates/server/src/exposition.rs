@@ -7,7 +7,7 @@
 //! scrape time and hands them to the crate's encoder, which writes the names, HELP and TYPE
 //! lines, label escaping, `_total` suffixes and histogram buckets.
 
-use crate::admin::Control;
+use crate::control::Control;
 use crate::counters::ConnCounters;
 use crate::metrics::{Class, BUCKETS, STAGES};
 use prometheus_client::collector::Collector;

@@ -8,7 +8,7 @@
 //! connection (no keep-alive), a request head of at most 8 KiB (hyper answers 431 beyond),
 //! and [`HTTP_TIMEOUT`] for the whole exchange. Nothing it serves changes state.
 
-use crate::admin::Control;
+use crate::control::Control;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse, Response};

@@ -16,10 +16,10 @@
 //! ```
 
 pub mod access;
-pub mod admin;
 pub mod cluster;
 mod config;
 mod conn;
+pub mod control;
 pub mod counters;
 pub mod exposition;
 pub mod fair;
@@ -30,6 +30,7 @@ pub mod metrics;
 mod portals;
 mod session;
 mod sys;
+mod task;
 mod writer;
 
 use std::collections::HashMap;
@@ -175,7 +176,7 @@ pub(crate) struct Shared {
     pub cfg: ServerConfig,
     runtime: RwLock<Arc<Runtime>>,
     pub stats: counters::ServerStats,
-    /// The spec each LUN was made from (for `ironsan ctl save`), kept by `admin::Control`.
+    /// The spec each LUN was made from (for `ironsan ctl save`), kept by `control::Control`.
     pub origins:
         Arc<Mutex<std::collections::BTreeMap<String, std::collections::BTreeMap<u64, String>>>>,
     /// The portals SendTargets and `ctl portals` report (bound address, current tag), kept
@@ -325,8 +326,8 @@ impl Server {
     }
 
     /// A handle to inspect and change the running server (the control socket uses it).
-    pub fn control(&self) -> admin::Control {
-        admin::Control::new(Arc::clone(&self.shared))
+    pub fn control(&self) -> control::Control {
+        control::Control::new(Arc::clone(&self.shared))
     }
 
     /// A snapshot of the sessions (for admin views and tests).

@@ -163,7 +163,7 @@ impl Drop for StopAccepting {
     }
 }
 
-/// A portal as `admin::Control::portal_list` reports it.
+/// A portal as `control::Control::portal_list` reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PortalInfo {
     /// The address actually bound.

@@ -270,7 +270,7 @@ struct LastFence {
 /// What a cluster node needs of the server it belongs to, and nothing more: its targets,
 /// their portals, logical units and port groups, and two task operations a change made
 /// through another node asks for. The control plane implements it
-/// ([`crate::admin::Control`]); the cluster sees no session, connection or PDU.
+/// ([`crate::control::Control`]); the cluster sees no session, connection or PDU.
 pub trait Host: Send + Sync {
     /// The names of the targets served.
     fn target_names(&self) -> Vec<String>;

@@ -6,9 +6,10 @@
 //! that must wait (backend I/O in flight, the transmit budget, a range lock) becomes a task of
 //! its own.
 
-use super::write::{Slot, WriteData};
+use super::write::WriteData;
 use super::{Connection, PollingFlag};
 use crate::metrics::{Class, Stamp, Timing};
+use crate::task::Slot;
 use crate::writer::{Out, OutPdu};
 use crate::LiveTarget;
 use bytes::Bytes;

@@ -22,7 +22,6 @@ mod exec;
 mod keepalive;
 mod login;
 mod reassign;
-pub(crate) use reassign::{send_forwards, Orphans};
 mod recovery;
 mod text;
 mod tmf;
@@ -54,7 +53,7 @@ use tokio::sync::{mpsc, watch, Semaphore};
 
 /// The per-connection protocol core as this driver instantiates it.
 type ConnCore =
-    ironsan_proto::connection::Connection<write::PendingWrite, BuildHasherDefault<IntHasher>>;
+    ironsan_proto::connection::Connection<crate::task::PendingWrite, BuildHasherDefault<IntHasher>>;
 
 /// Why a connection ended.
 #[derive(Debug, thiserror::Error)]

@@ -4,10 +4,10 @@
 //! the session delivers it.
 
 use super::{reject, ConnResult, Connection};
-use crate::counters::ConnStats;
 use crate::io;
 use crate::metrics::Stamp;
-use crate::session::{PlacedSlot, Running, Session};
+use crate::session::Session;
+use crate::task::{PendingWrite, PlacedSlot, Running, Slot, WriteQuota};
 use bytes::{Bytes, BytesMut};
 use ironsan_proto::connection::{DataOutPlan, Next, Write};
 use ironsan_proto::negotiate::ConnParams;
@@ -41,86 +41,6 @@ pub(super) fn write_params(session: &Session, params: &ConnParams) -> WriteParam
         max_recv_data_segment_length: params.max_recv_data_segment_length,
         recovery: p.error_recovery_level > 0,
     }
-}
-
-/// Bytes of a write counted against the session's `write_buffer_per_session`.
-pub(super) struct WriteQuota {
-    session: Arc<Session>,
-    bytes: u64,
-}
-
-impl WriteQuota {
-    fn try_new(session: &Arc<Session>, bytes: u64, limit: u64) -> Option<WriteQuota> {
-        session
-            .buffered_writes
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
-                (cur + bytes <= limit).then_some(cur + bytes)
-            })
-            .ok()?;
-        Some(WriteQuota {
-            session: Arc::clone(session),
-            bytes,
-        })
-    }
-}
-
-impl Drop for WriteQuota {
-    fn drop(&mut self) {
-        self.session
-            .buffered_writes
-            .fetch_sub(self.bytes, Ordering::AcqRel);
-    }
-}
-
-/// What a command holds until it completes or is dropped: its share of the session's write
-/// quota, and, once delivered, its place in the connection's in-flight count.
-pub(super) struct Slot {
-    #[allow(dead_code)] // held for its Drop
-    quota: Option<WriteQuota>,
-    counted: Option<Arc<ConnStats>>,
-}
-
-impl Slot {
-    fn new(quota: Option<WriteQuota>) -> Self {
-        Slot {
-            quota,
-            counted: None,
-        }
-    }
-
-    /// The session delivered the command: count it (once).
-    pub(super) fn deliver(&mut self, stats: &Arc<ConnStats>, cmd: &ScsiCommand) {
-        if self.counted.is_none() {
-            stats.command(cmd.read, cmd.write, cmd.expected_data_transfer_length);
-            self.counted = Some(Arc::clone(stats));
-        }
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if let Some(s) = &self.counted {
-            s.in_flight.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-}
-
-/// What the driver keeps for a write waiting for its Data-Out (the protocol core tracks the
-/// transfer itself).
-pub(crate) struct PendingWrite {
-    cmd: ScsiCommand,
-    cdb: Bytes,
-    buf: BytesMut,
-    /// The data goes straight into the medium instead of `buf` (see [`place_min`]), a
-    /// whole block at a time.
-    placed: Option<(Arc<PlacedSlot>, io::Placement)>,
-    /// Aborted while received in place (a task management function emptied its slot): the
-    /// rest of its data is received and dropped, as a buffered write's is, and it ends with no
-    /// response.
-    discard: bool,
-    slot: Slot,
-    /// When the command's header was read (start of the "receive" stage).
-    t_header: Stamp,
 }
 
 /// A command held behind a CmdSN gap, ready to run (or to fail) when it is delivered. Writes
@@ -220,8 +140,9 @@ impl Connection {
             .limits
             .write_buffer_per_session
             .max(u64::from(self.shared.cfg.max_io_bytes));
-        let quota = (cmd.write && !oversize && edtl > 0)
-            .then(|| WriteQuota::try_new(&self.session, u64::from(edtl), quota_limit));
+        let quota = (cmd.write && !oversize && edtl > 0).then(|| {
+            WriteQuota::try_new(&self.session.buffered_writes, u64::from(edtl), quota_limit)
+        });
         let over_quota = matches!(quota, Some(None));
         let quota = quota.flatten();
         let buffered = cmd.write && !oversize && !over_quota;

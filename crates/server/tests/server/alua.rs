@@ -6,7 +6,7 @@
 
 use crate::support;
 use ironsan_initiator::Client;
-use ironsan_server::admin::{Control, Hooks};
+use ironsan_server::control::{Control, Hooks};
 use ironsan_server::{Portal, PortalGroup, Server, ServerConfig};
 use std::time::Duration;
 use support::*;

@@ -10,8 +10,8 @@
 mod support;
 
 mod abort_order;
-mod admin;
 mod alua;
+mod control;
 mod faults;
 mod mcs;
 mod metrics;

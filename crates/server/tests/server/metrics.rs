@@ -7,7 +7,7 @@ use bytes::Bytes;
 use ironsan_backend::RamBackend;
 use ironsan_initiator::{Client, LoginOptions};
 use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::admin::NoHooks;
+use ironsan_server::control::NoHooks;
 use ironsan_server::{Server, ServerConfig, TargetDef};
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -30,7 +30,7 @@ fn ram_lu(bytes: u64, seed: &str) -> Arc<LogicalUnit> {
 struct Running {
     iscsi: SocketAddr,
     metrics: SocketAddr,
-    control: ironsan_server::admin::Control,
+    control: ironsan_server::control::Control,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 

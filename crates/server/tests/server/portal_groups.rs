@@ -5,7 +5,7 @@
 
 use crate::support;
 use ironsan_initiator::{Client, Error, LoginOptions};
-use ironsan_server::admin;
+use ironsan_server::control;
 use ironsan_server::{Portal, PortalGroup, Server, ServerConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -21,7 +21,7 @@ const ONLY_ONE: &str = "iqn.2026-11.org.ironsan:only-one";
 /// Groups 1 and 2, one port each; EVERYWHERE on both, ONLY_ONE on 1, ONLY_TWO on 2.
 async fn start_groups() -> (
     Vec<Portal>,
-    ironsan_server::admin::Control,
+    ironsan_server::control::Control,
     tokio::sync::oneshot::Sender<()>,
 ) {
     let any = || vec!["127.0.0.1:0".parse().unwrap()];
@@ -203,11 +203,11 @@ async fn portals_are_added_and_removed_live() {
         .join(format!("ironsan-portals-{}", std::process::id()))
         .join("control.sock");
     let _ = std::fs::remove_dir_all(path.parent().unwrap());
-    let listener = admin::bind_control(&path).unwrap();
-    tokio::spawn(admin::serve_control(
+    let listener = control::bind_control(&path).unwrap();
+    tokio::spawn(control::serve_control(
         listener,
         server.control(),
-        Arc::new(admin::NoHooks),
+        Arc::new(control::NoHooks),
     ));
     let _stop = run_in_background(server);
 

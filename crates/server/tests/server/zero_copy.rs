@@ -34,7 +34,7 @@ struct Rig {
     /// The backing file (removed with the rig); `None` for a RAM or NULL LUN.
     file: Option<TempFile>,
     addr: SocketAddr,
-    control: ironsan_server::admin::Control,
+    control: ironsan_server::control::Control,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use ironsan_backend::{BlockDevice, FaultBackend, FaultControl, FaultRule, RamBackend};
 use ironsan_initiator::LoginOptions;
 use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::{admin, Server, ServerConfig, TargetDef};
+use ironsan_server::{control, Server, ServerConfig, TargetDef};
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -141,7 +141,7 @@ pub(crate) fn login_opts(target: &str, initiator: &str, isid: u8) -> LoginOption
 pub(crate) async fn ctl(path: &Path, argv: &[&str]) -> Result<Value, String> {
     let path = path.to_owned();
     let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
-    tokio::task::spawn_blocking(move || admin::call(&path, &argv).map_err(|e| e.to_string()))
+    tokio::task::spawn_blocking(move || control::call(&path, &argv).map_err(|e| e.to_string()))
         .await
         .unwrap()
 }

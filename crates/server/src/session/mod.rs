@@ -27,65 +27,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{watch, Notify};
 
+mod orphans;
+
 use crate::lock;
+use crate::task::Running;
 use crate::writer::SnWindow;
+pub(crate) use orphans::{send_forwards, Orphans};
 
 /// The session-wide protocol core, as this server instantiates it.
 pub(crate) type Core =
     ironsan_proto::session::Session<Running, ConnInfo, BuildHasherDefault<IntHasher>>;
-
-/// What the server keeps per task to abort it.
-#[derive(Debug)]
-pub(crate) struct Running {
-    /// The command's tokio task, if it has one (a command completing inline never has).
-    pub abort: Option<tokio::task::AbortHandle>,
-    /// While the command is polled inline by its connection's reader (before it has a task),
-    /// this is set: an abort from another thread then waits for it (reads of the LU wait
-    /// until the flag is clear, `LogicalUnit::task_aborted`).
-    pub polling: Arc<AtomicBool>,
-    /// A write received in place while it waits for its Data-Out: aborting the task empties
-    /// this, which releases the blocks' range at once (not when its connection next reads).
-    pub placed: Option<Arc<PlacedSlot>>,
-}
-
-/// A write received in place ([`ironsan_scsi::PlacedWrite`], holding its blocks' range) while
-/// it waits for its Data-Out. Its connection puts bytes through it (`io::PlaceTarget`), each
-/// put under the slot's lock; an abort from any task empties it, which drops the write and
-/// its range, and no byte is put after that.
-#[derive(Debug)]
-pub(crate) struct PlacedSlot {
-    grain: usize,
-    write: Mutex<Option<ironsan_scsi::PlacedWrite>>,
-}
-
-impl PlacedSlot {
-    pub(crate) fn new(p: ironsan_scsi::PlacedWrite) -> Self {
-        PlacedSlot {
-            grain: p.target().grain(),
-            write: Mutex::new(Some(p)),
-        }
-    }
-
-    /// The write, unless an abort took it.
-    pub(crate) fn take(&self) -> Option<ironsan_scsi::PlacedWrite> {
-        lock(&self.write).take()
-    }
-}
-
-impl crate::io::PlaceTarget for PlacedSlot {
-    fn grain(&self) -> usize {
-        self.grain
-    }
-    fn with<T>(
-        &self,
-        f: impl FnOnce(&ironsan_backend::InPlaceWrite) -> std::io::Result<T>,
-    ) -> std::io::Result<T> {
-        match lock(&self.write).as_ref() {
-            Some(p) => f(p.target()),
-            None => Err(std::io::Error::other("the write was aborted")),
-        }
-    }
-}
 
 /// Why the target closes a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,7 +141,7 @@ pub(crate) struct Session {
     window: SnWindow,
     pub commands: AtomicU64,
     /// Bytes of write data buffered for this session's writes (the write quota).
-    pub buffered_writes: AtomicU64,
+    pub buffered_writes: Arc<AtomicU64>,
     /// Connections whose full-feature reader is running, and a wake-up when one stops.
     readers: AtomicUsize,
     reader_stopped: Notify,
@@ -198,8 +149,8 @@ pub(crate) struct Session {
     started: tokio::time::Instant,
     /// ErrorRecoveryLevel 2 with a DefaultTime2Retain: failed connections' tasks are kept.
     recovers: bool,
-    /// What kept connections left for TASK REASSIGN ([`crate::conn::Orphans`]).
-    orphans: Mutex<crate::conn::Orphans>,
+    /// What kept connections left for TASK REASSIGN ([`Orphans`]).
+    orphans: Mutex<Orphans>,
     /// `orphans` is empty (read without its lock on every command).
     no_orphans: AtomicBool,
 }
@@ -228,7 +179,7 @@ impl Session {
         let s = Session {
             started: tokio::time::Instant::now(),
             recovers,
-            orphans: Mutex::new(crate::conn::Orphans::default()),
+            orphans: Mutex::new(Orphans::default()),
             no_orphans: AtomicBool::new(true),
             tsih,
             isid,
@@ -240,7 +191,7 @@ impl Session {
             window: SnWindow::default(),
             core: Mutex::new(core),
             commands: AtomicU64::new(0),
-            buffered_writes: AtomicU64::new(0),
+            buffered_writes: Arc::default(),
             readers: AtomicUsize::new(0),
             reader_stopped: Notify::new(),
         };
@@ -273,7 +224,7 @@ impl Session {
     }
 
     /// Run `f` on what kept connections left (ErrorRecoveryLevel 2).
-    pub(crate) fn orphans<R>(&self, f: impl FnOnce(&mut crate::conn::Orphans) -> R) -> R {
+    pub(crate) fn orphans<R>(&self, f: impl FnOnce(&mut Orphans) -> R) -> R {
         let mut o = lock(&self.orphans);
         let r = f(&mut o);
         self.no_orphans.store(o.is_empty(), Ordering::Release);
@@ -285,7 +236,7 @@ impl Session {
     pub(crate) fn park(&self, id: ConnId, out: crate::writer::Out) {
         if self.recovers {
             let ready = self.orphans(|o| o.park(id, out));
-            crate::conn::send_forwards(ready);
+            send_forwards(ready);
         }
     }
 
@@ -294,12 +245,12 @@ impl Session {
     pub(crate) fn writer_stopped(&self, id: ConnId) {
         if self.recovers {
             let ready = self.orphans(|o| o.resolve(id));
-            crate::conn::send_forwards(ready);
+            send_forwards(ready);
         }
     }
 
     /// A command with the tag `itt` was admitted: what kept connections hold for an earlier
-    /// task with that tag is stale ([`crate::conn::Orphans::tag_reused`]). One atomic load
+    /// task with that tag is stale ([`Orphans::tag_reused`]). One atomic load
     /// while nothing is kept.
     pub(crate) fn tag_reused(&self, itt: Itt) {
         if !self.no_orphans.load(Ordering::Acquire) {

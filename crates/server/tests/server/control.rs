@@ -6,7 +6,7 @@ use bytes::Bytes;
 use ironsan_backend::RamBackend;
 use ironsan_initiator::{Client, LoginOptions};
 use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::admin::{self, Hooks};
+use ironsan_server::control::{self, Hooks};
 use ironsan_server::{Server, ServerConfig, TargetDef};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -64,8 +64,8 @@ async fn start(name: &str) -> (SocketAddr, PathBuf, tokio::sync::oneshot::Sender
     let addr = server.local_addrs()[0];
     let path = sock_path(name);
     let _ = std::fs::remove_dir_all(path.parent().unwrap());
-    let listener = admin::bind_control(&path).unwrap();
-    tokio::spawn(admin::serve_control(
+    let listener = control::bind_control(&path).unwrap();
+    tokio::spawn(control::serve_control(
         listener,
         server.control(),
         Arc::new(RamHooks),
