@@ -11,7 +11,6 @@ use std::collections::{BTreeMap, BTreeSet};
 #[derive(Clone, Debug)]
 pub(crate) struct Received {
     pub(crate) header: Header,
-    pub(crate) data: Bytes,
     /// As it came off the wire.
     pub(crate) bytes: Vec<u8>,
 }
@@ -65,9 +64,19 @@ pub(crate) struct ITask {
     pub(crate) statuses: Vec<u8>,
     /// R2Ts received: (R2TSN, offset, length).
     pub(crate) r2ts: Vec<(u32, u32, u32)>,
+    /// A status that came while Data-In before it were missing: not acknowledged until they
+    /// are here (§4.2.2.2: the initiator must not acknowledge a status before the holes in
+    /// its data are filled, so the target keeps the Data-In for a SNACK). (StatSN, the
+    /// number of Data-In before it.)
+    pub(crate) unacked_status: Option<(StatSn, u32)>,
 }
 
 impl ITask {
+    /// Whether the Data-In numbered below `n` have all arrived.
+    fn has_data_below(&self, n: u32) -> bool {
+        self.exp_data_sn().0 >= n
+    }
+
     /// The next DataSN expected without a gap (a TASK REASSIGN's ExpDataSN, §11.5.1).
     pub(crate) fn exp_data_sn(&self) -> DataSn {
         let got: BTreeSet<u32> = self.data_sns.iter().copied().collect();
@@ -185,13 +194,13 @@ impl Initiator {
     pub(crate) fn receive(&mut self, cid: u16, bytes: Vec<u8>) -> Vec<(Header, Bytes)> {
         let (bhs, _, data) = wire::decode(&bytes, MAX_DSL);
         let header = Header::decode(&bhs);
+        // The StatSN to acknowledge, unless the task's data has holes before it.
+        let mut ack = header
+            .target_sn()
+            .filter(|_| takes_stat_sn(&header))
+            .map(|sn| sn.stat_sn);
         if let Some(sn) = header.target_sn() {
             self.windows.push((sn.exp_cmd_sn, sn.max_cmd_sn));
-            if takes_stat_sn(&header) {
-                if let Some(c) = self.conns.get_mut(&cid) {
-                    c.saw_status(sn.stat_sn);
-                }
-            }
         }
         let mut reply = Vec::new();
         match &header {
@@ -205,12 +214,24 @@ impl Initiator {
                     t.data_sns.push(d.data_sn.0);
                     if let Some(s) = d.status {
                         t.statuses.push(s);
+                        if !t.has_data_below(d.data_sn.0) {
+                            t.unacked_status = ack.take().map(|sn| (sn, d.data_sn.0));
+                        }
+                    }
+                    if let Some((sn, n)) = t.unacked_status {
+                        if t.has_data_below(n) {
+                            t.unacked_status = None;
+                            ack = Some(sn);
+                        }
                     }
                 }
             }
             Header::ScsiResponse(r) => {
                 if let Some(t) = self.tasks.get_mut(&r.itt.0) {
                     t.statuses.push(r.status);
+                    if t.cmd.read && !t.has_data_below(r.exp_data_sn.0) {
+                        t.unacked_status = ack.take().map(|sn| (sn, r.exp_data_sn.0));
+                    }
                 }
             }
             Header::R2t(r) => {
@@ -231,28 +252,33 @@ impl Initiator {
             _ => {}
         }
         if let Some(c) = self.conns.get_mut(&cid) {
-            c.received.push(Received {
-                header,
-                data,
-                bytes,
-            });
+            if let Some(sn) = ack {
+                c.saw_status(sn);
+            }
+            c.received.push(Received { header, bytes });
         }
         reply
     }
 
     /// The task management responses received on `cid`, by request tag.
     pub(crate) fn tmf_response(&self, cid: u16, itt: Itt) -> Option<TmfResponseCode> {
-        self.conns[&cid].received.iter().find_map(|r| match &r.header {
-            Header::TaskMgmtResponse(t) if t.itt == itt => Some(t.response),
-            _ => None,
-        })
+        self.conns[&cid]
+            .received
+            .iter()
+            .find_map(|r| match &r.header {
+                Header::TaskMgmtResponse(t) if t.itt == itt => Some(t.response),
+                _ => None,
+            })
     }
 
     pub(crate) fn logout_response(&self, cid: u16, itt: Itt) -> Option<LogoutResponse> {
-        self.conns[&cid].received.iter().find_map(|r| match &r.header {
-            Header::LogoutResponse(l) if l.itt == itt => Some(l.clone()),
-            _ => None,
-        })
+        self.conns[&cid]
+            .received
+            .iter()
+            .find_map(|r| match &r.header {
+                Header::LogoutResponse(l) if l.itt == itt => Some(l.clone()),
+                _ => None,
+            })
     }
 
     pub(crate) fn rejects(&self, cid: u16) -> Vec<RejectReason> {

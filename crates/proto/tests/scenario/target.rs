@@ -15,7 +15,7 @@ use ironsan_proto::task::{response_pdus, Outcome, WriteParams, WriteTransfer};
 use ironsan_proto::window::Ignored;
 use ironsan_proto::{CmdSn, DataSn, StatSn};
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasherDefault;
 
 /// A fixed hasher: the core's tables iterate in the same order on every run.
@@ -367,7 +367,7 @@ impl Target {
     /// (§6.2.2, `Session::expire` at `next_expiry`).
     pub(crate) fn advance(&mut self, now_ms: u64) {
         self.now_ms = now_ms;
-        if !self.session.next_expiry().is_some_and(|t| t <= now_ms) {
+        if self.session.next_expiry().is_none_or(|t| t > now_ms) {
             return;
         }
         let e = self.session.expire(now_ms);
@@ -499,7 +499,14 @@ impl Target {
 
     /// `write::on_scsi_command`: faults of the PDU, admission in CmdSN order, immediate data,
     /// then run, hold, or wait for Data-Out.
-    fn on_scsi_command(&mut self, id: ConnId, bhs: &Bhs, ahs: &[u8], cmd: ScsiCommand, data: Bytes) {
+    fn on_scsi_command(
+        &mut self,
+        id: ConnId,
+        bhs: &Bhs,
+        ahs: &[u8],
+        cmd: ScsiCommand,
+        data: Bytes,
+    ) {
         let edtl = cmd.expected_data_transfer_length;
         let immediate_len = data.len() as u32;
         let Some(c) = self.conns.get_mut(&id) else {
@@ -658,7 +665,9 @@ impl Target {
         let result = ScsiResult {
             status: CHECK_CONDITION,
             // ABORTED COMMAND, DATA PHASE ERROR (4Bh/00h).
-            sense: Some(vec![0x70, 0, 0x0b, 0, 0, 0, 0, 10, 0, 0, 0, 0, 0x4b, 0, 0, 0, 0, 0]),
+            sense: Some(vec![
+                0x70, 0, 0x0b, 0, 0, 0, 0, 10, 0, 0, 0, 0, 0x4b, 0, 0, 0, 0, 0,
+            ]),
             data_in: Vec::new(),
             write_needed: None,
         };
@@ -686,7 +695,9 @@ impl Target {
         let check = |asc: u8| ScsiResult {
             status: CHECK_CONDITION,
             // ILLEGAL REQUEST with the ASC given.
-            sense: Some(vec![0x70, 0, 0x05, 0, 0, 0, 0, 10, 0, 0, 0, 0, asc, 0, 0, 0, 0, 0]),
+            sense: Some(vec![
+                0x70, 0, 0x05, 0, 0, 0, 0, 10, 0, 0, 0, 0, asc, 0, 0, 0, 0, 0,
+            ]),
             data_in: Vec::new(),
             write_needed: None,
         };
@@ -1157,7 +1168,7 @@ fn h_itt(h: &Held) -> Itt {
     }
 }
 
-/// Tags the target has seen run, as a set (for "ran exactly once" checks).
+/// How many times each tag appears (for "ran exactly once" checks).
 pub(crate) fn counts(itts: &[Itt]) -> BTreeMap<u32, usize> {
     let mut m = BTreeMap::new();
     for i in itts {
@@ -1165,7 +1176,3 @@ pub(crate) fn counts(itts: &[Itt]) -> BTreeMap<u32, usize> {
     }
     m
 }
-
-/// Silence an unused-import lint when a module does not need the set type.
-#[allow(dead_code)]
-type TagSet = BTreeSet<u32>;
