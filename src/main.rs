@@ -6,6 +6,7 @@ mod ctl;
 mod cuts;
 mod load;
 mod notify;
+mod reconcile;
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
@@ -525,10 +526,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     for t in &plan.targets {
         for (n, l) in t.luns.iter().enumerate() {
-            control.set_lun_origin(&t.name, n as u64, Some(ctl::lun_spec(l)));
+            control.set_lun_origin(&t.name, n as u64, Some(reconcile::lun_spec(l)));
         }
     }
-    let hooks = Arc::new(ctl::BinHooks::new(plan.clone(), config_path.clone()));
+    let hooks = Arc::new(reconcile::BinHooks::new(plan.clone(), config_path.clone()));
     let control_path = args.control.clone().or_else(|| plan.control.clone());
     let control_task = start_control(control_path, control.clone(), Arc::clone(&hooks))?;
     let metrics_task = match args.metrics.or(plan.metrics) {
@@ -619,7 +620,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
 
 /// SIGHUP: apply the configuration file serve started with, as a diff; log what changed.
 async fn reload(
-    hooks: &Arc<ctl::BinHooks>,
+    hooks: &Arc<reconcile::BinHooks>,
     control: &ironsan_server::control::Control,
     config: Option<&std::path::Path>,
 ) {
@@ -628,7 +629,7 @@ async fn reload(
         return;
     };
     let (hooks, control) = (Arc::clone(hooks), control.clone());
-    let r = tokio::task::spawn_blocking(move || hooks.apply(&control, &path, false)).await;
+    let r = tokio::task::spawn_blocking(move || hooks.reconcile(&control, &path, false)).await;
     match r {
         Ok(Ok(changes)) if changes.is_empty() => tracing::info!("SIGHUP: configuration unchanged"),
         Ok(Ok(changes)) => {
@@ -645,7 +646,7 @@ async fn reload(
 fn start_control(
     path: Option<PathBuf>,
     control: ironsan_server::control::Control,
-    hooks: Arc<ctl::BinHooks>,
+    hooks: Arc<reconcile::BinHooks>,
 ) -> Result<Option<tokio::task::JoinHandle<()>>> {
     let (path, explicit) = match &path {
         Some(p) if p.as_os_str() == "none" => return Ok(None),

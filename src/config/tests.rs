@@ -689,7 +689,7 @@ fn rbd_specs_and_their_options_read_back_as_written() {
         ("rbd/vm1".to_string(), "iscsi", 7, true)
     );
     assert_eq!(r.conf.as_deref(), Some(Path::new("/etc/ceph/c.conf")));
-    let spec = crate::ctl::lun_spec(&l);
+    let spec = crate::reconcile::lun_spec(&l);
     assert_eq!(
         spec,
         "rbd:rbd/vm1,conf=/etc/ceph/c.conf,id=iscsi,timeout=7,shared"

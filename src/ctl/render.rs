@@ -1,7 +1,7 @@
 //! The tables `ironsan ctl` prints without `--json`, from the JSON views the control socket
 //! answers with (crates/server/src/control/ and metrics.rs build those views).
 
-use super::CtlCmd;
+use ironsan_server::control::Request;
 use ironsan_server::metrics::STAGES;
 use serde_json::Value;
 
@@ -328,14 +328,14 @@ fn render_stats(v: &Value) -> String {
 }
 
 /// The human form of a command's `data` (what `ironsan ctl` prints without `--json`).
-pub(super) fn render(cmd: &CtlCmd, data: &Value) -> String {
+pub(super) fn render(cmd: &Request, data: &Value) -> String {
     match cmd {
-        CtlCmd::Sessions => render_sessions(data),
-        CtlCmd::Targets => render_targets(data),
-        CtlCmd::Luns { .. } => render_luns(data),
-        CtlCmd::Stats { .. } => render_stats(data),
-        CtlCmd::Cluster { cmd: None } => render_cluster(data),
-        CtlCmd::Alua { cmd: None, .. } => {
+        Request::Sessions => render_sessions(data),
+        Request::Targets => render_targets(data),
+        Request::Luns { .. } => render_luns(data),
+        Request::Stats { .. } => render_stats(data),
+        Request::Cluster { cmd: None } => render_cluster(data),
+        Request::Alua { cmd: None, .. } => {
             let empty = Vec::new();
             let rows = data
                 .as_array()
@@ -363,7 +363,7 @@ pub(super) fn render(cmd: &CtlCmd, data: &Value) -> String {
                 rows,
             )
         }
-        CtlCmd::Portals => {
+        Request::Portals => {
             let empty = Vec::new();
             let rows = data
                 .as_array()
@@ -373,7 +373,7 @@ pub(super) fn render(cmd: &CtlCmd, data: &Value) -> String {
                 .collect();
             table(&["PORTAL", "GROUP"], rows)
         }
-        CtlCmd::Show(_) => {
+        Request::Show(_) => {
             let t = &data["target"];
             let mut out = format!(
                 "target {}\n  alias: {}\n  ACL: {}\n  CHAP: {}  mutual CHAP: {}\n\n",
@@ -405,6 +405,7 @@ pub(super) fn render(cmd: &CtlCmd, data: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ironsan_server::control::LunRequest;
     use serde_json::json;
 
     #[test]
@@ -418,7 +419,7 @@ mod tests {
                 "tcp": {"rtt_us": 1500, "rttvar_us": 250, "cwnd": 10, "ssthresh": 2147483647,
                         "congestion": "cubic"}}]
         }]);
-        let t = render(&CtlCmd::Sessions, &sessions);
+        let t = render(&Request::Sessions, &sessions);
         assert!(t.contains("iqn.2026-11.org.test:b"), "{t}");
         assert!(t.contains("MaxBurstLength=262144"), "{t}");
         assert!(
@@ -426,12 +427,12 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("reads 3 (1.5 KiB)"), "{t}");
-        assert_eq!(render(&CtlCmd::Sessions, &json!([])), "no sessions\n");
+        assert_eq!(render(&Request::Sessions, &json!([])), "no sessions\n");
 
         let luns = json!([{"target": "iqn.x:t", "lun": 0, "backend": "ram", "io_engine": "inline",
             "size": 1073741824u64, "block_size": 512, "read_only": false, "write_cache": true,
             "spec": "ram:1G,wce"}]);
-        let t = render(&CtlCmd::Luns { target: None }, &luns);
+        let t = render(&Request::Luns { target: None }, &luns);
         let mut lines = t.lines();
         assert!(
             lines
@@ -449,7 +450,7 @@ mod tests {
         let alua = json!([{"target": "iqn.x:t", "group": 2, "state": "standby",
             "preferred": true, "ports": [2], "portals": ["127.0.0.1:3261"]}]);
         let t = render(
-            &CtlCmd::Alua {
+            &Request::Alua {
                 target: None,
                 cmd: None,
             },
@@ -461,7 +462,7 @@ mod tests {
         );
 
         let portals = json!([{"addr": "127.0.0.1:3260", "tag": 1}]);
-        let t = render(&CtlCmd::Portals, &portals);
+        let t = render(&Request::Portals, &portals);
         assert_eq!(t, "PORTAL          GROUP\n127.0.0.1:3260  1\n");
 
         let stage = json!({"count": 4, "mean_us": 12.5, "p50_us": 10.0, "p99_us": 2500.0});
@@ -473,7 +474,7 @@ mod tests {
             "bytes": 2048, "stages": stages},
             {"target": "iqn.x:t", "lun": 0, "class": "read", "commands": 0, "bytes": 0,
             "stages": {}}]);
-        let t = render(&CtlCmd::Stats { target: None }, &stats);
+        let t = render(&Request::Stats { target: None }, &stats);
         assert!(
             t.starts_with("iqn.x:t LUN 0 write: 4 commands, 2 KiB\n"),
             "{t}"
@@ -485,7 +486,7 @@ mod tests {
         assert!(!t.contains("read:"), "{t}");
 
         let msg = json!({"message": "iqn.x:t: LUN 1 added"});
-        let cmd = CtlCmd::Lun(super::super::LunCmd::Remove {
+        let cmd = Request::Lun(LunRequest::Remove {
             target: "t".into(),
             lun: 1,
         });

@@ -202,10 +202,10 @@ impl Shared {
 
     /// Change the run-time configuration: `f` edits a copy that replaces the current one
     /// unless it fails. Writers are serialised.
-    pub(crate) fn update_runtime<R>(
+    pub(crate) fn update_runtime<R, E>(
         &self,
-        f: impl FnOnce(&mut Runtime) -> Result<R, String>,
-    ) -> Result<R, String> {
+        f: impl FnOnce(&mut Runtime) -> Result<R, E>,
+    ) -> Result<R, E> {
         let mut slot = self.runtime.write().unwrap_or_else(|p| p.into_inner());
         let mut next = Runtime::clone(&slot);
         let r = f(&mut next)?;

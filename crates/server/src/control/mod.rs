@@ -4,10 +4,12 @@
 //!
 //! # Protocol
 //! One Unix stream socket (mode 0600: the owner only, in a 0700 directory). A client sends
-//! one JSON object per line, `{"argv": ["lun", "resize", "iqn…", "0", "20G"]}`, and gets one
-//! line back: `{"ok": true, "data": …}` or `{"ok": false, "error": "…"}`. `argv` is what
-//! follows `ironsan ctl`, so scripts and the CLI speak the same language (the binary's
-//! src/ctl/ parses the command line with clap, builds `argv` and renders `data` as tables).
+//! one JSON object per line and gets one line back: `{"ok": true, "data": …}` or
+//! `{"ok": false, "error": "…", "kind": "not_found"}` ([`ControlError`], [`ErrorKind`]). The
+//! request is typed once, [`Request`]: `{"request": REQUEST}` is its JSON (what `ironsan ctl`
+//! sends), `{"argv": ["lun", "resize", "iqn…", "0", "20G"]}` the same request as the words
+//! after `ironsan ctl`, parsed on the server by the same clap grammar (what a script sends).
+//! [`Control::dispatch`] runs it; the binary's src/ctl/ renders `data` as tables.
 //!
 //! # Run-time changes
 //! Targets and their access rules live in a copy-on-write [`crate::Runtime`] snapshot, a
@@ -15,6 +17,15 @@
 //! here edits a copy and swaps it in; sessions and commands holding the old snapshot finish
 //! with it. Commands that need the configuration syntax (LUN specs, `apply`, `save`) go through
 //! [`Hooks`], implemented by the `ironsan` binary.
+
+mod error;
+mod request;
+
+pub use error::{ControlError, ErrorKind};
+pub use request::{
+    AclRequest, AluaRequest, ClusterRequest, LunRequest, PortalRequest, Request, ShowRequest,
+    Switch, TargetRequest,
+};
 
 use crate::access::{Access, AclRule};
 use crate::counters::{ConnCounters, Gauges};
@@ -38,14 +49,25 @@ pub trait Hooks: Send + Sync + 'static {
         target: &str,
         lun: u64,
         spec: &str,
-    ) -> Result<(Arc<LogicalUnit>, String), String> {
+    ) -> Result<(Arc<LogicalUnit>, String), ControlError> {
         let _ = (target, lun, spec);
-        Err("this server cannot build LUNs from specs".into())
+        Err(ControlError::unsupported(
+            "this server cannot build LUNs from specs",
+        ))
     }
-    /// A command the server does not implement itself (`apply`, `save`): `None` if unknown.
-    fn command(&self, control: &Control, argv: &[String]) -> Option<Result<Value, String>> {
-        let _ = (control, argv);
-        None
+    /// `apply FILE [--dry-run]`: reconcile the running state to a configuration file.
+    fn apply(&self, control: &Control, file: &Path, dry_run: bool) -> Result<Value, ControlError> {
+        let _ = (control, file, dry_run);
+        Err(ControlError::unsupported(
+            "this server has no configuration files to apply",
+        ))
+    }
+    /// `save [FILE]`: the running state as a configuration file.
+    fn save(&self, control: &Control, file: Option<&Path>) -> Result<Value, ControlError> {
+        let _ = (control, file);
+        Err(ControlError::unsupported(
+            "this server has no configuration syntax to save in",
+        ))
     }
 }
 
@@ -74,12 +96,15 @@ impl std::fmt::Debug for Control {
 }
 
 /// The name of `target` (which must exist), or of every target, sorted.
-fn target_names<'a>(rt: &'a Runtime, target: Option<&str>) -> Result<Vec<&'a String>, String> {
+fn target_names<'a>(
+    rt: &'a Runtime,
+    target: Option<&str>,
+) -> Result<Vec<&'a String>, ControlError> {
     let mut names: Vec<&String> = match target {
         Some(t) => vec![
             rt.targets
                 .get_key_value(t)
-                .ok_or_else(|| format!("no target '{t}'"))?
+                .ok_or_else(|| ControlError::not_found(format!("no target '{t}'")))?
                 .0,
         ],
         None => rt.targets.keys().collect(),
@@ -103,13 +128,13 @@ impl Control {
             .collect()
     }
 
-    fn target(&self, name: &str) -> Result<Arc<LiveTarget>, String> {
+    fn target(&self, name: &str) -> Result<Arc<LiveTarget>, ControlError> {
         self.shared
             .runtime()
             .targets
             .get(name)
             .cloned()
-            .ok_or_else(|| format!("no target '{name}'"))
+            .ok_or_else(|| ControlError::not_found(format!("no target '{name}'")))
     }
 
     // ----- views -----------------------------------------------------------------------------
@@ -149,7 +174,7 @@ impl Control {
     }
 
     /// The LUNs of one target, or of every target.
-    pub fn luns(&self, target: Option<&str>) -> Result<Value, String> {
+    pub fn luns(&self, target: Option<&str>) -> Result<Value, ControlError> {
         let rt = self.shared.runtime();
         let names = target_names(&rt, target)?;
         let origins = lock(&self.origins);
@@ -196,16 +221,16 @@ impl Control {
     /// once; SendTargets lists it from now on. Port 0 binds a free port. Refused for an
     /// address that is already a portal; an address that cannot be bound is named in the
     /// error. Returns the portal as bound.
-    pub fn add_portal(&self, addr: SocketAddr, tag: u16) -> Result<crate::Portal, String> {
-        self.shared.add_portal(addr, tag)
+    pub fn add_portal(&self, addr: SocketAddr, tag: u16) -> Result<crate::Portal, ControlError> {
+        Ok(self.shared.add_portal(addr, tag)?)
     }
 
     /// Stop listening on the portal bound to `addr`: new connections are refused and
     /// SendTargets no longer lists it; sessions (and connections still logging in) that came
     /// in through it keep running. Refused for the last portal and for the last portal of a
     /// group that a target is restricted to.
-    pub fn remove_portal(&self, addr: SocketAddr) -> Result<crate::Portal, String> {
-        self.shared.remove_portal(addr)
+    pub fn remove_portal(&self, addr: SocketAddr) -> Result<crate::Portal, ControlError> {
+        Ok(self.shared.remove_portal(addr)?)
     }
 
     /// Close the portal bound to `old` and listen on `new` (group `tag`) instead, for an
@@ -216,14 +241,14 @@ impl Control {
         old: SocketAddr,
         new: SocketAddr,
         tag: u16,
-    ) -> Result<crate::Portal, String> {
-        self.shared.replace_portal(old, new, tag)
+    ) -> Result<crate::Portal, ControlError> {
+        Ok(self.shared.replace_portal(old, new, tag)?)
     }
 
     /// Move the portal bound to `addr` to group `tag` (for `apply`): logins accepted from
     /// now on announce the new tag; sessions already there keep theirs.
-    pub fn set_portal_tag(&self, addr: SocketAddr, tag: u16) -> Result<(), String> {
-        self.shared.set_portal_tag(addr, tag)
+    pub fn set_portal_tag(&self, addr: SocketAddr, tag: u16) -> Result<(), ControlError> {
+        Ok(self.shared.set_portal_tag(addr, tag)?)
     }
 
     /// The ALUA target port groups of `target` and whether they were configured (else one
@@ -231,7 +256,7 @@ impl Control {
     pub fn port_groups(
         &self,
         target: &str,
-    ) -> Result<(bool, Vec<ironsan_scsi::PortGroup>), String> {
+    ) -> Result<(bool, Vec<ironsan_scsi::PortGroup>), ControlError> {
         let scsi = self.target(target)?.scsi();
         Ok((scsi.alua().is_fixed(), scsi.alua().groups()))
     }
@@ -243,7 +268,7 @@ impl Control {
         &self,
         target: &str,
         groups: Option<Vec<ironsan_scsi::PortGroup>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ControlError> {
         let t = self.target(target)?;
         if let Some(g) = &groups {
             check_port_groups(g)?;
@@ -267,13 +292,12 @@ impl Control {
         group: u16,
         state: ironsan_scsi::AccessState,
         transition: Option<std::time::Duration>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ControlError> {
         use ironsan_scsi::AccessState;
         if state == AccessState::Transitioning {
-            return Err(
-                "transitioning is entered with --transition SECS on the way to another state"
-                    .into(),
-            );
+            return Err(ControlError::invalid(
+                "transitioning is entered with --transition SECS on the way to another state",
+            ));
         }
         let t = self.target(target)?;
         let scsi = t.scsi();
@@ -283,8 +307,9 @@ impl Control {
                     .map_err(|e| format!("{target}: {e}"))?;
             }
             Some(d) => {
-                let handle = tokio::runtime::Handle::try_current()
-                    .map_err(|_| "a timed transition needs the server's runtime".to_string())?;
+                let handle = tokio::runtime::Handle::try_current().map_err(|_| {
+                    ControlError::unsupported("a timed transition needs the server's runtime")
+                })?;
                 let gen = scsi
                     .set_access_state(group, AccessState::Transitioning, None)
                     .map_err(|e| format!("{target}: {e}"))?;
@@ -307,17 +332,18 @@ impl Control {
         target: &str,
         group: u16,
         preferred: bool,
-    ) -> Result<(), String> {
-        self.target(target)?
+    ) -> Result<(), ControlError> {
+        Ok(self
+            .target(target)?
             .scsi()
             .alua()
             .set_preferred(group, preferred)
-            .map_err(|e| format!("{target}: {e}"))
+            .map_err(|e| format!("{target}: {e}"))?)
     }
 
     /// `ctl alua [TARGET]`: every target's port groups, their ports (with the portals of
     /// each port) and states.
-    pub fn alua(&self, only: Option<&str>) -> Result<Value, String> {
+    pub fn alua(&self, only: Option<&str>) -> Result<Value, ControlError> {
         if let Some(t) = only {
             self.target(t)?;
         }
@@ -345,17 +371,23 @@ impl Control {
     }
 
     /// The portal group tags serving `target` (`None`: every portal).
-    pub fn portal_groups(&self, target: &str) -> Result<Option<Vec<u16>>, String> {
+    pub fn portal_groups(&self, target: &str) -> Result<Option<Vec<u16>>, ControlError> {
         self.target(target)?;
         Ok(self.shared.runtime().portal_groups.get(target).cloned())
     }
 
     /// Serve `target` on the portals of these groups only (`None`: on every portal). New
     /// logins and SendTargets see it at once; sessions already logged in are kept.
-    pub fn set_portal_groups(&self, target: &str, tags: Option<Vec<u16>>) -> Result<(), String> {
+    pub fn set_portal_groups(
+        &self,
+        target: &str,
+        tags: Option<Vec<u16>>,
+    ) -> Result<(), ControlError> {
         self.target(target)?;
         if let Some(t) = tags.as_ref().and_then(|t| t.iter().find(|&&t| t == 0)) {
-            return Err(format!("portal group tag {t} is reserved"));
+            return Err(ControlError::invalid(format!(
+                "portal group tag {t} is reserved"
+            )));
         }
         self.shared.update_runtime(|rt| {
             match tags {
@@ -367,7 +399,7 @@ impl Control {
     }
 
     /// One target: its settings, LUNs and sessions.
-    pub fn show_target(&self, name: &str) -> Result<Value, String> {
+    pub fn show_target(&self, name: &str) -> Result<Value, ControlError> {
         self.target(name)?;
         let t = self
             .targets()
@@ -398,7 +430,7 @@ impl Control {
     }
 
     /// `ironsan ctl stats [TARGET]` ([`crate::metrics::stats_view`]).
-    pub fn stats(&self, target: Option<&str>) -> Result<Value, String> {
+    pub fn stats(&self, target: Option<&str>) -> Result<Value, ControlError> {
         Ok(crate::metrics::stats_view(&self.lun_metrics(target)?))
     }
 
@@ -406,7 +438,7 @@ impl Control {
     pub fn lun_metrics(
         &self,
         target: Option<&str>,
-    ) -> Result<Vec<(String, u64, Arc<crate::metrics::LunMetrics>)>, String> {
+    ) -> Result<Vec<(String, u64, Arc<crate::metrics::LunMetrics>)>, ControlError> {
         let rt = self.shared.runtime();
         let names = target_names(&rt, target)?;
         Ok(names
@@ -489,12 +521,12 @@ impl Control {
     }
 
     /// The access rules of a target (`None`: discovery).
-    pub fn access(&self, target: Option<&str>) -> Result<Access, String> {
+    pub fn access(&self, target: Option<&str>) -> Result<Access, ControlError> {
         let rt = self.shared.runtime();
         match target {
             None => Ok(rt.discovery.clone()),
             Some(t) if rt.targets.contains_key(t) => Ok(rt.access(t).clone()),
-            Some(t) => Err(format!("no target '{t}'")),
+            Some(t) => Err(ControlError::not_found(format!("no target '{t}'"))),
         }
     }
 
@@ -515,9 +547,12 @@ impl Control {
         self.shared.cluster.get()
     }
 
-    fn cluster_node(&self) -> Result<&Arc<crate::cluster::ClusterNode>, String> {
-        self.cluster()
-            .ok_or_else(|| "this node is not part of a cluster (no [cluster] or --cluster)".into())
+    fn cluster_node(&self) -> Result<&Arc<crate::cluster::ClusterNode>, ControlError> {
+        self.cluster().ok_or_else(|| {
+            ControlError::unsupported(
+                "this node is not part of a cluster (no [cluster] or --cluster)",
+            )
+        })
     }
 
     /// The LU at `lun` of `target`, if both exist.
@@ -552,7 +587,7 @@ impl Control {
     }
 
     /// (LUN, LU, spec it was made from) of a target.
-    pub fn lun_list(&self, target: &str) -> Result<Vec<LunEntry>, String> {
+    pub fn lun_list(&self, target: &str) -> Result<Vec<LunEntry>, ControlError> {
         let t = self.target(target)?;
         let origins = lock(&self.origins);
         Ok(t.scsi()
@@ -565,20 +600,26 @@ impl Control {
     }
 
     /// The alias of a target.
-    pub fn alias(&self, target: &str) -> Result<Option<String>, String> {
+    pub fn alias(&self, target: &str) -> Result<Option<String>, ControlError> {
         Ok(self.target(target)?.alias.clone())
     }
 
     /// The connections a session with `target` may have (MaxConnections it offers), if set
     /// for the target (else the server's default applies).
-    pub fn connections_per_session(&self, target: &str) -> Result<Option<u16>, String> {
+    pub fn connections_per_session(&self, target: &str) -> Result<Option<u16>, ControlError> {
         Ok(self.target(target)?.max_connections())
     }
 
     /// Set (or clear) the target's MaxConnections offer; sessions logged in later get it.
-    pub fn set_connections_per_session(&self, target: &str, n: Option<u16>) -> Result<(), String> {
+    pub fn set_connections_per_session(
+        &self,
+        target: &str,
+        n: Option<u16>,
+    ) -> Result<(), ControlError> {
         if n == Some(0) {
-            return Err("connections_per_session must be at least 1".into());
+            return Err(ControlError::invalid(
+                "connections_per_session must be at least 1",
+            ));
         }
         self.target(target)?.set_max_connections(n);
         Ok(())
@@ -586,16 +627,22 @@ impl Control {
 
     /// The highest ErrorRecoveryLevel `target` offers, if set for the target (else the
     /// server's default applies).
-    pub fn error_recovery_level(&self, target: &str) -> Result<Option<u8>, String> {
+    pub fn error_recovery_level(&self, target: &str) -> Result<Option<u8>, ControlError> {
         Ok(self.target(target)?.error_recovery_level())
     }
 
     /// Set (or clear) the target's highest ErrorRecoveryLevel; sessions logged in later get
     /// it. Above [`ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL`] is refused.
-    pub fn set_error_recovery_level(&self, target: &str, n: Option<u8>) -> Result<(), String> {
+    pub fn set_error_recovery_level(
+        &self,
+        target: &str,
+        n: Option<u8>,
+    ) -> Result<(), ControlError> {
         let max = ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL;
         if n.is_some_and(|n| n > max) {
-            return Err(format!("error_recovery_level must be between 0 and {max}"));
+            return Err(ControlError::invalid(format!(
+                "error_recovery_level must be between 0 and {max}"
+            )));
         }
         self.target(target)?.set_error_recovery_level(n);
         Ok(())
@@ -614,12 +661,14 @@ impl Control {
     }
 
     /// Add a target with its LUNs and access rules. New logins and SendTargets see it at once.
-    pub fn add_target(&self, def: TargetDef, access: Access) -> Result<(), String> {
-        access.validate()?;
+    pub fn add_target(&self, def: TargetDef, access: Access) -> Result<(), ControlError> {
+        access.validate().map_err(ControlError::invalid)?;
         let name = def.name.clone();
         self.shared.update_runtime(|rt| {
             if rt.targets.contains_key(&name) {
-                return Err(format!("target '{name}' already exists"));
+                return Err(ControlError::exists(format!(
+                    "target '{name}' already exists"
+                )));
             }
             rt.targets
                 .insert(name.clone(), Arc::new(LiveTarget::new(&def)));
@@ -632,21 +681,21 @@ impl Control {
 
     /// Remove a target. With sessions logged in to it: refused unless `force`, which closes
     /// them. Returns how many sessions were closed.
-    pub fn remove_target(&self, name: &str, force: bool) -> Result<usize, String> {
+    pub fn remove_target(&self, name: &str, force: bool) -> Result<usize, ControlError> {
         let sessions = self.sessions_of(Some(name));
         if !sessions.is_empty() && !force {
-            return Err(format!(
+            return Err(ControlError::busy(format!(
                 "target '{name}' has {} session(s); log them out first or use --force",
                 sessions.len()
-            ));
+            )));
         }
         self.shared.update_runtime(|rt| {
             rt.targets
                 .remove(name)
-                .ok_or_else(|| format!("no target '{name}'"))?;
+                .ok_or_else(|| ControlError::not_found(format!("no target '{name}'")))?;
             rt.access.remove(name);
             rt.portal_groups.remove(name);
-            Ok(())
+            Ok::<(), ControlError>(())
         })?;
         lock(&self.origins).remove(name);
         for s in &sessions {
@@ -664,20 +713,25 @@ impl Control {
         lun: Option<u64>,
         lu: Arc<LogicalUnit>,
         spec: Option<String>,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, ControlError> {
         let t = self.target(target)?;
         let n = t.update_luns(|s| {
             let n = match lun {
                 Some(n) if s.lun(n).is_some() => {
-                    return Err(format!("{target} already has LUN {n}"))
+                    return Err(ControlError::exists(format!(
+                        "{target} already has LUN {n}"
+                    )))
                 }
                 Some(n) if n > ironsan_scsi::MAX_LUN => {
-                    return Err(format!("LUN {n} is above {}", ironsan_scsi::MAX_LUN))
+                    return Err(ControlError::invalid(format!(
+                        "LUN {n} is above {}",
+                        ironsan_scsi::MAX_LUN
+                    )))
                 }
                 Some(n) => n,
                 None => (0..=ironsan_scsi::MAX_LUN)
                     .find(|n| s.lun(*n).is_none())
-                    .ok_or("no free LUN number")?,
+                    .ok_or_else(|| ControlError::busy("no free LUN number"))?,
             };
             s.luns_changed();
             s.add_lun(n, lu);
@@ -690,14 +744,14 @@ impl Control {
 
     /// Unmap a LUN. Commands already running on it finish; later ones get LOGICAL UNIT NOT
     /// SUPPORTED; the other LUs report REPORTED LUNS DATA HAS CHANGED.
-    pub fn remove_lun(&self, target: &str, lun: u64) -> Result<Arc<LogicalUnit>, String> {
+    pub fn remove_lun(&self, target: &str, lun: u64) -> Result<Arc<LogicalUnit>, ControlError> {
         let t = self.target(target)?;
         let lu = t.update_luns(|s| {
             let lu = s
                 .remove_lun(lun)
-                .ok_or_else(|| format!("{target} has no LUN {lun}"))?;
+                .ok_or_else(|| ControlError::not_found(format!("{target} has no LUN {lun}")))?;
             s.luns_changed();
-            Ok::<_, String>(lu)
+            Ok::<_, ControlError>(lu)
         })?;
         self.set_lun_origin(target, lun, None);
         tracing::info!(target_name = %target, lun, "LUN removed");
@@ -706,13 +760,13 @@ impl Control {
 
     /// Resize a LUN to `bytes` (whole blocks); raises CAPACITY DATA HAS CHANGED. Returns the
     /// new number of blocks.
-    pub fn resize_lun(&self, target: &str, lun: u64, bytes: u64) -> Result<u64, String> {
+    pub fn resize_lun(&self, target: &str, lun: u64, bytes: u64) -> Result<u64, ControlError> {
         let lu = self
             .target(target)?
             .scsi()
             .lun(lun)
             .cloned()
-            .ok_or_else(|| format!("{target} has no LUN {lun}"))?;
+            .ok_or_else(|| ControlError::not_found(format!("{target} has no LUN {lun}")))?;
         let blocks = lu
             .resize(bytes)
             .map_err(|e| format!("{target} LUN {lun}: cannot resize to {bytes} bytes: {e}"))?;
@@ -722,115 +776,109 @@ impl Control {
 
     /// Replace the access rules of a target (`None`: discovery). Existing sessions stay; the
     /// rules apply to the next login and SendTargets.
-    pub fn set_access(&self, target: Option<&str>, access: Access) -> Result<(), String> {
-        access.validate()?;
+    pub fn set_access(&self, target: Option<&str>, access: Access) -> Result<(), ControlError> {
+        access.validate().map_err(ControlError::invalid)?;
         self.shared.update_runtime(|rt| {
             match target {
                 None => rt.discovery = access,
                 Some(t) if rt.targets.contains_key(t) => {
                     rt.access.insert(t.to_string(), access);
                 }
-                Some(t) => return Err(format!("no target '{t}'")),
+                Some(t) => return Err(ControlError::not_found(format!("no target '{t}'"))),
             }
             Ok(())
         })
     }
 
     /// Add an ACL rule (`discovery` as the target name means discovery sessions).
-    pub fn acl_add(&self, target: &str, rule: &str) -> Result<(), String> {
-        let rule = AclRule::parse(rule)?;
+    pub fn acl_add(&self, target: &str, rule: &str) -> Result<(), ControlError> {
+        let rule = AclRule::parse(rule).map_err(ControlError::invalid)?;
         let t = (target != "discovery").then_some(target);
         let mut a = self.access(t)?;
         if a.acl.contains(&rule) {
-            return Err(format!("{target} already has ACL rule {rule}"));
+            return Err(ControlError::exists(format!(
+                "{target} already has ACL rule {rule}"
+            )));
         }
         a.acl.push(rule);
         self.set_access(t, a)
     }
 
     /// Remove an ACL rule. Removing the last rule opens the target to every initiator.
-    pub fn acl_remove(&self, target: &str, rule: &str) -> Result<(), String> {
-        let rule = AclRule::parse(rule)?;
+    pub fn acl_remove(&self, target: &str, rule: &str) -> Result<(), ControlError> {
+        let rule = AclRule::parse(rule).map_err(ControlError::invalid)?;
         let t = (target != "discovery").then_some(target);
         let mut a = self.access(t)?;
         let before = a.acl.len();
         a.acl.retain(|r| *r != rule);
         if a.acl.len() == before {
-            return Err(format!("{target} has no ACL rule {rule}"));
+            return Err(ControlError::not_found(format!(
+                "{target} has no ACL rule {rule}"
+            )));
         }
         self.set_access(t, a)
     }
 
-    /// Run one control command (`argv` as after `ironsan ctl`).
-    pub fn dispatch(&self, hooks: &dyn Hooks, argv: &[String]) -> Result<Value, String> {
-        if let Some(r) = hooks.command(self, argv) {
-            return r;
-        }
-        let a: Vec<&str> = argv.iter().map(String::as_str).collect();
-        let num = |s: &str, what: &str| -> Result<u64, String> {
-            s.parse::<u64>()
-                .map_err(|_| format!("{what} '{s}' is not a number"))
-        };
-        let size = |s: &str| {
-            ironsan_backend::parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 10G)"))
-        };
+    /// Run one control request given as words (as after `ironsan ctl`, no global flags).
+    pub fn dispatch_words<S: AsRef<str>>(
+        &self,
+        hooks: &dyn Hooks,
+        argv: &[S],
+    ) -> Result<Value, ControlError> {
+        let req = Request::from_argv(argv).map_err(ControlError::invalid)?;
+        self.dispatch(hooks, &req)
+    }
+
+    /// Run one control request.
+    pub fn dispatch(&self, hooks: &dyn Hooks, req: &Request) -> Result<Value, ControlError> {
         let ok = |m: String| Ok(json!({ "message": m }));
-        let group = |s: &str| {
-            u16::try_from(num(s, "group")?)
-                .map_err(|_| format!("group '{s}' is not a target port group number"))
-        };
-        match a.as_slice() {
-            ["sessions"] => Ok(self.sessions()),
-            ["targets"] => Ok(self.targets()),
-            ["luns"] => self.luns(None),
-            ["luns", t] => self.luns(Some(t)),
-            ["portals"] => Ok(self.portals()),
-            ["show", "target", t] => self.show_target(t),
-            ["counters"] => Ok(self.counters()),
-            ["stats"] => self.stats(None),
-            ["cluster"] => self.cluster_node().map(|c| c.status()),
-            ["cluster", "forget", n] => {
-                let n = u16::try_from(num(n, "node")?)
-                    .map_err(|_| format!("node '{n}' is not a node number"))?;
-                let node = Arc::clone(self.cluster_node()?);
-                ok(node.forget(n)?)
+        match req {
+            Request::Sessions => Ok(self.sessions()),
+            Request::Targets => Ok(self.targets()),
+            Request::Luns { target } => self.luns(target.as_deref()),
+            Request::Portals => Ok(self.portals()),
+            Request::Show(ShowRequest::Target { iqn }) => self.show_target(iqn),
+            Request::Counters => Ok(self.counters()),
+            Request::Stats { target } => self.stats(target.as_deref()),
+            Request::Cluster { cmd: None } => self.cluster_node().map(|c| c.status()),
+            Request::Cluster {
+                cmd: Some(ClusterRequest::Forget { node }),
+            } => {
+                let c = Arc::clone(self.cluster_node()?);
+                ok(c.forget(*node)?)
             }
-            ["stats", t] => self.stats(Some(t)),
-            ["lun", "add", t, spec] | ["lun", "add", t, spec, _] => {
-                let want = match a.get(4) {
-                    Some(n) => Some(num(n, "LUN")?),
-                    None => None,
-                };
-                let n = match want {
-                    Some(n) => n,
+            Request::Lun(LunRequest::Add { target, spec, lun }) => {
+                let n = match lun {
+                    Some(n) => *n,
                     None => self
-                        .target(t)?
+                        .target(target)?
                         .scsi()
                         .luns()
                         .map(|(n, _)| n + 1)
                         .max()
                         .unwrap_or(0),
                 };
-                let (lu, canon) = hooks.build_lun(t, n, spec)?;
-                let n = self.add_lun(t, Some(n), lu, Some(canon))?;
-                ok(format!("{t}: LUN {n} added"))
+                let (lu, canon) = hooks.build_lun(target, n, spec)?;
+                let n = self.add_lun(target, Some(n), lu, Some(canon))?;
+                ok(format!("{target}: LUN {n} added"))
             }
-            ["lun", "remove", t, n] => {
-                let n = num(n, "LUN")?;
-                self.remove_lun(t, n)?;
-                ok(format!("{t}: LUN {n} removed"))
+            Request::Lun(LunRequest::Remove { target, lun }) => {
+                self.remove_lun(target, *lun)?;
+                ok(format!("{target}: LUN {lun} removed"))
             }
-            ["lun", "resize", t, n, sz] => {
-                let n = num(n, "LUN")?;
-                let blocks = self.resize_lun(t, n, size(sz)?)?;
-                ok(format!("{t}: LUN {n} now has {blocks} blocks"))
+            Request::Lun(LunRequest::Resize { target, lun, size }) => {
+                let bytes = ironsan_backend::parse_size(size).ok_or_else(|| {
+                    ControlError::invalid(format!("'{size}' is not a size (e.g. 10G)"))
+                })?;
+                let blocks = self.resize_lun(target, *lun, bytes)?;
+                ok(format!("{target}: LUN {lun} now has {blocks} blocks"))
             }
-            ["target", "add", name] | ["target", "add", name, "--alias", _] => {
-                check_name(name)?;
+            Request::Target(TargetRequest::Add { iqn, alias }) => {
+                check_name(iqn).map_err(ControlError::invalid)?;
                 self.add_target(
                     TargetDef {
-                        name: name.to_string(),
-                        alias: a.get(4).map(|s| s.to_string()),
+                        name: iqn.clone(),
+                        alias: alias.clone(),
                         max_connections: None,
                         error_recovery_level: None,
                         scsi: Arc::new(ironsan_scsi::Target::new()),
@@ -838,67 +886,66 @@ impl Control {
                     Access::default(),
                 )?;
                 ok(format!(
-                    "target {name} added (no LUNs yet: ironsan ctl lun add {name} SPEC)"
+                    "target {iqn} added (no LUNs yet: ironsan ctl lun add {iqn} SPEC)"
                 ))
             }
-            ["target", "remove", name] => {
-                self.remove_target(name, false)?;
-                ok(format!("target {name} removed"))
+            Request::Target(TargetRequest::Remove { iqn, force }) => {
+                let n = self.remove_target(iqn, *force)?;
+                ok(if *force {
+                    format!("target {iqn} removed, {n} session(s) closed")
+                } else {
+                    format!("target {iqn} removed")
+                })
             }
-            ["target", "remove", name, "--force"] => {
-                let n = self.remove_target(name, true)?;
-                ok(format!("target {name} removed, {n} session(s) closed"))
-            }
-            ["portal", "add", addr] => self.portal_add_cmd(addr, "1"),
-            ["portal", "add", addr, "--tag", tag] | ["portal", "add", "--tag", tag, addr] => {
-                self.portal_add_cmd(addr, tag)
-            }
-            ["portal", "remove", addr] => {
-                let p = self.remove_portal(portal_addr(addr)?)?;
+            Request::Portal(PortalRequest::Add { addr, tag }) => self.portal_add_cmd(addr, *tag),
+            Request::Portal(PortalRequest::Remove { addr }) => {
+                let p = self.remove_portal(portal_addr(addr).map_err(ControlError::invalid)?)?;
                 ok(format!(
                     "portal {} (group {}) removed; sessions that came in through it keep running",
                     p.addr, p.tag
                 ))
             }
-            ["alua"] => self.alua(None),
-            ["alua", t] => self.alua(Some(t)),
-            ["alua", "set", t, g, state] | ["alua", "set", t, g, state, "--transition", _] => {
-                let g = group(g)?;
+            Request::Alua { target, cmd: None } => self.alua(target.as_deref()),
+            Request::Alua {
+                cmd:
+                    Some(AluaRequest::Set {
+                        target,
+                        group,
+                        state,
+                        transition,
+                    }),
+                ..
+            } => {
                 let st = ironsan_scsi::AccessState::parse(state).ok_or_else(|| {
-                    format!("'{state}' is not a state (active/optimized, active/non-optimized, standby, unavailable, offline)")
+                    ControlError::invalid(format!("'{state}' is not a state (active/optimized, active/non-optimized, standby, unavailable, offline)"))
                 })?;
-                let d = match a.get(6) {
-                    Some(s) => Some(std::time::Duration::from_secs(num(s, "transition time")?)),
-                    None => None,
-                };
-                self.set_alua_state(t, g, st, d)?;
+                let d = transition.map(std::time::Duration::from_secs);
+                self.set_alua_state(target, *group, st, d)?;
                 ok(match d {
-                    Some(d) => format!("{t}: group {g} transitioning, {st} in {}s", d.as_secs()),
-                    None => format!("{t}: group {g} is {st}"),
+                    Some(d) => format!(
+                        "{target}: group {group} transitioning, {st} in {}s",
+                        d.as_secs()
+                    ),
+                    None => format!("{target}: group {group} is {st}"),
                 })
             }
-            ["alua", "prefer", t, g, on] => {
-                let g = group(g)?;
-                let pref = match *on {
-                    "on" => true,
-                    "off" => false,
-                    _ => return Err(format!("'{on}': say on or off")),
-                };
-                self.set_alua_preferred(t, g, pref)?;
-                ok(format!("{t}: group {g} preferred {on}"))
+            Request::Alua {
+                cmd: Some(AluaRequest::Prefer { target, group, on }),
+                ..
+            } => {
+                self.set_alua_preferred(target, *group, on.is_on())?;
+                ok(format!("{target}: group {group} preferred {on}"))
             }
-            ["acl", "add", t, rule] => {
-                self.acl_add(t, rule)?;
-                ok(format!("{t}: ACL rule {rule} added"))
+            Request::Acl(AclRequest::Add { target, rule }) => {
+                self.acl_add(target, rule)?;
+                ok(format!("{target}: ACL rule {rule} added"))
             }
-            ["acl", "remove", t, rule] => {
-                self.acl_remove(t, rule)?;
-                ok(format!("{t}: ACL rule {rule} removed"))
+            Request::Acl(AclRequest::Remove { target, rule }) => {
+                self.acl_remove(target, rule)?;
+                ok(format!("{target}: ACL rule {rule} removed"))
             }
-            _ => Err(format!(
-                "unknown command '{}' (see ironsan ctl --help)",
-                argv.join(" ")
-            )),
+            Request::Apply { file, dry_run } => hooks.apply(self, file, *dry_run),
+            Request::Save { file } => hooks.save(self, file.as_deref()),
         }
     }
 }
@@ -938,7 +985,9 @@ impl crate::cluster::Host for Control {
     }
 
     fn port_groups(&self, target: &str) -> Result<Vec<ironsan_scsi::PortGroup>, String> {
-        Control::port_groups(self, target).map(|(_, g)| g)
+        Control::port_groups(self, target)
+            .map(|(_, g)| g)
+            .map_err(String::from)
     }
 
     fn set_port_groups(
@@ -946,17 +995,14 @@ impl crate::cluster::Host for Control {
         target: &str,
         groups: Vec<ironsan_scsi::PortGroup>,
     ) -> Result<(), String> {
-        Control::set_port_groups(self, target, Some(groups))
+        Control::set_port_groups(self, target, Some(groups)).map_err(String::from)
     }
 }
 
 impl Control {
     /// `portal add ADDR [--tag N]`.
-    fn portal_add_cmd(&self, addr: &str, tag: &str) -> Result<Value, String> {
-        let tag = tag
-            .parse::<u16>()
-            .map_err(|_| format!("portal group tag '{tag}' is not a number from 1 to 65535"))?;
-        let want = portal_addr(addr)?;
+    fn portal_add_cmd(&self, addr: &str, tag: u16) -> Result<Value, ControlError> {
+        let want = portal_addr(addr).map_err(ControlError::invalid)?;
         let p = self.add_portal(want, tag)?;
         let what = if p.addr == want {
             format!("portal {} (group {}) added", p.addr, p.tag)
@@ -1142,31 +1188,39 @@ pub async fn serve_control(
 
 use tokio::io::AsyncReadExt as _;
 
+/// One request line: `{"request": REQUEST}` (what `ironsan ctl` sends: [`Request`] as JSON)
+/// or `{"argv": [WORDS]}` (what a script sends: the words after `ironsan ctl`, parsed by the
+/// same grammar).
+fn parse_line(line: &str) -> Result<Request, ControlError> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Line {
+        request: Option<Request>,
+        argv: Option<Vec<String>>,
+    }
+    let l: Line = serde_json::from_str(line)
+        .map_err(|e| ControlError::invalid(format!("bad request: {e}")))?;
+    match (l.request, l.argv) {
+        (Some(r), None) => Ok(r),
+        (None, Some(words)) => Request::from_argv(&words).map_err(ControlError::invalid),
+        _ => Err(ControlError::invalid(
+            "bad request: give either \"request\" or \"argv\"",
+        )),
+    }
+}
+
 fn handle_line(control: &Control, hooks: &dyn Hooks, line: &str) -> Value {
-    let argv: Result<Vec<String>, String> = serde_json::from_str::<Value>(line)
-        .map_err(|e| format!("bad request: {e}"))
-        .and_then(|v| {
-            v.get("argv")
-                .and_then(Value::as_array)
-                .ok_or_else(|| "bad request: no \"argv\" array".to_string())?
-                .iter()
-                .map(|a| {
-                    a.as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| "bad request: argv holds a non-string".to_string())
-                })
-                .collect()
-        });
-    match argv.and_then(|a| {
-        tracing::debug!(argv = ?a, "control command");
-        let r = control.dispatch(hooks, &a);
+    let r = parse_line(line).and_then(|req| {
+        tracing::debug!(request = ?req, "control command");
+        let r = control.dispatch(hooks, &req);
         if let Err(e) = &r {
-            tracing::info!(argv = ?a, "control command failed: {e}");
+            tracing::info!(request = ?req, "control command failed: {e}");
         }
         r
-    }) {
+    });
+    match r {
         Ok(data) => json!({"ok": true, "data": data}),
-        Err(e) => json!({"ok": false, "error": e}),
+        Err(e) => json!({"ok": false, "error": e.message, "kind": e.kind}),
     }
 }
 
@@ -1175,23 +1229,35 @@ fn handle_line(control: &Control, hooks: &dyn Hooks, line: &str) -> Value {
 pub enum CallError {
     /// The socket could not be reached (nobody listening, no permission).
     Unreachable(String),
-    /// The server refused the command, or the exchange broke off; the reason.
-    Refused(String),
+    /// The server refused the command (its reason and kind), or the exchange broke off
+    /// (kind `failed`).
+    Refused(ControlError),
 }
 
 impl std::fmt::Display for CallError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CallError::Unreachable(e) | CallError::Refused(e) => f.write_str(e),
+            CallError::Unreachable(e) => f.write_str(e),
+            CallError::Refused(e) => f.write_str(&e.message),
         }
     }
 }
 
 impl std::error::Error for CallError {}
 
-/// Send one command to the control socket at `path` and return its `data` (blocking; for
-/// `ironsan ctl` and tests).
+/// Send the words of one command (as after `ironsan ctl`) to the control socket at `path`
+/// and return its `data` (blocking; for scripts' equivalents and tests).
 pub fn call(path: &Path, argv: &[String]) -> Result<Value, CallError> {
+    exchange(path, &json!({ "argv": argv }))
+}
+
+/// Send one request to the control socket at `path` and return its `data` (blocking; for
+/// `ironsan ctl`).
+pub fn call_request(path: &Path, req: &Request) -> Result<Value, CallError> {
+    exchange(path, &json!({ "request": req }))
+}
+
+fn exchange(path: &Path, req: &Value) -> Result<Value, CallError> {
     use std::io::{BufRead, Write};
     let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| {
         CallError::Unreachable(format!(
@@ -1199,22 +1265,30 @@ pub fn call(path: &Path, argv: &[String]) -> Result<Value, CallError> {
             path.display()
         ))
     })?;
-    let broke = |e: std::io::Error| CallError::Refused(format!("{}: {e}", path.display()));
-    let mut req = json!({ "argv": argv }).to_string();
-    req.push('\n');
-    s.write_all(req.as_bytes()).map_err(broke)?;
+    let broke = |e: std::io::Error| {
+        CallError::Refused(ControlError::failed(format!("{}: {e}", path.display())))
+    };
+    let mut line = req.to_string();
+    line.push('\n');
+    s.write_all(line.as_bytes()).map_err(broke)?;
     let mut line = String::new();
     std::io::BufReader::new(&s)
         .read_line(&mut line)
         .map_err(broke)?;
-    let v: Value = serde_json::from_str(&line)
-        .map_err(|e| CallError::Refused(format!("bad response from {}: {e}", path.display())))?;
+    let v: Value = serde_json::from_str(&line).map_err(|e| {
+        CallError::Refused(ControlError::failed(format!(
+            "bad response from {}: {e}",
+            path.display()
+        )))
+    })?;
     if v["ok"] == true {
         Ok(v["data"].clone())
     } else {
-        Err(CallError::Refused(
-            v["error"].as_str().unwrap_or("error").to_string(),
-        ))
+        let kind = serde_json::from_value(v["kind"].clone()).unwrap_or(ErrorKind::Failed);
+        Err(CallError::Refused(ControlError::new(
+            kind,
+            v["error"].as_str().unwrap_or("error"),
+        )))
     }
 }
 

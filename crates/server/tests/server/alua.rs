@@ -119,7 +119,7 @@ async fn two_paths_see_one_view_and_a_standby_path_refuses_media_access() {
 
     // Group 2 to standby through the control plane.
     let v = control
-        .dispatch(
+        .dispatch_words(
             &NoHooks,
             &["alua", "set", T, "2", "standby"].map(String::from),
         )
@@ -183,19 +183,19 @@ async fn a_timed_transition_then_the_state_and_unknown_groups_are_refused() {
     assert_eq!(rtpg(&mut b).await[1].1, 3);
     // The control plane refuses what it cannot do, naming it.
     let e = control
-        .dispatch(
+        .dispatch_words(
             &NoHooks,
             &["alua", "set", T, "7", "standby"].map(String::from),
         )
         .unwrap_err();
-    assert!(e.contains("no target port group 7"), "{e}");
+    assert!(e.message.contains("no target port group 7"), "{e}");
     let e = control
-        .dispatch(
+        .dispatch_words(
             &NoHooks,
             &["alua", "set", T, "2", "sleepy"].map(String::from),
         )
         .unwrap_err();
-    assert!(e.contains("'sleepy' is not a state"), "{e}");
+    assert!(e.message.contains("'sleepy' is not a state"), "{e}");
 }
 
 #[tokio::test]
@@ -236,7 +236,8 @@ async fn default_groups_follow_portals_added_live() {
         )
         .unwrap_err();
     assert!(
-        e.contains("portal group 1 is in target port groups 1 and 2"),
+        e.message
+            .contains("portal group 1 is in target port groups 1 and 2"),
         "{e}"
     );
 }

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use ironsan_backend::RamBackend;
 use ironsan_initiator::{Client, LoginOptions};
 use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::control::{self, Hooks};
+use ironsan_server::control::{self, ControlError, Hooks};
 use ironsan_server::{Server, ServerConfig, TargetDef};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -34,11 +34,11 @@ impl Hooks for RamHooks {
         target: &str,
         lun: u64,
         spec: &str,
-    ) -> Result<(Arc<LogicalUnit>, String), String> {
+    ) -> Result<(Arc<LogicalUnit>, String), ControlError> {
         let size = spec
             .strip_prefix("ram:")
             .and_then(ironsan_backend::parse_size)
-            .ok_or_else(|| format!("bad spec {spec}"))?;
+            .ok_or_else(|| ControlError::invalid(format!("bad spec {spec}")))?;
         Ok((ram_lu(size, &format!("{target}/{lun}")), spec.to_string()))
     }
 }
@@ -268,4 +268,90 @@ async fn acl_and_target_changes_apply_to_new_logins_only() {
         "{c}"
     );
     assert!(ctl(&path, &["no-such-command"]).await.is_err());
+}
+
+/// One request line on the control socket, raw: the answer line as JSON.
+fn raw_line(path: &std::path::Path, line: &str) -> serde_json::Value {
+    use std::io::{BufRead, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(path).unwrap();
+    s.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut answer = String::new();
+    std::io::BufReader::new(&s).read_line(&mut answer).unwrap();
+    serde_json::from_str(&answer).unwrap()
+}
+
+#[tokio::test]
+async fn typed_requests_and_words_are_one_protocol_and_refusals_say_their_kind() {
+    use control::{CallError, ErrorKind, LunRequest, Request, TargetRequest};
+    let (_addr, path, _stop) = start("typed").await;
+    let p = path.clone();
+    tokio::task::spawn_blocking(move || {
+        // The typed form (what `ironsan ctl` sends) and the words (what a script sends).
+        let add = Request::Target(TargetRequest::Add {
+            iqn: "iqn.2026-11.org.test:typed".into(),
+            alias: Some("typed".into()),
+        });
+        control::call_request(&p, &add).unwrap();
+        let luns = control::call_request(
+            &p,
+            &Request::Lun(LunRequest::Add {
+                target: "iqn.2026-11.org.test:typed".into(),
+                spec: "ram:4M".into(),
+                lun: None,
+            }),
+        )
+        .unwrap();
+        assert_eq!(luns["message"], "iqn.2026-11.org.test:typed: LUN 0 added");
+        let words =
+            control::call(&p, &["luns".into(), "iqn.2026-11.org.test:typed".into()]).unwrap();
+        assert_eq!(words.as_array().map(Vec::len), Some(1), "{words}");
+        // Each refusal carries its kind.
+        let kind = |r: Result<serde_json::Value, CallError>| match r {
+            Err(CallError::Refused(e)) => e.kind,
+            other => panic!("not refused: {other:?}"),
+        };
+        assert_eq!(kind(control::call_request(&p, &add)), ErrorKind::Exists);
+        assert_eq!(
+            kind(control::call(
+                &p,
+                &[
+                    "lun".into(),
+                    "remove".into(),
+                    "iqn.2026-11.org.test:typed".into(),
+                    "9".into()
+                ]
+            )),
+            ErrorKind::NotFound
+        );
+        assert_eq!(
+            kind(control::call(
+                &p,
+                &["lun".into(), "remove".into(), "x".into(), "zero".into()]
+            )),
+            ErrorKind::Invalid
+        );
+        assert_eq!(
+            kind(control::call_request(&p, &Request::Cluster { cmd: None })),
+            ErrorKind::Unsupported
+        );
+        // A line that is neither form, or both, is refused as invalid, naming the problem.
+        for line in [
+            r#"{"argv": ["sessions"], "request": "sessions"}"#,
+            r#"{"command": "sessions"}"#,
+            r#"{"request": "no-such-request"}"#,
+            "not json",
+        ] {
+            let v = raw_line(&p, line);
+            assert_eq!(v["ok"], false, "{line}: {v}");
+            assert_eq!(v["kind"], "invalid", "{line}: {v}");
+            assert!(
+                v["error"].as_str().unwrap().starts_with("bad request"),
+                "{v}"
+            );
+        }
+        let v = raw_line(&p, r#"{"request": {"luns": {"target": null}}}"#);
+        assert_eq!(v["ok"], true, "{v}");
+    })
+    .await
+    .unwrap();
 }

@@ -430,7 +430,7 @@ async fn scrape_counts_io_and_histograms_are_consistent() {
     // ctl stats: the same numbers, and a table.
     let v = srv
         .control
-        .dispatch(&NoHooks, &["stats".to_string(), TARGET.to_string()])
+        .dispatch_words(&NoHooks, &["stats".to_string(), TARGET.to_string()])
         .unwrap();
     let w = v
         .as_array()
@@ -448,7 +448,7 @@ async fn scrape_counts_io_and_histograms_are_consistent() {
     assert!(p50 > 0.0 && p50 <= p99, "{w}");
     assert!(srv
         .control
-        .dispatch(&NoHooks, &["stats".to_string(), "iqn.nope:x".to_string()])
+        .dispatch_words(&NoHooks, &["stats".to_string(), "iqn.nope:x".to_string()])
         .is_err());
 
     c.logout().await.unwrap();
