@@ -1,5 +1,5 @@
 //! The login state machine driven by an arbitrary sequence of PDUs, exactly as the server's
-//! login phase drives it (`crates/server/src/conn.rs` `login_phase`): PDUs read from a byte
+//! login phase drives it (`crates/server/src/iscsi/conn.rs` `login_phase`): PDUs read from a byte
 //! stream with the 8192-byte login limit, C-bit text joined by `text::Assembler`, parsed by
 //! `text::parse` (failures answered with `Login::fail`), then `Login::step` under a policy
 //! chosen by the first byte (authentication required or not, mutual CHAP, CSPRNG bytes given

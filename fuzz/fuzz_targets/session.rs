@@ -53,7 +53,7 @@ use ironsan_initiator::{wire_pdu, Client, LoginOptions};
 use ironsan_proto::pdu::*;
 use ironsan_proto::{CmdSn, DataSn, StatSn};
 use ironsan_scsi::{LogicalUnit, LuConfig};
-use ironsan_server::io::{read_pdu, Digests, ReadError};
+use ironsan_server::iscsi::io::{read_pdu, Digests, ReadError};
 use ironsan_server::{Server, ServerConfig, TargetDef, ZeroCopyReads};
 use libfuzzer_sys::fuzz_target;
 use std::net::SocketAddr;

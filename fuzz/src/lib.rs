@@ -1,5 +1,5 @@
 //! Helpers shared by the fuzz targets: a tiny `block_on`, a PDU reader over a byte slice that
-//! applies the same bounds as the server's reader (`crates/server/src/io.rs`), and fixtures.
+//! applies the same bounds as the server's reader (`crates/server/src/iscsi/io.rs`), and fixtures.
 
 use bytes::Bytes;
 use ironsan_proto::pdu::{Bhs, Header, Pdu, BHS_LEN};

@@ -369,9 +369,9 @@ pub(super) fn render(cmd: &Request, data: &Value) -> String {
                 .as_array()
                 .unwrap_or(&empty)
                 .iter()
-                .map(|x| vec![s(&x["addr"]), s(&x["tag"])])
+                .map(|x| vec![s(&x["addr"]), s(&x["tag"]), s(&x["transport"])])
                 .collect();
-            table(&["PORTAL", "GROUP"], rows)
+            table(&["PORTAL", "GROUP", "TRANSPORT"], rows)
         }
         Request::Show(_) => {
             let t = &data["target"];
@@ -461,9 +461,12 @@ mod tests {
             "{t}"
         );
 
-        let portals = json!([{"addr": "127.0.0.1:3260", "tag": 1}]);
+        let portals = json!([{"addr": "127.0.0.1:3260", "tag": 1, "transport": "iscsi"}]);
         let t = render(&Request::Portals, &portals);
-        assert_eq!(t, "PORTAL          GROUP\n127.0.0.1:3260  1\n");
+        assert_eq!(
+            t,
+            "PORTAL          GROUP  TRANSPORT\n127.0.0.1:3260  1      iscsi\n"
+        );
 
         let stage = json!({"count": 4, "mean_us": 12.5, "p50_us": 10.0, "p99_us": 2500.0});
         let stages: serde_json::Map<String, Value> = STAGES

@@ -43,6 +43,26 @@ pub struct Portal {
     pub tag: u16,
 }
 
+/// The protocol a listening portal speaks: its accept loop hands each connection to that
+/// transport's driver. Every portal is iSCSI today; NVMe/TCP listeners are the next kind
+/// (docs/ARCHITECTURE.md, "A second transport").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Transport {
+    /// iSCSI (RFC 7143): logins, sessions, SendTargets lists the portal.
+    #[default]
+    Iscsi,
+}
+
+impl Transport {
+    /// Its name in views (`ctl portals`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Iscsi => "iscsi",
+        }
+    }
+}
+
 /// Everything the server needs to run.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {

@@ -6,7 +6,7 @@
 //! (`ironsan-proto`) to the SCSI device server (`ironsan-scsi`).
 //!
 //! ```text
-//!  socket ──read──▶ conn::Connection (reader) ──▶ proto (login, window, R2T/Data-Out)
+//!  socket ──read──▶ iscsi::conn::Connection (reader) ──▶ proto (login, window, R2T/Data-Out)
 //!                        │ spawn per command
 //!                        ▼
 //!                  scsi::Target::execute ──▶ backend
@@ -18,20 +18,17 @@
 pub mod access;
 pub mod cluster;
 mod config;
-mod conn;
 pub mod control;
 pub mod counters;
 pub mod exposition;
-pub mod fair;
 pub mod http;
-pub mod io;
+pub mod iscsi;
 pub mod limits;
 pub mod metrics;
 mod portals;
-mod session;
 mod sys;
-mod task;
-mod writer;
+
+use iscsi::{conn, session};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -43,7 +40,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
 
 pub use access::{Access, AclRule, ChapAccount, Secret};
-pub use config::{Portal, PortalGroup, ServerConfig, TargetDef, ZeroCopyReads};
+pub use config::{Portal, PortalGroup, ServerConfig, TargetDef, Transport, ZeroCopyReads};
 pub use limits::Limits;
 pub use portals::PortalInfo;
 use portals::{Listeners, Listening, StopAccepting};
@@ -279,7 +276,7 @@ impl Server {
                 ));
             }
             for addr in addrs {
-                listening.push(Listening::bind(*addr, tag)?);
+                listening.push(Listening::bind(*addr, tag, Transport::Iscsi)?);
             }
         }
         let portals = listening.iter().map(Listening::portal).collect();

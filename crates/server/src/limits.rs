@@ -60,7 +60,7 @@ pub struct Limits {
     /// the file's pages (no copy through a buffer) when a connection has no data digest.
     #[serde(with = "on_off")]
     pub zero_copy_writes: bool,
-    /// The connection fairness control ([`crate::fair`]): the connections of a session with
+    /// The connection fairness control ([`crate::iscsi::fair`]): the connections of a session with
     /// several move data in equal shares.
     #[serde(with = "on_off")]
     pub connection_fairness: bool,

@@ -13,7 +13,7 @@
 //! ```
 //!
 //! plus `total` (header read → written). The command task carries the stamps to the writer
-//! with its response ([`Timing`] inside [`crate::writer::Out::Command`]); when the vectored write
+//! with its response ([`Timing`] inside [`crate::iscsi::writer::Out::Command`]); when the vectored write
 //! holding the status PDU has returned, the writer stamps "written" and records every stage at
 //! once. Recording is two relaxed `fetch_add`s per stage (bucket, sum) plus two per command
 //! (commands, bytes): no locks and no allocation. Commands that never reach the SCSI layer

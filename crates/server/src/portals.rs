@@ -26,6 +26,8 @@ pub(crate) struct Listening {
     addr: SocketAddr,
     /// The portal group tag; read by the accept loop for each connection it accepts.
     tag: Arc<AtomicU16>,
+    /// Whose connections these are.
+    transport: Transport,
     listener: Arc<TcpListener>,
     /// Wakes the accept loop to end.
     stop: Arc<Notify>,
@@ -87,7 +89,11 @@ impl Listening {
     /// Bind `addr` as tokio's `TcpListener::bind` does (SO_REUSEADDR, backlog 1024), but
     /// synchronously, so the control socket's (blocking) commands can add portals. Needs a
     /// tokio runtime context (the socket is registered with its reactor).
-    pub(crate) fn bind(addr: SocketAddr, tag: u16) -> std::io::Result<Listening> {
+    pub(crate) fn bind(
+        addr: SocketAddr,
+        tag: u16,
+        transport: Transport,
+    ) -> std::io::Result<Listening> {
         let err = |e: std::io::Error| {
             std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}"))
         };
@@ -104,6 +110,7 @@ impl Listening {
             requested: addr,
             addr: bound,
             tag: Arc::new(AtomicU16::new(tag)),
+            transport,
             listener: Arc::new(listener),
             stop: Arc::new(Notify::new()),
             started: false,
@@ -123,6 +130,7 @@ impl Listening {
             handle.spawn(accept_loop(
                 Arc::downgrade(&self.listener),
                 Arc::clone(&self.tag),
+                self.transport,
                 Arc::clone(&self.stop),
                 Arc::clone(shared),
             ));
@@ -171,12 +179,20 @@ pub struct PortalInfo {
     pub tag: u16,
     /// The address as configured or added (differs from `addr` for port 0).
     pub requested: SocketAddr,
+    /// The protocol it speaks.
+    pub transport: Transport,
 }
 
 impl Shared {
     /// Publish the portal list (SendTargets, `ctl portals`) after a change of `l`.
     fn sync_portals(&self, l: &Listeners) {
-        *lock(&self.portals) = l.list.iter().map(Listening::portal).collect();
+        // What SendTargets announces: the iSCSI portals.
+        *lock(&self.portals) = l
+            .list
+            .iter()
+            .filter(|p| p.transport == Transport::Iscsi)
+            .map(Listening::portal)
+            .collect();
         self.refresh_alua();
     }
 
@@ -212,6 +228,7 @@ impl Shared {
                 addr: p.addr,
                 tag: p.tag.load(Ordering::Relaxed),
                 requested: p.requested,
+                transport: p.transport,
             })
             .collect()
     }
@@ -240,7 +257,7 @@ impl Shared {
         let handle = l.runtime_handle(addr)?;
         let mut p = {
             let _in_runtime = handle.enter();
-            Listening::bind(addr, tag).map_err(|e| e.to_string())?
+            Listening::bind(addr, tag, Transport::Iscsi).map_err(|e| e.to_string())?
         };
         if l.handle.is_some() {
             p.start(&handle, self);
@@ -331,10 +348,11 @@ impl Shared {
         let started = l.handle.is_some();
         let gone = l.list.remove(i);
         let old_requested = gone.requested;
+        let transport = gone.transport;
         gone.close();
-        let (mut p, result) = match Listening::bind(new, tag) {
+        let (mut p, result) = match Listening::bind(new, tag, transport) {
             Ok(p) => (p, Ok(())),
-            Err(e) => match Listening::bind(old, old_tag) {
+            Err(e) => match Listening::bind(old, old_tag, transport) {
                 Ok(mut back) => {
                     back.requested = old_requested;
                     (back, Err(e.to_string()))
@@ -382,6 +400,7 @@ impl Shared {
 async fn accept_loop(
     listener: Weak<TcpListener>,
     tag: Arc<AtomicU16>,
+    transport: Transport,
     stop: Arc<Notify>,
     shared: Arc<Shared>,
 ) {
@@ -419,7 +438,11 @@ async fn accept_loop(
                 let over = open >= shared.cfg.limits.max_connections;
                 let tag = tag.load(Ordering::Relaxed);
                 tokio::spawn(async move {
-                    conn::run(stream, peer, tag, Arc::clone(&guard.0), over).await;
+                    match transport {
+                        Transport::Iscsi => {
+                            conn::run(stream, peer, tag, Arc::clone(&guard.0), over).await
+                        }
+                    }
                     drop(guard);
                 });
             }

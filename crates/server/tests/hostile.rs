@@ -13,7 +13,7 @@ use bytes::Bytes;
 use ironsan_initiator::{read16_cdb, write16_cdb, Client, LoginOptions};
 use ironsan_proto::pdu::*;
 use ironsan_proto::{text, CmdSn, DataSn, StatSn};
-use ironsan_server::io::{read_pdu, Digests, ReadError};
+use ironsan_server::iscsi::io::{read_pdu, Digests, ReadError};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

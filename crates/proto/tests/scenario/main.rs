@@ -8,7 +8,7 @@
 //! lost), completes commands when it likes (`Target::defer`, `complete`), and advances the
 //! virtual millisecond clock (`advance`).
 //!
-//! # The target's driving order (that of `crates/server/src/conn/`)
+//! # The target's driving order (that of `crates/server/src/iscsi/conn/`)
 //!
 //! For every PDU read on a connection (`Target::receive`, the server's `on_pdu`):
 //! 1. decode the BHS and bound the data segment by MaxRecvDataSegmentLength

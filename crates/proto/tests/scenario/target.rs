@@ -1,5 +1,5 @@
 //! The test target: the protocol core's public pieces glued in the order the server's driver
-//! (`crates/server/src/conn/`) uses them, over a tiny in-memory disk. See the crate docs for
+//! (`crates/server/src/iscsi/conn/`) uses them, over a tiny in-memory disk. See the crate docs for
 //! the driving order.
 
 use crate::wire;

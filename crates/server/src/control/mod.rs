@@ -29,7 +29,7 @@ pub use request::{
 
 use crate::access::{Access, AclRule};
 use crate::counters::{ConnCounters, Gauges};
-use crate::session::Session;
+use crate::iscsi::session::Session;
 use crate::{LiveTarget, Runtime, Shared, TargetDef};
 use ironsan_scsi::LogicalUnit;
 use serde_json::{json, Map, Value};
@@ -204,10 +204,17 @@ impl Control {
 
     /// The portals (addresses actually bound) with their portal group tags.
     pub fn portals(&self) -> Value {
-        let p = lock(&self.shared.portals).clone();
         Value::Array(
-            p.iter()
-                .map(|p| json!({ "addr": p.addr.to_string(), "tag": p.tag }))
+            self.shared
+                .portal_list()
+                .iter()
+                .map(|p| {
+                    json!({
+                        "addr": p.addr.to_string(),
+                        "tag": p.tag,
+                        "transport": p.transport.name(),
+                    })
+                })
                 .collect(),
         )
     }
@@ -565,7 +572,7 @@ impl Control {
     /// cluster completed.
     pub fn abort_preempted(&self, target: &str, lun: u64) {
         if let Ok(t) = self.target(target) {
-            crate::session::abort_preempted(&self.shared.sessions, &t, lun);
+            crate::iscsi::session::abort_preempted(&self.shared.sessions, &t, lun);
         }
     }
 

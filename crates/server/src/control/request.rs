@@ -223,7 +223,7 @@ pub enum AluaRequest {
         target: String,
         /// The target port group number.
         group: u16,
-        /// on | off.
+        /// Whether the group is preferred.
         on: Switch,
     },
 }

@@ -265,8 +265,8 @@ async fn portals_are_added_and_removed_live() {
     assert_eq!(
         list,
         serde_json::json!([
-            {"addr": p1.to_string(), "tag": 1},
-            {"addr": p2.to_string(), "tag": 2},
+            {"addr": p1.to_string(), "tag": 1, "transport": "iscsi"},
+            {"addr": p2.to_string(), "tag": 2, "transport": "iscsi"},
         ])
     );
 

@@ -5,7 +5,7 @@
 //! the protocol core keeps its delivered tasks allegiant to it for DefaultTime2Wait +
 //! DefaultTime2Retain ([`ironsan_proto::session::Session::leave_for_recovery`]), and the
 //! session keeps what the server needs to resume them on another connection
-//! ([`crate::session::Orphans`]). A TASK REASSIGN then moves the task to the asking
+//! ([`crate::iscsi::session::Orphans`]). A TASK REASSIGN then moves the task to the asking
 //! connection: a write waiting for data asks for all of it again by R2T there; a finished
 //! task's Data-In from the initiator's ExpDataSN and its status (with the new connection's
 //! StatSN) go out after the TMF response; a task still running has them forwarded as soon as
@@ -14,9 +14,9 @@
 
 use super::{ConnResult, Connection};
 use crate::counters::Recovery;
-use crate::session::send_forwards;
-use crate::session::Session;
-use crate::writer::OutPdu;
+use crate::iscsi::session::send_forwards;
+use crate::iscsi::session::Session;
+use crate::iscsi::writer::OutPdu;
 use crate::Shared;
 use ironsan_proto::pdu::*;
 use ironsan_proto::session::Reassign;

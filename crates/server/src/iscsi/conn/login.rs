@@ -5,9 +5,9 @@
 use super::LazyWriter;
 use crate::access::{os_random, Access};
 use crate::counters::ConnStats;
-use crate::io::{self, Digests, ReadError};
-use crate::session::{Close, ConnInfo, ConnSignals, Core, Session};
-use crate::writer::{self, Out, OutPdu};
+use crate::iscsi::io::{self, Digests, ReadError};
+use crate::iscsi::session::{Close, ConnInfo, ConnSignals, Core, Session};
+use crate::iscsi::writer::{self, Out, OutPdu};
 use crate::{Portal, Runtime, Shared};
 use bytes::Bytes;
 use ironsan_proto::chap::ChapCredentials;

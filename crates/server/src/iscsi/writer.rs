@@ -5,7 +5,7 @@
 //! sends everything ready in one vectored write, and alone waits for a full socket.
 
 use crate::counters::TxStats;
-use crate::io::{Digests, WriteBatch};
+use crate::iscsi::io::{Digests, WriteBatch};
 use crate::metrics::{Stamp, Timing};
 use bytes::Bytes;
 use ironsan_proto::pdu::{Header, Pdu, StatSnCounter};
@@ -253,8 +253,8 @@ pub(crate) struct Writer {
     state: Mutex<WriterState>,
     sock: OwnedWriteHalf,
     pub stats: Arc<TxStats>,
-    /// The connection's share of its session ([`crate::fair`]), set after login.
-    pub pacer: std::sync::OnceLock<Arc<crate::fair::Pacer>>,
+    /// The connection's share of its session ([`crate::iscsi::fair`]), set after login.
+    pub pacer: std::sync::OnceLock<Arc<crate::iscsi::fair::Pacer>>,
     /// What the connection keeps for SNACKs, set after login at ErrorRecoveryLevel 1.
     pub retained: std::sync::OnceLock<Arc<Mutex<Retained>>>,
 }

@@ -2,7 +2,7 @@
 //! operational keys, with long answers continued across requests.
 
 use super::{reject, Connection};
-use crate::writer::OutPdu;
+use crate::iscsi::writer::OutPdu;
 use crate::LiveTarget;
 use bytes::Bytes;
 use ironsan_proto::negotiate::Negotiator;

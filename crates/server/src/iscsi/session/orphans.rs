@@ -3,15 +3,15 @@
 //! it, for whichever of its connections asks.
 //!
 //! Per kept connection: what its writer stamped and the initiator has not acknowledged
-//! ([`crate::writer::Retained`]); responses it never stamped (still queued when its writer
+//! ([`crate::iscsi::writer::Retained`]); responses it never stamped (still queued when its writer
 //! stopped, or produced afterwards by its commands, which keep running), parked by task; its
 //! delivered writes that were waiting for Data-Out; and, for tasks reassigned while still
 //! running, where their response goes once it is here (`forward_when_done`, `resolve`: no
 //! poll). The connection that reassigns a task reads what it needs through
 //! [`Orphans::take_write`] and [`Orphans::take_output`] (`conn/reassign.rs`).
 
-use crate::task::PendingWrite;
-use crate::writer::{Out, OutPdu, Queue, Retained, SnMode};
+use crate::iscsi::task::PendingWrite;
+use crate::iscsi::writer::{Out, OutPdu, Queue, Retained, SnMode};
 use ironsan_proto::connection::Write;
 use ironsan_proto::pdu::*;
 use ironsan_proto::session::ConnId;

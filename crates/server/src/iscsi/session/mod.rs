@@ -29,9 +29,9 @@ use tokio::sync::{watch, Notify};
 
 mod orphans;
 
+use crate::iscsi::task::Running;
+use crate::iscsi::writer::SnWindow;
 use crate::lock;
-use crate::task::Running;
-use crate::writer::SnWindow;
 pub(crate) use orphans::{send_forwards, Orphans};
 
 /// The session-wide protocol core, as this server instantiates it.
@@ -134,8 +134,8 @@ pub(crate) struct Session {
     pub target: Option<Arc<LiveTarget>>,
     pub params: SessionParams,
     pub nexus: ironsan_scsi::Nexus,
-    /// The byte shares of the session's connections ([`crate::fair`]).
-    pub shares: Arc<crate::fair::Shares>,
+    /// The byte shares of the session's connections ([`crate::iscsi::fair`]).
+    pub shares: Arc<crate::iscsi::fair::Shares>,
     core: Mutex<Core>,
     /// (ExpCmdSN, MaxCmdSN), published after every change of the core.
     window: SnWindow,
@@ -187,7 +187,7 @@ impl Session {
             target,
             params,
             nexus,
-            shares: Arc::new(crate::fair::Shares::new(fairness)),
+            shares: Arc::new(crate::iscsi::fair::Shares::new(fairness)),
             window: SnWindow::default(),
             core: Mutex::new(core),
             commands: AtomicU64::new(0),
@@ -233,7 +233,7 @@ impl Session {
 
     /// A response of connection `id` that could not be queued (its writer had stopped): kept
     /// for a TASK REASSIGN when the session recovers connections, else dropped.
-    pub(crate) fn park(&self, id: ConnId, out: crate::writer::Out) {
+    pub(crate) fn park(&self, id: ConnId, out: crate::iscsi::writer::Out) {
         if self.recovers {
             let ready = self.orphans(|o| o.park(id, out));
             send_forwards(ready);

@@ -4,10 +4,10 @@
 //! the session delivers it.
 
 use super::{reject, ConnResult, Connection};
-use crate::io;
+use crate::iscsi::io;
+use crate::iscsi::session::Session;
+use crate::iscsi::task::{PendingWrite, PlacedSlot, Running, Slot, WriteQuota};
 use crate::metrics::Stamp;
-use crate::session::Session;
-use crate::task::{PendingWrite, PlacedSlot, Running, Slot, WriteQuota};
 use bytes::{Bytes, BytesMut};
 use ironsan_proto::connection::{DataOutPlan, Next, Write};
 use ironsan_proto::negotiate::ConnParams;

@@ -1,10 +1,10 @@
 //! SNACKs at ErrorRecoveryLevel 1 (RFC 7143 §11.16): Data-In and statuses again from what
-//! the writer kept ([`crate::writer::Retained`]), R2Ts again from the write's state, DataACKs
+//! the writer kept ([`crate::iscsi::writer::Retained`]), R2Ts again from the write's state, DataACKs
 //! letting go of read data; anything else refused with a Reject.
 
 use super::{reject, Connection};
 use crate::counters::Recovery;
-use crate::writer::{OutPdu, SnMode};
+use crate::iscsi::writer::{OutPdu, SnMode};
 use ironsan_proto::pdu::{Bhs, Header, RejectReason, SnackRequest};
 use ironsan_proto::recovery::{Snacked, SNACK_DATA_R2T};
 use ironsan_scsi::DataIn;

@@ -8,9 +8,9 @@
 
 use super::write::WriteData;
 use super::{Connection, PollingFlag};
+use crate::iscsi::task::Slot;
+use crate::iscsi::writer::{Out, OutPdu};
 use crate::metrics::{Class, Stamp, Timing};
-use crate::task::Slot;
-use crate::writer::{Out, OutPdu};
 use crate::LiveTarget;
 use bytes::Bytes;
 use ironsan_proto::negotiate::ConnParams;
@@ -255,7 +255,7 @@ impl Connection {
                 // Whoever removes the entry owns the completion: TMF or us, never both.
                 session.with_core(|c| c.remove(itt))?;
                 if scmd_op == ironsan_scsi::opcode::PERSISTENT_RESERVE_OUT {
-                    crate::session::abort_preempted(&shared.sessions, &target, lun);
+                    crate::iscsi::session::abort_preempted(&shared.sessions, &target, lun);
                 }
                 let bytes = match class {
                     Class::Read => (resp.data_in.len() as u64)
@@ -388,7 +388,10 @@ impl Connection {
     }
 }
 
-fn scsi_lu(session: &crate::session::Session, lun: u64) -> Option<Arc<ironsan_scsi::LogicalUnit>> {
+fn scsi_lu(
+    session: &crate::iscsi::session::Session,
+    lun: u64,
+) -> Option<Arc<ironsan_scsi::LogicalUnit>> {
     session
         .target
         .as_ref()

@@ -5,7 +5,7 @@
 //! scope is a LU or the whole target, and raises the unit attentions SAM-5 asks for.
 
 use super::{ConnError, ConnResult, Connection};
-use crate::writer::OutPdu;
+use crate::iscsi::writer::OutPdu;
 use bytes::Bytes;
 use ironsan_proto::pdu::*;
 use ironsan_proto::session::{LogoutPlan, TmfScope};
@@ -133,7 +133,7 @@ impl Connection {
     }
 
     /// Every session of the target `name`, this one's included.
-    fn sessions_of(&self, name: &str) -> Vec<Arc<crate::session::Session>> {
+    fn sessions_of(&self, name: &str) -> Vec<Arc<crate::iscsi::session::Session>> {
         self.shared
             .sessions
             .lock()
@@ -233,7 +233,7 @@ impl Connection {
                 // Closed as failed: its reader stops, then it leaves with its tasks kept.
                 let signals = self.session.with_conns(|conns| {
                     conns.iter().find(|c| c.id == other).map(|c| {
-                        c.payload.close(crate::session::Close::ForRecovery);
+                        c.payload.close(crate::iscsi::session::Close::ForRecovery);
                         Arc::clone(&c.payload.signals)
                     })
                 });
@@ -257,7 +257,7 @@ impl Connection {
                 // Another connection of the session (RFC 7143 §11.14: a logout for a CID may
                 // come on a different connection). It stops reading now; its tasks end
                 // without responses.
-                slot.payload.close(crate::session::Close::ByTarget);
+                slot.payload.close(crate::iscsi::session::Close::ByTarget);
                 self.session.terminated_by_iscsi_event(terminated);
             }
             LogoutPlan::Respond(c) => code = c,

@@ -4,7 +4,7 @@
 //! the session's connections share, `ironsan_proto::connection` for this connection's own
 //! state): it reads PDUs from the socket, asks the core what they mean, puts payloads where the
 //! core says, runs commands on the SCSI layer, and hands PDUs to the writer task
-//! ([`crate::writer`]). Every SCSI command runs as its own future, polled once inline and
+//! ([`crate::iscsi::writer`]). Every SCSI command runs as its own future, polled once inline and
 //! spawned as a task only if it has to wait, so many commands per connection execute
 //! concurrently.
 //!
@@ -29,10 +29,10 @@ mod write;
 
 use crate::counters::ConnStats;
 use crate::counters::TxStats;
-use crate::io::{self, Digests, ReadError};
+use crate::iscsi::io::{self, Digests, ReadError};
+use crate::iscsi::session::{Close, ConnSignals, Core, Session};
+use crate::iscsi::writer::{self, Out, OutPdu};
 use crate::metrics::{LunMetrics, Stamp};
-use crate::session::{Close, ConnSignals, Core, Session};
-use crate::writer::{self, Out, OutPdu};
 use crate::{Portal, Shared};
 use bytes::{Bytes, BytesMut};
 use ironsan_backend::int_map::IntHasher;
@@ -52,8 +52,10 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, Semaphore};
 
 /// The per-connection protocol core as this driver instantiates it.
-type ConnCore =
-    ironsan_proto::connection::Connection<crate::task::PendingWrite, BuildHasherDefault<IntHasher>>;
+type ConnCore = ironsan_proto::connection::Connection<
+    crate::iscsi::task::PendingWrite,
+    BuildHasherDefault<IntHasher>,
+>;
 
 /// Why a connection ended.
 #[derive(Debug, thiserror::Error)]
@@ -220,8 +222,8 @@ struct Connection {
     polling: Arc<AtomicBool>,
     /// Always false: the flag of a task's entry while it is not being polled.
     not_polling: Arc<AtomicBool>,
-    /// This connection's share of its session ([`crate::fair`]).
-    pacer: Arc<crate::fair::Pacer>,
+    /// This connection's share of its session ([`crate::iscsi::fair`]).
+    pacer: Arc<crate::iscsi::fair::Pacer>,
     /// ErrorRecoveryLevel above 0 (RFC 7143 §7.1.5): lost data is asked for again, damaged
     /// headers are dropped, SNACKs are answered.
     recovery: bool,
@@ -827,7 +829,7 @@ impl Connection {
         self.keep_r2ts();
         if plan.data_len > 0 && self.pacer.active() && self.pacer.ahead() {
             // Ahead of the session's other connections: let the writer send what is ready,
-            // then wait before reading more data here (crate::fair).
+            // then wait before reading more data here (crate::iscsi::fair).
             self.flush().await;
             self.pacer.wait_turn().await;
         }

@@ -2,9 +2,9 @@
 //! [`ironsan_proto::keepalive::Keepalive`], on its own task so the reader's per-PDU path only
 //! stores the time of the last receive.
 
+use crate::iscsi::session::{Close, Session};
+use crate::iscsi::writer::{self, Out, OutPdu};
 use crate::metrics::Stamp;
-use crate::session::{Close, Session};
-use crate::writer::{self, Out, OutPdu};
 use bytes::Bytes;
 use ironsan_proto::keepalive::Keepalive;
 use ironsan_proto::session::ConnId;

@@ -3,10 +3,10 @@
 //! for Data-Out, the [`PendingWrite`] the protocol core's transfer carries; per task in the
 //! session's core, [`Running`]: what aborting it needs. Below the session
 //! and the connections, which both hold them (a kept connection's writes wait in the
-//! session's [`crate::session::Orphans`] for TASK REASSIGN).
+//! session's [`crate::iscsi::session::Orphans`] for TASK REASSIGN).
 
 use crate::counters::ConnStats;
-use crate::io;
+use crate::iscsi::io;
 use crate::lock;
 use crate::metrics::Stamp;
 use bytes::{Bytes, BytesMut};
@@ -52,7 +52,7 @@ impl PlacedSlot {
     }
 }
 
-impl crate::io::PlaceTarget for PlacedSlot {
+impl crate::iscsi::io::PlaceTarget for PlacedSlot {
     fn grain(&self) -> usize {
         self.grain
     }
