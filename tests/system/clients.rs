@@ -1364,12 +1364,12 @@ async fn ctl_portal_add_remove_save_and_reload() {
     let out = ctl(&["portals"]);
     let listed = text(&out);
     assert!(
-        listed
-            .lines()
-            .any(|l| l.split_whitespace().eq([addr.to_string().as_str(), "1"]))
+        listed.lines().any(|l| l
+            .split_whitespace()
+            .eq([addr.to_string().as_str(), "1", "iscsi"]))
             && listed
                 .lines()
-                .any(|l| l.split_whitespace().eq([a2.as_str(), "2"])),
+                .any(|l| l.split_whitespace().eq([a2.as_str(), "2", "iscsi"])),
         "{listed}"
     );
 
