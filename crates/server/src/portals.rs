@@ -3,6 +3,7 @@
 //! connection to the iSCSI driver (`conn::run`).
 
 use super::*;
+use crate::control::ControlError;
 
 /// Connections beyond `max_connections` accepted only to answer their login with 0302.
 const OVERFLOW_CONNECTIONS: usize = 16;
@@ -56,7 +57,11 @@ impl Listeners {
 
     /// Refuse `addr` if a portal (other than the `except`-th) is bound to it or was asked
     /// for it. Port 0 asks for a new free port: never a duplicate.
-    fn refuse_duplicate(&self, addr: SocketAddr, except: Option<usize>) -> Result<(), String> {
+    fn refuse_duplicate(
+        &self,
+        addr: SocketAddr,
+        except: Option<usize>,
+    ) -> Result<(), ControlError> {
         if addr.port() == 0 {
             return Ok(());
         }
@@ -66,21 +71,22 @@ impl Listeners {
             .enumerate()
             .find(|(j, p)| Some(*j) != except && (p.addr == addr || p.requested == addr))
         {
-            Some((_, p)) => Err(format!(
+            Some((_, p)) => Err(ControlError::exists(format!(
                 "portal {addr} already exists (group {})",
                 p.tag.load(Ordering::Relaxed)
-            )),
+            ))),
             None => Ok(()),
         }
     }
 
     /// The runtime a socket for `addr` is registered with: the server's (or the caller's
     /// before `run`).
-    fn runtime_handle(&self, addr: SocketAddr) -> Result<tokio::runtime::Handle, String> {
+    fn runtime_handle(&self, addr: SocketAddr) -> Result<tokio::runtime::Handle, ControlError> {
         match self.handle.clone() {
             Some(h) => Ok(h),
-            None => tokio::runtime::Handle::try_current()
-                .map_err(|_| format!("cannot listen on {addr}: no tokio runtime")),
+            None => tokio::runtime::Handle::try_current().map_err(|_| {
+                ControlError::unsupported(format!("cannot listen on {addr}: no tokio runtime"))
+            }),
         }
     }
 }
@@ -235,13 +241,16 @@ impl Shared {
 
     /// The listeners, locked to bind a portal of group `tag`: refused for tag 0 (reserved)
     /// and once shutdown has begun.
-    fn listeners_to_bind(&self, tag: u16) -> Result<std::sync::MutexGuard<'_, Listeners>, String> {
+    fn listeners_to_bind(
+        &self,
+        tag: u16,
+    ) -> Result<std::sync::MutexGuard<'_, Listeners>, ControlError> {
         if tag == 0 {
-            return Err("portal group tag 0 is reserved".into());
+            return Err(ControlError::invalid("portal group tag 0 is reserved"));
         }
         let l = lock(&self.listeners);
         if l.closed {
-            return Err("the server is shutting down".into());
+            return Err(ControlError::busy("the server is shutting down"));
         }
         Ok(l)
     }
@@ -251,7 +260,7 @@ impl Shared {
         self: &Arc<Self>,
         addr: SocketAddr,
         tag: u16,
-    ) -> Result<Portal, String> {
+    ) -> Result<Portal, ControlError> {
         let mut l = self.listeners_to_bind(tag)?;
         l.refuse_duplicate(addr, None)?;
         let handle = l.runtime_handle(addr)?;
@@ -273,15 +282,15 @@ impl Shared {
     /// Stop accepting on the portal bound to `addr` and close its socket. Sessions that came
     /// in through it keep running. Refused for the last portal, and for the last portal of a
     /// group that a target is restricted to (its `portal_groups`).
-    pub(crate) fn remove_portal(&self, addr: SocketAddr) -> Result<Portal, String> {
+    pub(crate) fn remove_portal(&self, addr: SocketAddr) -> Result<Portal, ControlError> {
         let mut l = lock(&self.listeners);
-        let i = l
-            .list
-            .iter()
-            .position(|p| p.addr == addr)
-            .ok_or_else(|| format!("no portal {addr} (ironsan ctl portals lists them)"))?;
+        let i = l.list.iter().position(|p| p.addr == addr).ok_or_else(|| {
+            ControlError::not_found(format!("no portal {addr} (ironsan ctl portals lists them)"))
+        })?;
         if l.list.len() == 1 {
-            return Err(format!("{addr} is the last portal; add another one first"));
+            return Err(ControlError::busy(format!(
+                "{addr} is the last portal; add another one first"
+            )));
         }
         self.check_group_keeps_a_portal(&l, i)?;
         let p = l.list.remove(i);
@@ -296,7 +305,7 @@ impl Shared {
     /// Refuse to take portal `i` out of its group if it is the group's last portal and a
     /// target is restricted to groups that include it (it would become unreachable there,
     /// and a saved configuration would name a group that does not exist).
-    fn check_group_keeps_a_portal(&self, l: &Listeners, i: usize) -> Result<(), String> {
+    fn check_group_keeps_a_portal(&self, l: &Listeners, i: usize) -> Result<(), ControlError> {
         let (addr, tag) = (l.list[i].addr, l.list[i].tag.load(Ordering::Relaxed));
         let last_of_group = !l
             .list
@@ -317,10 +326,10 @@ impl Shared {
             return Ok(());
         }
         named.sort_unstable();
-        Err(format!(
+        Err(ControlError::busy(format!(
             "{addr} is the last portal of group {tag}, which {} name(s) in portal_groups; change that first (ironsan ctl apply)",
             named.join(", ")
-        ))
+        )))
     }
 
     /// Close the portal bound to `old` and listen on `new` (group `tag`) in its place, for an
@@ -331,13 +340,13 @@ impl Shared {
         old: SocketAddr,
         new: SocketAddr,
         tag: u16,
-    ) -> Result<Portal, String> {
+    ) -> Result<Portal, ControlError> {
         let mut l = self.listeners_to_bind(tag)?;
         let i = l
             .list
             .iter()
             .position(|p| p.addr == old)
-            .ok_or_else(|| format!("no portal {old}"))?;
+            .ok_or_else(|| ControlError::not_found(format!("no portal {old}")))?;
         l.refuse_duplicate(new, Some(i))?;
         let old_tag = l.list[i].tag.load(Ordering::Relaxed);
         if old_tag != tag {
@@ -359,7 +368,9 @@ impl Shared {
                 }
                 Err(e2) => {
                     self.sync_portals(&l);
-                    return Err(format!("{e}; and {old} could not be bound again: {e2}"));
+                    return Err(ControlError::failed(format!(
+                        "{e}; and {old} could not be bound again: {e2}"
+                    )));
                 }
             },
         };
@@ -377,16 +388,16 @@ impl Shared {
 
     /// Move the portal bound to `addr` to group `tag`: connections accepted from now on get
     /// the new tag, those already accepted keep theirs.
-    pub(crate) fn set_portal_tag(&self, addr: SocketAddr, tag: u16) -> Result<(), String> {
+    pub(crate) fn set_portal_tag(&self, addr: SocketAddr, tag: u16) -> Result<(), ControlError> {
         if tag == 0 {
-            return Err("portal group tag 0 is reserved".into());
+            return Err(ControlError::invalid("portal group tag 0 is reserved"));
         }
         let l = lock(&self.listeners);
         let p = l
             .list
             .iter()
             .find(|p| p.addr == addr)
-            .ok_or_else(|| format!("no portal {addr}"))?;
+            .ok_or_else(|| ControlError::not_found(format!("no portal {addr}")))?;
         let old = p.tag.swap(tag, Ordering::Relaxed);
         self.sync_portals(&l);
         drop(l);

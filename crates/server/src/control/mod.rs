@@ -229,7 +229,7 @@ impl Control {
     /// address that is already a portal; an address that cannot be bound is named in the
     /// error. Returns the portal as bound.
     pub fn add_portal(&self, addr: SocketAddr, tag: u16) -> Result<crate::Portal, ControlError> {
-        Ok(self.shared.add_portal(addr, tag)?)
+        self.shared.add_portal(addr, tag)
     }
 
     /// Stop listening on the portal bound to `addr`: new connections are refused and
@@ -237,7 +237,7 @@ impl Control {
     /// in through it keep running. Refused for the last portal and for the last portal of a
     /// group that a target is restricted to.
     pub fn remove_portal(&self, addr: SocketAddr) -> Result<crate::Portal, ControlError> {
-        Ok(self.shared.remove_portal(addr)?)
+        self.shared.remove_portal(addr)
     }
 
     /// Close the portal bound to `old` and listen on `new` (group `tag`) instead, for an
@@ -249,13 +249,13 @@ impl Control {
         new: SocketAddr,
         tag: u16,
     ) -> Result<crate::Portal, ControlError> {
-        Ok(self.shared.replace_portal(old, new, tag)?)
+        self.shared.replace_portal(old, new, tag)
     }
 
     /// Move the portal bound to `addr` to group `tag` (for `apply`): logins accepted from
     /// now on announce the new tag; sessions already there keep theirs.
     pub fn set_portal_tag(&self, addr: SocketAddr, tag: u16) -> Result<(), ControlError> {
-        Ok(self.shared.set_portal_tag(addr, tag)?)
+        self.shared.set_portal_tag(addr, tag)
     }
 
     /// The ALUA target port groups of `target` and whether they were configured (else one

@@ -283,7 +283,7 @@ fn raw_line(path: &std::path::Path, line: &str) -> serde_json::Value {
 #[tokio::test]
 async fn typed_requests_and_words_are_one_protocol_and_refusals_say_their_kind() {
     use control::{CallError, ErrorKind, LunRequest, Request, TargetRequest};
-    let (_addr, path, _stop) = start("typed").await;
+    let (addr, path, _stop) = start("typed").await;
     let p = path.clone();
     tokio::task::spawn_blocking(move || {
         // The typed form (what `ironsan ctl` sends) and the words (what a script sends).
@@ -311,6 +311,21 @@ async fn typed_requests_and_words_are_one_protocol_and_refusals_say_their_kind()
             other => panic!("not refused: {other:?}"),
         };
         assert_eq!(kind(control::call_request(&p, &add)), ErrorKind::Exists);
+        // The portals' refusals too: a portal already there, one that is not.
+        assert_eq!(
+            kind(control::call(
+                &p,
+                &["portal".into(), "add".into(), addr.to_string()]
+            )),
+            ErrorKind::Exists
+        );
+        assert_eq!(
+            kind(control::call(
+                &p,
+                &["portal".into(), "remove".into(), "127.0.0.9:1".into()]
+            )),
+            ErrorKind::NotFound
+        );
         assert_eq!(
             kind(control::call(
                 &p,
