@@ -32,8 +32,11 @@
 //! initiator retries them with the same CmdSN (§6.2.1), as it does commands the target never
 //! received.
 //!
-//! Generic over `T`, what the caller keeps per task (how to abort it), `C`, what it keeps per
-//! connection (how to close or wake it), and the hasher `S` of the task table. A caller that
+//! Generic over `T`, what the caller keeps per task (how to abort it, and the work of a held
+//! command: the task record is the one place a held command lives), `C`, what it keeps per
+//! connection (how to close or wake it), `P`, a non-task PDU held ahead of a gap (kept in the
+//! window, in its CmdSN's place, and handed back in [`Event::DeliverPdu`]), and the hasher `S`
+//! of the task table. A caller that
 //! shares a session between threads puts it behind one lock; every call is short and none
 //! waits for anything.
 
@@ -76,12 +79,13 @@ pub struct Task<T> {
 
 /// What a connection must act on, read with [`Session::poll_event`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Event {
-    /// The held task with this ITT is delivered now: run it (or ask for its data).
+pub enum Event<P = ()> {
+    /// The held task with this ITT is delivered now: run it (or ask for its data). What the
+    /// caller parked for it is in its task record.
     Deliver(Itt),
     /// The held non-task PDU with this CmdSN (a NOP-Out, Text, Logout or task management
-    /// request) is due now.
-    DeliverPdu(CmdSn),
+    /// request) is due now: here it is.
+    DeliverPdu(CmdSn, P),
     /// The task was aborted by the initiator's own request through another connection, or
     /// before it was delivered: drop whatever the connection keeps for it (its buffer, its
     /// outstanding R2Ts); no response is sent for it.
@@ -89,16 +93,17 @@ pub enum Event {
 }
 
 /// What the window holds for a command ahead of a gap.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Held {
+#[derive(Debug)]
+struct Held<P> {
     conn: ConnId,
-    what: HeldKind,
+    what: HeldKind<P>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum HeldKind {
+#[derive(Debug)]
+enum HeldKind<P> {
+    /// The task's record (and what the caller parked in it) is in the task table.
     Task(Itt),
-    Pdu(CmdSn),
+    Pdu(CmdSn, P),
 }
 
 /// The answer to a SCSI Command PDU.
@@ -121,11 +126,11 @@ pub enum Admission {
 /// The answer to a non-task PDU that carries a CmdSN (NOP-Out, Text, Logout, task
 /// management).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PduAdmission {
-    /// Act on it now.
-    Now,
-    /// Keep it: its connection gets [`Event::DeliverPdu`] with its CmdSN when the gap before it
-    /// fills.
+pub enum PduAdmission<P = ()> {
+    /// Act on it now: it is handed back.
+    Now(P),
+    /// The session keeps it: its connection gets it back in [`Event::DeliverPdu`] when the
+    /// gap before it fills (or never, when the connection or the session goes first).
     Held,
     /// Silently ignore it.
     Ignore,
@@ -133,11 +138,11 @@ pub enum PduAdmission {
 
 /// A connection of the session as the caller registered it.
 #[derive(Debug)]
-pub struct ConnSlot<C> {
+pub struct ConnSlot<C, P = ()> {
     pub id: ConnId,
     pub cid: Cid,
     pub payload: C,
-    events: VecDeque<Event>,
+    events: VecDeque<Event<P>>,
     /// Events were queued for it by another connection's call ([`Session::take_wakeups`]).
     wake: bool,
 }
@@ -147,13 +152,13 @@ pub type Terminated<T> = Vec<(Itt, Task<T>)>;
 
 /// The outcome of [`Session::join`].
 #[derive(Debug)]
-pub struct Joined<T, C> {
+pub struct Joined<T, C, P = ()> {
     pub id: ConnId,
     /// Connection reinstatement (RFC 7143 §6.3.4): the connection that had the CID before. It
     /// must be closed, and its reader stopped, before the new one is answered; its tasks are
     /// terminated below ErrorRecoveryLevel 2, and kept for reassignment at 2 (§6.2.2: the
     /// terminated list is then empty and the old connection is a [`Failed`] one).
-    pub replaced: Option<(ConnSlot<C>, Terminated<T>)>,
+    pub replaced: Option<(ConnSlot<C, P>, Terminated<T>)>,
 }
 
 /// A connection that failed, was logged out for recovery or was reinstated at
@@ -187,23 +192,23 @@ pub enum Reassign {
 
 /// The outcome of [`Session::expire`].
 #[derive(Debug)]
-pub struct Expired<T, C> {
+pub struct Expired<T, C, P = ()> {
     /// Failed connections whose retention ended: the caller lets go of what it kept for them.
     pub conns: Vec<ConnId>,
     /// Their tasks, never reassigned: terminated.
     pub terminated: Terminated<T>,
     /// The session ended (no connection left): the other connections (none), to close.
-    pub session_ended: Option<Vec<ConnSlot<C>>>,
+    pub session_ended: Option<Vec<ConnSlot<C, P>>>,
 }
 
 /// The outcome of [`Session::leave`].
 #[derive(Debug)]
-pub struct Left<T, C> {
+pub struct Left<T, C, P = ()> {
     /// The connection's own tasks, terminated.
     pub terminated: Terminated<T>,
     /// The session ended: it was the last connection, or it failed below ErrorRecoveryLevel
     /// 2 (session recovery, RFC 7143 §7.1.5): these are the other connections, to close.
-    pub session_ended: Option<Vec<ConnSlot<C>>>,
+    pub session_ended: Option<Vec<ConnSlot<C, P>>>,
 }
 
 /// The reach of a task management function beyond this session's own tasks.
@@ -229,7 +234,7 @@ pub struct TmfOutcome<T> {
 
 /// What a Logout Request does (RFC 7143 §11.14).
 #[derive(Debug)]
-pub enum LogoutPlan<T, C> {
+pub enum LogoutPlan<T, C, P = ()> {
     /// Reason 0: answer once this connection's running commands have completed, then close
     /// every connection; the session ends.
     CloseSession,
@@ -239,7 +244,7 @@ pub enum LogoutPlan<T, C> {
     /// Reason 1 naming another connection of the session: it is closed now (its reader must
     /// stop) and its tasks terminated; answer CLOSED.
     CloseOther {
-        slot: ConnSlot<C>,
+        slot: ConnSlot<C, P>,
         terminated: Terminated<T>,
     },
     /// Reason 2 naming the requesting connection (ErrorRecoveryLevel 2): answer CLOSED, then
@@ -254,10 +259,10 @@ pub enum LogoutPlan<T, C> {
 
 /// The session-wide state of the full-feature phase. See the module docs.
 #[derive(Debug)]
-pub struct Session<T, C, S = std::hash::RandomState> {
-    window: CmdWindow<Held>,
+pub struct Session<T, C, P = (), S = std::hash::RandomState> {
+    window: CmdWindow<Held<P>>,
     tasks: HashMap<Itt, Task<T>, S>,
-    conns: Vec<ConnSlot<C>>,
+    conns: Vec<ConnSlot<C, P>>,
     next_conn: u64,
     max_connections: u16,
     error_recovery_level: u8,
@@ -268,7 +273,7 @@ pub struct Session<T, C, S = std::hash::RandomState> {
     retain_ms: u64,
 }
 
-impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
+impl<T, C, P, S: BuildHasher + Default> Session<T, C, P, S> {
     /// A session whose leading login carried `exp_cmd_sn`, allowing `depth` commands in the
     /// target at once and `max_connections` connections (as negotiated).
     pub fn new(
@@ -331,11 +336,11 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
         self.ended
     }
 
-    pub fn conns(&self) -> &[ConnSlot<C>] {
+    pub fn conns(&self) -> &[ConnSlot<C, P>] {
         &self.conns
     }
 
-    pub fn conn(&self, id: ConnId) -> Option<&ConnSlot<C>> {
+    pub fn conn(&self, id: ConnId) -> Option<&ConnSlot<C, P>> {
         self.conns.iter().find(|c| c.id == id)
     }
 
@@ -359,7 +364,7 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     /// and TSIH). An existing CID is a connection reinstatement (§6.3.4). Refused with
     /// SESSION DOES NOT EXIST (0x020A) once the session has ended, and TOO MANY CONNECTIONS
     /// (0x0206) beyond MaxConnections.
-    pub fn join(&mut self, cid: Cid, payload: C, now: u64) -> Result<Joined<T, C>, LoginStatus> {
+    pub fn join(&mut self, cid: Cid, payload: C, now: u64) -> Result<Joined<T, C, P>, LoginStatus> {
         if self.ended {
             return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
         }
@@ -394,7 +399,7 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     /// with no connection recovery (level 2), the initiator recovers the session as a whole
     /// (RFC 7143 §7.1.5: level 1 adds recovery within a connection to level 0's session
     /// recovery).
-    pub fn leave(&mut self, id: ConnId, failed: bool) -> Left<T, C> {
+    pub fn leave(&mut self, id: ConnId, failed: bool) -> Left<T, C, P> {
         let was_member = match self.conns.iter().position(|c| c.id == id) {
             Some(i) => {
                 self.conns.swap_remove(i);
@@ -439,7 +444,7 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     /// ahead of a CmdSN gap are terminated. The session goes on, even with no connection left,
     /// until [`Session::expire`]. Below level 2 (or with no retention) this is
     /// [`Session::leave`] with `failed`.
-    pub fn leave_for_recovery(&mut self, id: ConnId, now: u64) -> Left<T, C> {
+    pub fn leave_for_recovery(&mut self, id: ConnId, now: u64) -> Left<T, C, P> {
         if !self.recovers() || self.ended {
             return self.leave(id, true);
         }
@@ -471,7 +476,7 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     /// Terminate the tasks of failed connections whose retention has ended by `now` (RFC 7143
     /// §6.2.2: not reassigned within DefaultTime2Retain); a session left with no connection
     /// and nothing retained ends.
-    pub fn expire(&mut self, now: u64) -> Expired<T, C> {
+    pub fn expire(&mut self, now: u64) -> Expired<T, C, P> {
         let (gone, kept): (Vec<Failed>, Vec<Failed>) =
             self.failed.iter().partition(|f| f.until <= now);
         self.failed = kept;
@@ -603,25 +608,35 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     /// A NOP-Out (with a task tag), Text, Logout or task management request with `cmd_sn`
     /// arrived on `conn`. Non-immediate ones take their place in CmdSN order like commands
     /// (RFC 7143 §3.2.2.1) but are never in flight.
-    pub fn admit_pdu(&mut self, conn: ConnId, cmd_sn: CmdSn, immediate: bool) -> PduAdmission {
+    pub fn admit_pdu(
+        &mut self,
+        conn: ConnId,
+        cmd_sn: CmdSn,
+        immediate: bool,
+        pdu: P,
+    ) -> PduAdmission<P> {
         if self.ended {
             return PduAdmission::Ignore;
         }
         if immediate {
-            return PduAdmission::Now;
+            return PduAdmission::Now(pdu);
         }
         let held = Held {
             conn,
-            what: HeldKind::Pdu(cmd_sn),
+            what: HeldKind::Pdu(cmd_sn, pdu),
         };
         match self.window.admit(cmd_sn, false, held) {
-            Err(_) => PduAdmission::Ignore,
-            Ok(Some(_)) => {
+            Ok(Some(Held {
+                what: HeldKind::Pdu(_, pdu),
+                ..
+            })) => {
                 // It takes no slot: it is answered at once.
                 self.window.complete();
                 self.release();
-                PduAdmission::Now
+                PduAdmission::Now(pdu)
             }
+            // The window hands back what it was given: a PDU.
+            Err(_) | Ok(Some(_)) => PduAdmission::Ignore,
             Ok(None) => PduAdmission::Held,
         }
     }
@@ -649,16 +664,16 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
                         continue;
                     }
                 },
-                HeldKind::Pdu(sn) => {
+                HeldKind::Pdu(sn, pdu) => {
                     self.window.complete();
-                    Event::DeliverPdu(sn)
+                    Event::DeliverPdu(sn, pdu)
                 }
             };
             self.push_event(h.conn, event);
         }
     }
 
-    fn push_event(&mut self, conn: ConnId, event: Event) {
+    fn push_event(&mut self, conn: ConnId, event: Event<P>) {
         if let Some(c) = self.conns.iter_mut().find(|c| c.id == conn) {
             c.events.push_back(event);
             c.wake = true;
@@ -666,7 +681,7 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     }
 
     /// The next thing due on connection `conn`, in the order it became due.
-    pub fn poll_event(&mut self, conn: ConnId) -> Option<Event> {
+    pub fn poll_event(&mut self, conn: ConnId) -> Option<Event<P>> {
         let c = self.conns.iter_mut().find(|c| c.id == conn)?;
         let e = c.events.pop_front();
         if c.events.is_empty() {
@@ -816,7 +831,7 @@ impl<T, C, S: BuildHasher + Default> Session<T, C, S> {
     }
 
     /// A Logout Request on connection `conn`, after its CmdSN was admitted (RFC 7143 §11.14).
-    pub fn logout(&mut self, conn: ConnId, req: &LogoutRequest) -> LogoutPlan<T, C> {
+    pub fn logout(&mut self, conn: ConnId, req: &LogoutRequest) -> LogoutPlan<T, C, P> {
         match req.reason {
             LogoutReason::CLOSE_SESSION => {
                 // Nothing waits for reassignment any more: the session ends with its last

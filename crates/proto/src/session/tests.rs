@@ -78,6 +78,34 @@ fn itts_are_unique_across_the_connections_of_a_session() {
     assert_eq!(s.window_sn().0, CmdSn(2));
 }
 
+#[test]
+fn the_session_keeps_a_held_pdu_and_hands_it_back_in_order() {
+    let mut s: Session<u32, &'static str, &'static str> = Session::new(CmdSn(1), 8, 2, 0);
+    let a = s.join(Cid(1), "a", 0).unwrap().id;
+    let b = s.join(Cid(2), "b", 0).unwrap().id;
+    assert_eq!(
+        s.admit_pdu(b, CmdSn(3), false, "logout"),
+        PduAdmission::Held
+    );
+    assert_eq!(s.admit_pdu(b, CmdSn(2), false, "text"), PduAdmission::Held);
+    assert_eq!(
+        s.admit_pdu(a, CmdSn(1), false, "nop"),
+        PduAdmission::Now("nop")
+    );
+    assert_eq!(s.poll_event(b), Some(Event::DeliverPdu(CmdSn(2), "text")));
+    assert_eq!(s.poll_event(b), Some(Event::DeliverPdu(CmdSn(3), "logout")));
+    assert_eq!(s.poll_event(b), None);
+    // One held on a connection that goes is dropped with it, its CmdSN consumed.
+    assert_eq!(s.admit_pdu(b, CmdSn(5), false, "gone"), PduAdmission::Held);
+    let _ = s.leave(b, false);
+    assert_eq!(
+        s.admit_pdu(a, CmdSn(4), false, "next"),
+        PduAdmission::Now("next")
+    );
+    assert_eq!(s.window_sn().0, CmdSn(6));
+    assert_eq!(s.poll_event(a), None);
+}
+
 const RESERVED: u32 = crate::pdu::RESERVED_TAG;
 
 #[test]
@@ -117,10 +145,10 @@ fn a_flood_of_early_cmdsns_is_bounded_by_the_window() {
 fn held_non_task_pdus_are_delivered_in_order() {
     let (mut s, ids) = session(&[1, 2]);
     let (a, b) = (ids[0], ids[1]);
-    assert_eq!(s.admit_pdu(b, CmdSn(1), false), PduAdmission::Held);
-    assert_eq!(s.admit_pdu(b, CmdSn(7), true), PduAdmission::Now);
+    assert_eq!(s.admit_pdu(b, CmdSn(1), false, ()), PduAdmission::Held);
+    assert_eq!(s.admit_pdu(b, CmdSn(7), true, ()), PduAdmission::Now(()));
     assert_eq!(s.admit_command(a, &cmd(1, 0), 0, || 0), Admission::Deliver);
-    assert_eq!(events(&mut s, b), vec![Event::DeliverPdu(CmdSn(1))]);
+    assert_eq!(events(&mut s, b), vec![Event::DeliverPdu(CmdSn(1), ())]);
     // The PDU took no slot.
     assert_eq!(s.in_flight(), 1);
     assert_eq!(s.window_sn().0, CmdSn(2));

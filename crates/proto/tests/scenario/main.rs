@@ -17,11 +17,13 @@
 //! 3. a command: `Intake::command` (PDU faults, Rejected before the CmdSN), then
 //!    `Session::admit_command` (Deliver, Held, Ignore, Reject, Ended); a new tag lets go of
 //!    what kept connections hold for it; a write: `Connection::begin_write`, then run at
-//!    once (all data here), `insert_write` (waits for Data-Out) or hold (behind a gap);
+//!    once (all data here), `insert_write` (waits for Data-Out) or hold (behind a gap: the
+//!    command's work is parked in its task record, `Session::task_mut`);
 //! 4. a Data-Out: `Connection::data_out` (NoTask → Reject, Refused → Reject + CHECK
 //!    CONDITION, Accept → the payload into the buffer; a damaged one → `data_damaged`),
 //!    then `after_data` → Complete → run;
-//! 5. a sequenced PDU: `Session::admit_pdu` (Now, Held until `Event::DeliverPdu`, Ignore),
+//! 5. a sequenced PDU: `Session::admit_pdu` (Now, or Held in the session's window until
+//!    `Event::DeliverPdu` hands it back, or Ignore),
 //!    then NOP-Out → `connection::nop_in`; TMF → `Intake::reassigns` ? `Session::reassign`
 //!    (+ `take_write`/`adopt_write`, `Retained::reassign`, parked responses,
 //!    `recovery::refit_data_in`) : `Session::task_management` (aborted tasks dropped);
@@ -29,7 +31,8 @@
 //!    `Retained::ack` + `Retained::snack` (Resend, DataAcked, NotRetained →
 //!    `Connection::resend_r2ts`, refused → Reject);
 //! 6. then, for every connection, `Session::poll_event` until empty (Deliver → run the held
-//!    command or `deliver_write`; Drop → forget it; DeliverPdu → step 5 now), and the R2Ts
+//!    command parked in its task record, else `deliver_write`; Drop → forget its write;
+//!    DeliverPdu → step 5 now), and the R2Ts
 //!    of `Connection::poll_r2t` are sent.
 //!
 //! Running a command: `Session::claim` (none: aborted, never runs), execute on the disk now

@@ -15,12 +15,17 @@ use ironsan_proto::task::{response_pdus, Outcome, WriteParams, WriteTransfer};
 use ironsan_proto::window::Ignored;
 use ironsan_proto::{CmdSn, DataSn, StatSn};
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::hash::BuildHasherDefault;
 
 /// A fixed hasher: the core's tables iterate in the same order on every run.
 pub(crate) type Fixed = BuildHasherDefault<DefaultHasher>;
-type Core = Session<(), (), Fixed>;
+/// The task record carries a held command's work (the one place it lives); a held non-task
+/// PDU waits in the session's window.
+type Core = Session<Option<Held>, (), HeldPdu, Fixed>;
+
+/// A non-task PDU held ahead of a CmdSN gap.
+type HeldPdu = (Bhs, Header, Bytes);
 type ConnCore = Connection<PendingWrite, Fixed>;
 
 pub(crate) const BLOCK: usize = 512;
@@ -130,8 +135,6 @@ struct TConn {
     stat_sn: StatSnCounter,
     /// ErrorRecoveryLevel 1 and above: what the writer stamped, for SNACKs.
     retained: Option<Retained<Fixed>>,
-    held: HashMap<Itt, Held>,
-    held_pdus: HashMap<u32, (Bhs, Header, Bytes)>,
     /// The initiator's MaxRecvDataSegmentLength on this connection.
     max_xmit: u32,
 }
@@ -309,8 +312,6 @@ impl Target {
             core: ConnCore::new(write_params, max_xmit, 16),
             stat_sn: StatSnCounter(first_stat_sn),
             retained: (p.erl > 0).then(|| Retained::new(16 << 20)),
-            held: HashMap::new(),
-            held_pdus: HashMap::new(),
             max_xmit,
         };
         self.conns.insert(joined.id, conn);
@@ -343,7 +344,6 @@ impl Target {
             self.running.retain(|r| r.conn != id);
         }
         let _ = c.core.take_where(|_| true);
-        c.held.clear();
         let left = if recover {
             self.session.leave_for_recovery(id, self.now_ms)
         } else {
@@ -384,7 +384,7 @@ impl Target {
         }
     }
 
-    fn abort_tasks(&mut self, tasks: Terminated<()>) {
+    fn abort_tasks(&mut self, tasks: Terminated<Option<Held>>) {
         for (itt, _) in tasks {
             self.running.retain(|r| r.itt != itt);
             self.aborted.push(itt);
@@ -462,18 +462,11 @@ impl Target {
                         Event::Deliver(itt) => self.deliver(id, itt),
                         Event::Drop(itt) => {
                             if let Some(c) = self.conns.get_mut(&id) {
-                                c.held.remove(&itt);
                                 let _ = c.core.take(itt);
                             }
                         }
-                        Event::DeliverPdu(sn) => {
-                            let held = self
-                                .conns
-                                .get_mut(&id)
-                                .and_then(|c| c.held_pdus.remove(&sn.0));
-                            if let Some((bhs, h, data)) = held {
-                                self.on_other_now(id, &bhs, h, data);
-                            }
+                        Event::DeliverPdu(_, (bhs, h, data)) => {
+                            self.on_other_now(id, &bhs, h, data);
                         }
                     }
                 }
@@ -516,7 +509,7 @@ impl Target {
             return self.reject(id, reason, bhs);
         }
         let lun = cmd.lun.number().unwrap_or(u64::MAX);
-        let admission = self.session.admit_command(id, &cmd, lun, || ());
+        let admission = self.session.admit_command(id, &cmd, lun, || None);
         if matches!(admission, Admission::Deliver | Admission::Held) {
             self.tag_reused(cmd.itt);
         }
@@ -527,7 +520,6 @@ impl Target {
             Admission::Reject(reason) => return self.reject(id, reason, bhs),
             Admission::Ended => return,
         };
-        let itt = cmd.itt;
         if !cmd.write || edtl == 0 {
             return self.start(id, cmd, Vec::new(), DataSn(0), delivered);
         }
@@ -539,9 +531,9 @@ impl Target {
                 self.reject(id, RejectReason::PROTOCOL_ERROR, bhs);
                 if delivered {
                     self.finish_failed(id, cmd, DataSn(0));
-                } else if let Some(c) = self.conns.get_mut(&id) {
+                } else {
                     let exp_data_sn = DataSn(0);
-                    c.held.insert(itt, Held::Fail { cmd, exp_data_sn });
+                    self.park(Held::Fail { cmd, exp_data_sn });
                 }
             }
             Ok(t) if t.is_complete() => {
@@ -582,22 +574,27 @@ impl Target {
         if delivered {
             return self.run(id, cmd, data, exp_data_sn);
         }
-        if let Some(c) = self.conns.get_mut(&id) {
-            let h = Held::Run {
-                cmd,
-                data,
-                exp_data_sn,
-            };
-            c.held.insert(h_itt(&h), h);
+        self.park(Held::Run {
+            cmd,
+            data,
+            exp_data_sn,
+        });
+    }
+
+    /// Keep a held command's work in its task record until the session delivers it.
+    fn park(&mut self, h: Held) {
+        if let Some(t) = self.session.task_mut(h_itt(&h)) {
+            t.payload = Some(h);
         }
     }
 
     /// `write::deliver`: the session delivered the held task `itt`.
     fn deliver(&mut self, id: ConnId, itt: Itt) {
+        let parked = self.session.task_mut(itt).and_then(|t| t.payload.take());
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        match c.held.remove(&itt) {
+        match parked {
             Some(Held::Run {
                 cmd,
                 data,
@@ -835,24 +832,22 @@ impl Target {
         let cmd = w.payload.cmd;
         if delivered {
             self.finish_failed(id, cmd, exp_data_sn);
-        } else if let Some(c) = self.conns.get_mut(&id) {
-            c.held.insert(cmd.itt, Held::Fail { cmd, exp_data_sn });
+        } else {
+            self.park(Held::Fail { cmd, exp_data_sn });
         }
     }
 
     /// `conn::on_other`: a PDU with a CmdSN takes its place in CmdSN order.
     fn on_other(&mut self, id: ConnId, bhs: &Bhs, route: Route, header: Header, data: Bytes) {
         if let Route::Sequenced { cmd_sn, immediate } = route {
-            match self.session.admit_pdu(id, cmd_sn, immediate) {
-                PduAdmission::Now => {}
-                PduAdmission::Ignore => return,
-                PduAdmission::Held => {
-                    if let Some(c) = self.conns.get_mut(&id) {
-                        c.held_pdus.insert(cmd_sn.0, (*bhs, header, data));
-                    }
-                    return;
-                }
+            match self
+                .session
+                .admit_pdu(id, cmd_sn, immediate, (*bhs, header, data))
+            {
+                PduAdmission::Now((bhs, header, data)) => self.on_other_now(id, &bhs, header, data),
+                PduAdmission::Ignore | PduAdmission::Held => {}
             }
+            return;
         }
         self.on_other_now(id, bhs, header, data);
     }

@@ -1,7 +1,9 @@
 //! What the driver keeps for a command until it ends: its [`Slot`] (its share of the session's
 //! write buffer and its place in the connection's in-flight count) and, for a write waiting
 //! for Data-Out, the [`PendingWrite`] the protocol core's transfer carries; per task in the
-//! session's core, [`Running`]: what aborting it needs. Below the session
+//! session's core, [`Running`]: what aborting it needs, and the [`Held`] work of a command
+//! waiting behind a CmdSN gap (its task record is the one place it lives); a non-task PDU
+//! waiting the same way is a [`HeldPdu`] in the session core's window. Below the session
 //! and the connections, which both hold them (a kept connection's writes wait in the
 //! session's [`crate::iscsi::session::Orphans`] for TASK REASSIGN).
 
@@ -10,7 +12,9 @@ use crate::iscsi::io;
 use crate::lock;
 use crate::metrics::Stamp;
 use bytes::{Bytes, BytesMut};
-use ironsan_proto::pdu::ScsiCommand;
+use ironsan_proto::pdu::{Bhs, Header, ScsiCommand};
+use ironsan_proto::DataSn;
+use ironsan_scsi::Response;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -26,6 +30,46 @@ pub(crate) struct Running {
     /// A write received in place while it waits for its Data-Out: aborting the task empties
     /// this, which releases the blocks' range at once (not when its connection next reads).
     pub placed: Option<Arc<PlacedSlot>>,
+    /// The command's work while it waits behind a CmdSN gap, taken when the session delivers
+    /// it (dropped with the task if it is aborted or its connection goes first).
+    pub parked: Option<Held>,
+}
+
+/// A command held behind a CmdSN gap, ready to run (or to fail) when it is delivered. Writes
+/// still waiting for data are kept by the protocol core's connection instead.
+#[derive(Debug)]
+pub(crate) enum Held {
+    Run {
+        cmd: ScsiCommand,
+        cdb: Bytes,
+        data: Bytes,
+        exp_data_sn: DataSn,
+        slot: Slot,
+        t_header: Stamp,
+    },
+    Fail {
+        cmd: ScsiCommand,
+        resp: Response,
+        exp_data_sn: DataSn,
+        slot: Slot,
+    },
+}
+
+impl Held {
+    pub(crate) fn itt(&self) -> ironsan_proto::pdu::Itt {
+        match self {
+            Held::Run { cmd, .. } | Held::Fail { cmd, .. } => cmd.itt,
+        }
+    }
+}
+
+/// A non-task PDU with a CmdSN that arrived ahead of a CmdSN gap, kept in the session core's
+/// window until it is due.
+#[derive(Debug)]
+pub(crate) struct HeldPdu {
+    pub bhs: Bhs,
+    pub header: Header,
+    pub data: Bytes,
 }
 
 /// A write received in place ([`ironsan_scsi::PlacedWrite`], holding its blocks' range) while
@@ -68,6 +112,7 @@ impl crate::iscsi::io::PlaceTarget for PlacedSlot {
 }
 
 /// Bytes of a write counted against the session's `write_buffer_per_session`.
+#[derive(Debug)]
 pub(crate) struct WriteQuota {
     buffered: Arc<AtomicU64>,
     bytes: u64,
@@ -95,6 +140,7 @@ impl Drop for WriteQuota {
 
 /// What a command holds until it completes or is dropped: its share of the session's write
 /// quota, and, once delivered, its place in the connection's in-flight count.
+#[derive(Debug)]
 pub(crate) struct Slot {
     #[allow(dead_code)] // held for its Drop
     quota: Option<WriteQuota>,

@@ -31,6 +31,7 @@ use crate::counters::ConnStats;
 use crate::counters::TxStats;
 use crate::iscsi::io::{self, Digests, ReadError};
 use crate::iscsi::session::{Close, ConnSignals, Core, Session};
+use crate::iscsi::task::HeldPdu;
 use crate::iscsi::writer::{self, Out, OutPdu};
 use crate::metrics::{LunMetrics, Stamp};
 use crate::{Portal, Shared};
@@ -164,13 +165,6 @@ impl Drop for PollingFlag {
     }
 }
 
-/// A non-task PDU with a CmdSN that arrived ahead of a CmdSN gap, kept until it is due.
-struct HeldPdu {
-    bhs: Bhs,
-    header: Header,
-    data: Bytes,
-}
-
 /// Everything the reader of a connection in full feature phase needs.
 struct Connection {
     shared: Arc<Shared>,
@@ -184,13 +178,9 @@ struct Connection {
     local: SocketAddr,
     peer: SocketAddr,
     /// The per-connection protocol state: writes waiting for Data-Out, R2Ts, Text
-    /// continuations.
+    /// continuations. Commands held behind a CmdSN gap are in their task records in the
+    /// session's core (`Running::parked`), non-task PDUs in its window.
     core: ConnCore,
-    /// Commands that arrived ahead of a CmdSN gap and wait for it to fill (writes waiting
-    /// for their data are in `core`).
-    held: IntMap<Itt, write::Held>,
-    /// Non-task PDUs held the same way, by CmdSN.
-    held_pdus: IntMap<u32, HeldPdu>,
     /// The session queued events for this connection.
     events: bool,
     /// Bytes of read data allowed between the backend and the socket.
@@ -357,8 +347,6 @@ pub(crate) async fn run(
             params.max_xmit_data_segment_length,
             shared.cfg.limits.max_r2ts_per_connection,
         ),
-        held: IntMap::default(),
-        held_pdus: IntMap::default(),
         events: false,
         tx_budget: Arc::new(Semaphore::new(tx_budget_bytes(&shared))),
         tasks: tokio::task::JoinSet::new(),
@@ -430,9 +418,9 @@ pub(crate) async fn run(
     } else {
         conn.tasks.abort_all();
     }
-    // Writes waiting for data (the rest of them) and held commands go with the connection.
+    // Writes waiting for data (the rest of them) go with the connection; its held commands
+    // and PDUs go with it in the session's core.
     let _ = conn.core.take_where(|_| true);
-    conn.held.clear();
     if session.leave(id, failed) {
         // The session ends with its last connection, and below ErrorRecoveryLevel 2 with any
         // that failed (session recovery); no login can join it from now on.
@@ -615,13 +603,10 @@ impl Connection {
             match e {
                 Event::Deliver(itt) => self.deliver(itt),
                 Event::Drop(itt) => {
-                    self.held.remove(&itt);
                     let _ = self.core.take(itt);
                 }
-                Event::DeliverPdu(sn) => {
-                    if let Some(p) = self.held_pdus.remove(&sn.0) {
-                        self.on_other_now(&p.bhs, p.header, p.data).await?;
-                    }
+                Event::DeliverPdu(_, p) => {
+                    self.on_other_now(&p.bhs, p.header, p.data).await?;
                 }
             }
         }
@@ -887,21 +872,15 @@ impl Connection {
     ) -> ConnResult {
         if let Route::Sequenced { cmd_sn, immediate } = route {
             let id = self.id;
-            match self.sess(|c| c.admit_pdu(id, cmd_sn, immediate)) {
-                PduAdmission::Now => {}
-                PduAdmission::Ignore => return Ok(()),
-                PduAdmission::Held => {
-                    self.held_pdus.insert(
-                        cmd_sn.0,
-                        HeldPdu {
-                            bhs: *bhs,
-                            header,
-                            data,
-                        },
-                    );
-                    return Ok(());
-                }
-            }
+            let pdu = HeldPdu {
+                bhs: *bhs,
+                header,
+                data,
+            };
+            return match self.sess(|c| c.admit_pdu(id, cmd_sn, immediate, pdu)) {
+                PduAdmission::Now(p) => self.on_other_now(&p.bhs, p.header, p.data).await,
+                PduAdmission::Ignore | PduAdmission::Held => Ok(()),
+            };
         }
         self.on_other_now(bhs, header, data).await
     }

@@ -6,7 +6,7 @@
 use super::{reject, ConnResult, Connection};
 use crate::iscsi::io;
 use crate::iscsi::session::Session;
-use crate::iscsi::task::{PendingWrite, PlacedSlot, Running, Slot, WriteQuota};
+use crate::iscsi::task::{Held, PendingWrite, PlacedSlot, Running, Slot, WriteQuota};
 use crate::metrics::Stamp;
 use bytes::{Bytes, BytesMut};
 use ironsan_proto::connection::{DataOutPlan, Next, Write};
@@ -41,25 +41,6 @@ pub(super) fn write_params(session: &Session, params: &ConnParams) -> WriteParam
         max_recv_data_segment_length: params.max_recv_data_segment_length,
         recovery: p.error_recovery_level > 0,
     }
-}
-
-/// A command held behind a CmdSN gap, ready to run (or to fail) when it is delivered. Writes
-/// still waiting for data are kept by the protocol core instead.
-pub(super) enum Held {
-    Run {
-        cmd: ScsiCommand,
-        cdb: Bytes,
-        data: Bytes,
-        exp_data_sn: DataSn,
-        slot: Slot,
-        t_header: Stamp,
-    },
-    Fail {
-        cmd: ScsiCommand,
-        resp: Response,
-        exp_data_sn: DataSn,
-        slot: Slot,
-    },
 }
 
 /// A write's data on its way to execution: in a buffer, or already in place in the medium.
@@ -103,6 +84,7 @@ impl Connection {
                 abort: None,
                 polling: idle,
                 placed: None,
+                parked: None,
             })
         });
         if matches!(admission, Admission::Deliver | Admission::Held) {
@@ -254,28 +236,26 @@ impl Connection {
                 self.run_buffered(cmd, cdb, data, exp_data_sn, slot, t_header);
             }
             Start::Run(data, exp_data_sn) => {
-                let h = Held::Run {
+                self.park(Held::Run {
                     cmd,
                     cdb,
                     data,
                     exp_data_sn,
                     slot,
                     t_header,
-                };
-                self.held.insert(itt, h);
+                });
             }
             Start::Fail(resp) if delivered => {
                 slot.deliver(&self.stats, &cmd);
                 self.finish_waiting(cmd, resp, DataSn(0), slot);
             }
             Start::Fail(resp) => {
-                let h = Held::Fail {
+                self.park(Held::Fail {
                     cmd,
                     resp,
                     exp_data_sn: DataSn(0),
                     slot,
-                };
-                self.held.insert(itt, h);
+                });
             }
             Start::AwaitData(transfer) => {
                 if let Some((data, _)) = shared {
@@ -368,9 +348,22 @@ impl Connection {
         );
     }
 
+    /// Keep a held command's work in its task record until the session delivers it. Parking
+    /// after the admission said Held is safe even if another connection filled the gap
+    /// meanwhile: the delivery then waits in this connection's queue, read after this.
+    fn park(&mut self, h: Held) {
+        let itt = h.itt();
+        self.sess(|c| {
+            if let Some(t) = c.task_mut(itt) {
+                t.payload.parked = Some(h);
+            }
+        });
+    }
+
     /// The session delivered the held task `itt` (a CmdSN gap before it filled).
     pub(super) fn deliver(&mut self, itt: Itt) {
-        if let Some(h) = self.held.remove(&itt) {
+        let parked = self.sess(|c| c.task_mut(itt).and_then(|t| t.payload.parked.take()));
+        if let Some(h) = parked {
             match h {
                 Held::Run {
                     cmd,
@@ -522,14 +515,12 @@ impl Connection {
         if delivered {
             self.finish_waiting(pw.cmd, resp, exp_data_sn, pw.slot);
         } else {
-            let itt = pw.cmd.itt;
-            let h = Held::Fail {
+            self.park(Held::Fail {
                 cmd: pw.cmd,
                 resp,
                 exp_data_sn,
                 slot: pw.slot,
-            };
-            self.held.insert(itt, h);
+            });
         }
     }
 }

@@ -29,14 +29,14 @@ use tokio::sync::{watch, Notify};
 
 mod orphans;
 
-use crate::iscsi::task::Running;
+use crate::iscsi::task::{HeldPdu, Running};
 use crate::iscsi::writer::SnWindow;
 use crate::lock;
 pub(crate) use orphans::{send_forwards, Orphans};
 
 /// The session-wide protocol core, as this server instantiates it.
 pub(crate) type Core =
-    ironsan_proto::session::Session<Running, ConnInfo, BuildHasherDefault<IntHasher>>;
+    ironsan_proto::session::Session<Running, ConnInfo, HeldPdu, BuildHasherDefault<IntHasher>>;
 
 /// Why the target closes a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -401,7 +401,7 @@ impl Session {
 
     /// Look at the connections under the session's lock (a connection cannot leave, and so
     /// cannot close its socket, while `f` runs).
-    pub(crate) fn with_conns<R>(&self, f: impl FnOnce(&[ConnSlot<ConnInfo>]) -> R) -> R {
+    pub(crate) fn with_conns<R>(&self, f: impl FnOnce(&[ConnSlot<ConnInfo, HeldPdu>]) -> R) -> R {
         f(lock(&self.core).conns())
     }
 
@@ -698,6 +698,7 @@ mod tests {
                 abort: None,
                 polling: Arc::default(),
                 placed: None,
+                parked: None,
             })
         })
     }
