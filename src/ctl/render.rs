@@ -1,8 +1,13 @@
-//! The tables `ironsan ctl` prints without `--json`, from the JSON views the control socket
-//! answers with (crates/server/src/control/ and metrics.rs build those views).
+//! The tables `ironsan ctl` prints without `--json`, from the views the control socket
+//! answers with (`ironsan_server::control::views`: the same types the server builds).
 
+use ironsan_server::control::views::{
+    AluaGroupView, ClusterView, LunView, PortalView, SessionView, StatsView, TargetDetailView,
+    TargetView,
+};
 use ironsan_server::control::Request;
 use ironsan_server::metrics::STAGES;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 /// Columns left-aligned, two spaces apart.
@@ -33,14 +38,6 @@ fn table(head: &[&str], rows: Vec<Vec<String>>) -> String {
     out
 }
 
-fn s(v: &Value) -> String {
-    match v {
-        Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
 /// Bytes in binary units (`1.5 GiB`).
 fn human_bytes(n: u64) -> String {
     const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -57,53 +54,48 @@ fn human_bytes(n: u64) -> String {
     }
 }
 
-fn render_sessions(v: &Value) -> String {
-    let mut out = String::new();
-    let empty = Vec::new();
-    let list = v.as_array().unwrap_or(&empty);
+fn render_sessions(list: &[SessionView]) -> String {
     if list.is_empty() {
         return "no sessions\n".into();
     }
+    let mut out = String::new();
     for sess in list {
         out.push_str(&format!(
             "session TSIH {} ISID {}  {}  →  {}  ({} commands)\n",
-            s(&sess["tsih"]),
-            s(&sess["isid"]),
-            s(&sess["initiator"]),
-            sess["target"].as_str().unwrap_or("(discovery)"),
-            s(&sess["commands"])
+            sess.tsih,
+            sess.isid,
+            sess.initiator,
+            sess.target.as_deref().unwrap_or("(discovery)"),
+            sess.commands
         ));
-        for c in sess["connections"].as_array().unwrap_or(&empty) {
-            let u = |k: &str| c[k].as_u64().unwrap_or(0);
+        for c in &sess.connections {
             out.push_str(&format!(
                 "  connection CID {} from {} on {}: in flight {}, reads {} ({}), writes {} ({}), other {}, rx {} ({}), tx {} ({}, {} zero-copy), digest errors {}\n",
-                s(&c["cid"]), s(&c["peer"]), s(&c["portal"]), u("in_flight"),
-                u("reads"), human_bytes(u("read_bytes")), u("writes"), human_bytes(u("write_bytes")),
-                u("other_commands"), u("rx_pdus"), human_bytes(u("rx_bytes")),
-                u("tx_pdus"), human_bytes(u("tx_bytes")), human_bytes(u("tx_zero_copy_bytes")),
-                u("digest_errors"),
+                c.cid, c.peer, c.portal, c.in_flight,
+                c.reads, human_bytes(c.read_bytes), c.writes, human_bytes(c.write_bytes),
+                c.other_commands, c.rx_pdus, human_bytes(c.rx_bytes),
+                c.tx_pdus, human_bytes(c.tx_bytes), human_bytes(c.tx_zero_copy_bytes),
+                c.digest_errors,
             ));
-            let t = &c["tcp"];
-            if t.is_object() {
-                let g = |k: &str| t[k].as_u64().unwrap_or(0);
+            if let Some(t) = &c.tcp {
                 out.push_str(&format!(
                     "    tcp: rtt {:.3} ms ± {:.3}, cwnd {}, ssthresh {}, retransmits {}, delivery rate {}/s, mss {}, congestion control {}\n",
-                    g("rtt_us") as f64 / 1000.0,
-                    g("rttvar_us") as f64 / 1000.0,
-                    g("cwnd"),
-                    if g("ssthresh") >= 0x7fff_ffff { "∞".to_string() } else { g("ssthresh").to_string() },
-                    g("retransmits"),
-                    human_bytes(g("delivery_rate")),
-                    g("mss"),
-                    t["congestion"].as_str().unwrap_or("?"),
+                    f64::from(t.rtt_us) / 1000.0,
+                    f64::from(t.rttvar_us) / 1000.0,
+                    t.cwnd,
+                    if t.ssthresh >= 0x7fff_ffff { "∞".to_string() } else { t.ssthresh.to_string() },
+                    t.retransmits,
+                    human_bytes(t.delivery_rate),
+                    t.mss,
+                    t.congestion.as_deref().unwrap_or("?"),
                 ));
             }
         }
-        if let Some(p) = sess["params"].as_object() {
-            let kv: Vec<String> = p.iter().map(|(k, v)| format!("{k}={}", s(v))).collect();
+        if !sess.params.is_empty() {
             out.push_str("  negotiated:");
             let mut col = 13;
-            for item in kv {
+            for (k, v) in &sess.params {
+                let item = format!("{k}={v}");
                 if col + item.len() + 1 > 100 {
                     out.push_str("\n             ");
                     col = 13;
@@ -118,56 +110,50 @@ fn render_sessions(v: &Value) -> String {
     out
 }
 
-fn render_cluster(v: &Value) -> String {
-    let empty = Vec::new();
+fn or_dash(v: Option<&str>) -> String {
+    v.unwrap_or("-").to_string()
+}
+
+fn joined<T: ToString>(items: &[T], sep: &str) -> String {
+    items
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(sep)
+}
+
+fn render_cluster(v: &ClusterView) -> String {
     let mut out = format!(
         "node {} ({}), pool {}, client {}: {}{}\n",
-        s(&v["node"]),
-        s(&v["name"]),
-        s(&v["pool"]),
-        s(&v["address"]),
-        s(&v["health"]),
-        v["reason"]
-            .as_str()
+        v.node,
+        v.name,
+        v.pool,
+        v.address,
+        v.health,
+        v.reason
+            .as_deref()
             .map(|r| format!(" ({r})"))
             .unwrap_or_default()
     );
-    let join = |x: &Value, sep: &str| {
-        x.as_array()
-            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(sep))
-            .unwrap_or_default()
-    };
-    for t in v["targets"].as_array().unwrap_or(&empty) {
-        out.push_str(&format!(
-            "\n{} (object {})\n",
-            s(&t["target"]),
-            s(&t["object"])
-        ));
-        let rows = t["nodes"]
-            .as_array()
-            .unwrap_or(&empty)
+    for t in &v.targets {
+        out.push_str(&format!("\n{} (object {})\n", t.target, t.object));
+        let rows = t
+            .nodes
             .iter()
             .map(|n| {
-                let applied = n["applied"]
-                    .as_object()
-                    .map(|m| {
-                        m.iter()
-                            .map(|(lun, serial)| format!("{lun}:{}", s(serial)))
-                            .collect::<Vec<_>>()
-                            .join(" ")
-                    })
-                    .unwrap_or_default();
+                let applied = n
+                    .applied
+                    .iter()
+                    .map(|(lun, serial)| format!("{lun}:{serial}"))
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 vec![
-                    format!(
-                        "{}{}",
-                        s(&n["node"]),
-                        if n["self"] == true { "*" } else { "" }
-                    ),
-                    s(&n["name"]),
-                    s(&n["state"]),
-                    join(&n["ports"], ","),
-                    join(&n["portals"], " "),
-                    match n["last_ack_ms"].as_u64() {
+                    format!("{}{}", n.node, if n.is_self { "*" } else { "" }),
+                    n.name.clone(),
+                    n.state.clone(),
+                    joined(&n.ports, ","),
+                    joined(&n.portals, " "),
+                    match n.last_ack_ms {
                         Some(ms) => format!("{:.1}s ago", ms as f64 / 1000.0),
                         None => "-".into(),
                     },
@@ -187,44 +173,38 @@ fn render_cluster(v: &Value) -> String {
             ],
             rows,
         ));
-        for l in t["luns"].as_array().unwrap_or(&empty) {
+        for l in &t.luns {
             out.push_str(&format!(
                 "LUN {}: reservation record {}, PRgeneration {}\n",
-                s(&l["lun"]),
-                s(&l["serial"]),
-                s(&l["pr_generation"])
+                l.lun, l.serial, l.pr_generation
             ));
         }
     }
     out
 }
 
-fn render_targets(v: &Value) -> String {
-    let empty = Vec::new();
-    let rows = v
-        .as_array()
-        .unwrap_or(&empty)
+fn render_targets(list: &[TargetView]) -> String {
+    let rows = list
         .iter()
         .map(|t| {
-            let acl = t["acl"].as_array().map(|a| a.len()).unwrap_or(0);
-            let auth = match (&t["chap"], &t["mutual_chap"]) {
-                (Value::String(u), Value::String(m)) => format!("mutual CHAP ({u}/{m})"),
-                (Value::String(u), _) => format!("CHAP ({u})"),
+            let auth = match (&t.chap, &t.mutual_chap) {
+                (Some(u), Some(m)) => format!("mutual CHAP ({u}/{m})"),
+                (Some(u), None) => format!("CHAP ({u})"),
                 _ => "none".into(),
             };
             vec![
-                s(&t["name"]),
-                s(&t["alias"]),
-                s(&t["luns"]),
-                s(&t["sessions"]),
-                t["portal_groups"]
-                    .as_array()
-                    .map(|g| g.iter().map(s).collect::<Vec<_>>().join(","))
+                t.name.clone(),
+                or_dash(t.alias.as_deref()),
+                t.luns.to_string(),
+                t.sessions.to_string(),
+                t.portal_groups
+                    .as_deref()
+                    .map(|g| joined(g, ","))
                     .unwrap_or_else(|| "all".into()),
-                if acl == 0 {
+                if t.acl.is_empty() {
                     "everyone".into()
                 } else {
-                    format!("{acl} rule(s)")
+                    format!("{} rule(s)", t.acl.len())
                 },
                 auth,
             ]
@@ -238,28 +218,20 @@ fn render_targets(v: &Value) -> String {
     )
 }
 
-fn render_luns(v: &Value) -> String {
-    let empty = Vec::new();
-    let rows = v
-        .as_array()
-        .unwrap_or(&empty)
+fn render_luns(list: &[LunView]) -> String {
+    let rows = list
         .iter()
         .map(|l| {
             vec![
-                s(&l["target"]),
-                s(&l["lun"]),
-                s(&l["backend"]),
-                s(&l["io_engine"]),
-                human_bytes(l["size"].as_u64().unwrap_or(0)),
-                s(&l["block_size"]),
-                if l["read_only"] == true { "ro" } else { "rw" }.into(),
-                if l["write_cache"] == true {
-                    "on"
-                } else {
-                    "off"
-                }
-                .into(),
-                s(&l["spec"]),
+                l.target.clone(),
+                l.lun.to_string(),
+                l.backend.clone(),
+                or_dash(l.io_engine.as_deref()),
+                human_bytes(l.size),
+                l.block_size.to_string(),
+                if l.read_only { "ro" } else { "rw" }.into(),
+                if l.write_cache { "on" } else { "off" }.into(),
+                or_dash(l.spec.as_deref()),
             ]
         })
         .collect();
@@ -284,41 +256,31 @@ fn human_us(us: f64) -> String {
     }
 }
 
-/// The human form of [`stats_view`]: one block per target/LUN/class that saw commands.
-fn render_stats(v: &Value) -> String {
-    let empty = Vec::new();
+/// `ctl stats`: one block per target/LUN/class that saw commands.
+fn render_stats(list: &[StatsView]) -> String {
     let mut out = String::new();
-    for e in v.as_array().unwrap_or(&empty) {
-        let n = e["commands"].as_u64().unwrap_or(0);
-        if n == 0 {
-            continue;
-        }
+    for e in list.iter().filter(|e| e.commands > 0) {
         out.push_str(&format!(
             "{} LUN {} {}: {} commands, {}\n",
-            e["target"].as_str().unwrap_or("?"),
-            e["lun"],
-            e["class"].as_str().unwrap_or("?"),
-            n,
-            human_bytes(e["bytes"].as_u64().unwrap_or(0)),
+            e.target,
+            e.lun,
+            e.class,
+            e.commands,
+            human_bytes(e.bytes),
         ));
-        let mut rows = Vec::new();
-        for st in STAGES {
-            let s = &e["stages"][st];
-            let f = |k: &str| human_us(s[k].as_f64().unwrap_or(0.0));
-            rows.push(format!(
-                "  {:<8} {:>10} {:>10} {:>10}\n",
-                st,
-                f("mean_us"),
-                f("p50_us"),
-                f("p99_us")
-            ));
-        }
         out.push_str(&format!(
             "  {:<8} {:>10} {:>10} {:>10}\n",
             "STAGE", "MEAN", "P50", "P99"
         ));
-        for r in rows {
-            out.push_str(&r);
+        for st in STAGES {
+            let s = e.stages.get(st).cloned().unwrap_or_default();
+            out.push_str(&format!(
+                "  {:<8} {:>10} {:>10} {:>10}\n",
+                st,
+                human_us(s.mean_us),
+                human_us(s.p50_us),
+                human_us(s.p99_us)
+            ));
         }
     }
     if out.is_empty() {
@@ -327,71 +289,77 @@ fn render_stats(v: &Value) -> String {
     out
 }
 
+fn render_alua(list: &[AluaGroupView]) -> String {
+    let rows = list
+        .iter()
+        .map(|x| {
+            vec![
+                x.target.clone(),
+                x.group.to_string(),
+                x.state.clone(),
+                if x.preferred { "yes" } else { "" }.into(),
+                joined(&x.ports, ","),
+                joined(&x.portals, " "),
+            ]
+        })
+        .collect();
+    table(
+        &["TARGET", "GROUP", "STATE", "PREF", "PORTS", "PORTALS"],
+        rows,
+    )
+}
+
+fn render_portals(list: &[PortalView]) -> String {
+    let rows = list
+        .iter()
+        .map(|x| vec![x.addr.clone(), x.tag.to_string(), x.transport.clone()])
+        .collect();
+    table(&["PORTAL", "GROUP", "TRANSPORT"], rows)
+}
+
+fn render_target(d: &TargetDetailView) -> String {
+    let t = &d.target;
+    let mut out = format!(
+        "target {}\n  alias: {}\n  ACL: {}\n  CHAP: {}  mutual CHAP: {}\n\n",
+        t.name,
+        or_dash(t.alias.as_deref()),
+        if t.acl.is_empty() {
+            "everyone".into()
+        } else {
+            t.acl.join(", ")
+        },
+        or_dash(t.chap.as_deref()),
+        or_dash(t.mutual_chap.as_deref()),
+    );
+    out.push_str(&render_luns(&d.luns));
+    out.push('\n');
+    out.push_str(&render_sessions(&d.sessions));
+    out
+}
+
+/// Read `data` as the view `V` and print it with `f`; an answer that is not that view (a
+/// server of another version) is printed as JSON, after saying so.
+fn typed<V: DeserializeOwned>(data: &Value, f: impl FnOnce(&V) -> String) -> String {
+    match V::deserialize(data) {
+        Ok(v) => f(&v),
+        Err(e) => format!(
+            "(the server's answer is not the expected view: {e})\n{}\n",
+            serde_json::to_string_pretty(data).unwrap_or_default()
+        ),
+    }
+}
+
 /// The human form of a command's `data` (what `ironsan ctl` prints without `--json`).
 pub(super) fn render(cmd: &Request, data: &Value) -> String {
     match cmd {
-        Request::Sessions => render_sessions(data),
-        Request::Targets => render_targets(data),
-        Request::Luns { .. } => render_luns(data),
-        Request::Stats { .. } => render_stats(data),
-        Request::Cluster { cmd: None } => render_cluster(data),
-        Request::Alua { cmd: None, .. } => {
-            let empty = Vec::new();
-            let rows = data
-                .as_array()
-                .unwrap_or(&empty)
-                .iter()
-                .map(|x| {
-                    vec![
-                        s(&x["target"]),
-                        s(&x["group"]),
-                        s(&x["state"]),
-                        if x["preferred"] == true { "yes" } else { "" }.into(),
-                        x["ports"]
-                            .as_array()
-                            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(","))
-                            .unwrap_or_default(),
-                        x["portals"]
-                            .as_array()
-                            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(" "))
-                            .unwrap_or_default(),
-                    ]
-                })
-                .collect();
-            table(
-                &["TARGET", "GROUP", "STATE", "PREF", "PORTS", "PORTALS"],
-                rows,
-            )
-        }
-        Request::Portals => {
-            let empty = Vec::new();
-            let rows = data
-                .as_array()
-                .unwrap_or(&empty)
-                .iter()
-                .map(|x| vec![s(&x["addr"]), s(&x["tag"]), s(&x["transport"])])
-                .collect();
-            table(&["PORTAL", "GROUP", "TRANSPORT"], rows)
-        }
-        Request::Show(_) => {
-            let t = &data["target"];
-            let mut out = format!(
-                "target {}\n  alias: {}\n  ACL: {}\n  CHAP: {}  mutual CHAP: {}\n\n",
-                s(&t["name"]),
-                s(&t["alias"]),
-                t["acl"]
-                    .as_array()
-                    .filter(|a| !a.is_empty())
-                    .map(|a| a.iter().map(s).collect::<Vec<_>>().join(", "))
-                    .unwrap_or_else(|| "everyone".into()),
-                s(&t["chap"]),
-                s(&t["mutual_chap"]),
-            );
-            out.push_str(&render_luns(&data["luns"]));
-            out.push('\n');
-            out.push_str(&render_sessions(&data["sessions"]));
-            out
-        }
+        Request::Sessions => typed(data, |v: &Vec<SessionView>| render_sessions(v)),
+        Request::Targets => typed(data, |v: &Vec<TargetView>| render_targets(v)),
+        Request::Luns { .. } => typed(data, |v: &Vec<LunView>| render_luns(v)),
+        Request::Stats { .. } => typed(data, |v: &Vec<StatsView>| render_stats(v)),
+        Request::Cluster { cmd: None } => typed(data, render_cluster),
+        Request::Alua { cmd: None, .. } => typed(data, |v: &Vec<AluaGroupView>| render_alua(v)),
+        Request::Portals => typed(data, |v: &Vec<PortalView>| render_portals(v)),
+        Request::Show(_) => typed(data, render_target),
         _ => match data.get("message").and_then(Value::as_str) {
             Some(m) => format!("{m}\n"),
             None => match data.get("text").and_then(Value::as_str) {
@@ -428,6 +396,24 @@ mod tests {
         );
         assert!(t.contains("reads 3 (1.5 KiB)"), "{t}");
         assert_eq!(render(&Request::Sessions, &json!([])), "no sessions\n");
+        // An answer that is not the view says so and still shows what came.
+        let odd = render(&Request::Sessions, &json!({"sessions": 3}));
+        assert!(
+            odd.starts_with("(the server's answer is not the expected view")
+                && odd.contains("\"sessions\": 3"),
+            "{odd}"
+        );
+        // What the server builds reads back as itself.
+        let built = vec![SessionView {
+            tsih: 9,
+            target: None,
+            ..Default::default()
+        }];
+        let t = render(&Request::Sessions, &serde_json::to_value(&built).unwrap());
+        assert!(
+            t.starts_with("session TSIH 9 ") && t.contains("(discovery)"),
+            "{t}"
+        );
 
         let luns = json!([{"target": "iqn.x:t", "lun": 0, "backend": "ram", "io_engine": "inline",
             "size": 1073741824u64, "block_size": 512, "read_only": false, "write_cache": true,

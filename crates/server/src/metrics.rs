@@ -24,7 +24,6 @@
 //! one more counts longer ones (`+Inf`). Quantiles are interpolated linearly inside a bucket,
 //! so they are accurate to a factor of two at worst.
 
-use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -231,50 +230,6 @@ impl Timing {
         }
         c.stages[5].record_ns(now.since(self.header));
     }
-}
-
-// ----- views ------------------------------------------------------------------------------------
-
-/// `ironsan ctl stats [TARGET]`: per target, LUN and class, the count, bytes and per stage the
-/// mean and p50/p99 (µs) and the raw buckets.
-pub fn stats_view(luns: &[(String, u64, Arc<LunMetrics>)]) -> Value {
-    let mut out = Vec::new();
-    for (tname, lun, m) in luns {
-        for class in Class::ALL {
-            let c = &m.classes[class as usize];
-            let stages: serde_json::Map<String, Value> = STAGES
-                .iter()
-                .zip(&c.stages)
-                .map(|(name, h)| {
-                    let s = h.snapshot();
-                    (
-                        name.to_string(),
-                        json!({
-                            "count": s.count(),
-                            "mean_us": round2(s.mean_us()),
-                            "p50_us": round2(s.quantile_us(0.5)),
-                            "p99_us": round2(s.quantile_us(0.99)),
-                            "sum_us": s.sum_ns / 1000,
-                            "buckets": s.counts.to_vec(),
-                        }),
-                    )
-                })
-                .collect();
-            out.push(json!({
-                "target": tname,
-                "lun": lun,
-                "class": class.name(),
-                "commands": c.commands.load(Relaxed),
-                "bytes": c.bytes.load(Relaxed),
-                "stages": stages,
-            }));
-        }
-    }
-    Value::Array(out)
-}
-
-fn round2(v: f64) -> f64 {
-    (v * 100.0).round() / 100.0
 }
 
 #[cfg(test)]

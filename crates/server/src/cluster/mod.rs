@@ -45,6 +45,10 @@
 
 mod liveness;
 
+use crate::control::views::{
+    ClusterNodeView, ClusterTargetView, ClusterView, GateView, LastFenceView, LeaseView, PeerView,
+    SharedLunView,
+};
 use ironsan_backend::rbd::shared::{Notification, NotifyReply, SharedError, SharedPool, Watcher};
 use ironsan_backend::{Lease, RadosClient};
 use ironsan_scsi::{
@@ -53,7 +57,6 @@ use ironsan_scsi::{
 };
 use liveness::{Gate, Liveness, PeerState};
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -1473,7 +1476,7 @@ impl ClusterNode {
     /// `ctl cluster`: this node (its lease, the write gate, fencing), every node per target
     /// with its state, and per shared LUN the record serial and PRgeneration each node
     /// applied.
-    pub fn status(&self) -> Value {
+    pub fn status(&self) -> ClusterView {
         let health = lock(&self.health).clone();
         let reason = match &health {
             Health::Serving => None,
@@ -1486,20 +1489,20 @@ impl ClusterNode {
             h => h.name(),
         };
         let ms = |d: Duration| d.as_millis() as u64;
-        let peers: Vec<Value> = {
+        let peers: Vec<PeerView> = {
             let l = lock(&self.live);
             l.peer_numbers()
                 .into_iter()
                 .filter_map(|n| {
                     let p = l.peer(n)?;
-                    Some(json!({
-                        "node": n,
-                        "name": p.name,
-                        "address": p.address,
-                        "state": l.state(n, now).map(PeerState::name),
-                        "lease_ms": l.peer_lease(n, now).map(ms),
-                        "last_ack_ms": p.last_ack.map(|t| ms(now.saturating_duration_since(t))),
-                    }))
+                    Some(PeerView {
+                        node: n,
+                        name: p.name.clone(),
+                        address: p.address.clone(),
+                        state: l.state(n, now).map(|s| s.name().to_string()),
+                        lease_ms: l.peer_lease(n, now).map(ms),
+                        last_ack_ms: p.last_ack.map(|t| ms(now.saturating_duration_since(t))),
+                    })
                 })
                 .collect()
         };
@@ -1515,17 +1518,16 @@ impl ClusterNode {
                     .map(|t| ms(now.saturating_duration_since(t))),
             )
         };
-        let agents = self.agents();
         let mut targets = Vec::new();
-        for a in agents {
+        for a in self.agents() {
             let mine = self.applied(&a.name);
             let view: Vec<(u16, NodeView)> =
                 lock(&a.view).iter().map(|(n, v)| (*n, v.clone())).collect();
-            let nodes: Vec<Value> = view
+            let nodes = view
                 .into_iter()
                 .map(|(n, v)| {
-                    let is_me = n == me;
-                    let (state, lease_ms, last_ack_ms) = if is_me {
+                    let is_self = n == me;
+                    let (state, lease_ms, last_ack_ms) = if is_self {
                         (
                             my_state.to_string(),
                             self.lease.remaining().map(ms),
@@ -1534,76 +1536,72 @@ impl ClusterNode {
                     } else {
                         peer_state(n)
                     };
-                    json!({
-                        "node": n,
-                        "name": v.entry.member.name,
-                        "self": is_me,
-                        "state": state,
-                        "lease_ms": lease_ms,
-                        "ports": v.entry.ports,
-                        "portals": v.entry.portals,
-                        "address": v.entry.member.address,
-                        "last_ack_ms": last_ack_ms,
-                        "applied": if is_me { &mine } else { &v.applied },
-                    })
+                    ClusterNodeView {
+                        node: n,
+                        name: v.entry.member.name,
+                        is_self,
+                        state,
+                        lease_ms,
+                        ports: v.entry.ports,
+                        portals: v.entry.portals,
+                        address: v.entry.member.address,
+                        last_ack_ms,
+                        applied: if is_self { mine.clone() } else { v.applied },
+                    }
                 })
                 .collect();
-            let luns: Vec<Value> = self
+            let luns = self
                 .control
                 .get()
                 .map(|c| c.logical_units(&a.name))
                 .unwrap_or_default()
                 .into_iter()
                 .filter(|(_, lu)| lu.config().cluster.is_some())
-                .map(|(lun, lu)| {
-                    json!({
-                        "lun": lun,
-                        "serial": lu.shared_pr_serial(),
-                        "pr_generation": lu.pr_generation(),
-                    })
+                .map(|(lun, lu)| SharedLunView {
+                    lun,
+                    serial: lu.shared_pr_serial(),
+                    pr_generation: lu.pr_generation(),
                 })
                 .collect();
-            targets.push(json!({
-                "target": a.name,
-                "object": a.oid,
-                "nodes": nodes,
-                "luns": luns,
-            }));
+            targets.push(ClusterTargetView {
+                target: a.name.clone(),
+                object: a.oid.clone(),
+                nodes,
+                luns,
+            });
         }
-        let last_fence = lock(&self.last_fence).map(|f| {
-            json!({
-                "node": f.node,
-                "after_lapse_ms": ms(f.after_lapse),
-                "ago_ms": ms(now.saturating_duration_since(f.at)),
-            })
+        let last_fence = lock(&self.last_fence).map(|f| LastFenceView {
+            node: f.node,
+            after_lapse_ms: ms(f.after_lapse),
+            ago_ms: ms(now.saturating_duration_since(f.at)),
         });
-        json!({
-            "node": me,
-            "name": self.cfg.name,
-            "pool": self.cfg.pool,
-            "group": self.cfg.group,
-            "object": self.oid,
-            "address": self.address,
-            "health": my_state,
-            "reason": reason,
-            "heartbeat_ms": ms(self.cfg.heartbeat),
-            "lease": {
-                "length_ms": ms(self.cfg.lease),
-                "remaining_ms": self.lease.remaining().map(ms),
+        ClusterView {
+            node: me,
+            name: self.cfg.name.clone(),
+            pool: self.cfg.pool.clone(),
+            group: self.cfg.group.clone(),
+            object: self.oid.clone(),
+            address: self.address.clone(),
+            health: my_state.to_string(),
+            reason,
+            heartbeat_ms: ms(self.cfg.heartbeat),
+            lease: LeaseView {
+                length_ms: ms(self.cfg.lease),
+                remaining_ms: self.lease.remaining().map(ms),
             },
-            "gate": {
-                "open": self.gate.valid(),
-                "waiting": self.stats.waiting.load(Ordering::Relaxed),
-                "waited": self.stats.waited.load(Ordering::Relaxed),
-                "waited_ms": self.stats.waited_ns.load(Ordering::Relaxed) / 1_000_000,
-                "refused": self.stats.refused.load(Ordering::Relaxed),
+            gate: GateView {
+                open: self.gate.valid(),
+                waiting: self.stats.waiting.load(Ordering::Relaxed),
+                waited: self.stats.waited.load(Ordering::Relaxed),
+                waited_ms: self.stats.waited_ns.load(Ordering::Relaxed) / 1_000_000,
+                refused: self.stats.refused.load(Ordering::Relaxed),
             },
-            "oldest_write_ms": self.oldest_write().map(ms),
-            "fences": self.stats.fences.load(Ordering::Relaxed),
-            "last_fence": last_fence,
-            "peers": peers,
-            "targets": targets,
-        })
+            oldest_write_ms: self.oldest_write().map(ms),
+            fences: self.stats.fences.load(Ordering::Relaxed),
+            last_fence,
+            peers,
+            targets,
+        }
     }
 
     /// Whether this node is in touch with the cluster: not partitioned, not fenced.

@@ -20,11 +20,16 @@
 
 mod error;
 mod request;
+pub mod views;
 
 pub use error::{ControlError, ErrorKind};
 pub use request::{
     AclRequest, AluaRequest, ClusterRequest, LunRequest, PortalRequest, Request, ShowRequest,
     Switch, TargetRequest,
+};
+use views::{
+    AluaGroupView, ConnectionView, KeptConnectionView, LunView, PortalView, SessionView, StageView,
+    StatsView, TargetDetailView, TargetView, TcpView,
 };
 
 use crate::access::{Access, AclRule};
@@ -32,7 +37,7 @@ use crate::counters::{ConnCounters, Gauges};
 use crate::iscsi::session::Session;
 use crate::{LiveTarget, Runtime, Shared, TargetDef};
 use ironsan_scsi::LogicalUnit;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -140,41 +145,45 @@ impl Control {
     // ----- views -----------------------------------------------------------------------------
 
     /// Every session with its connections (negotiated keys, counters, TCP_INFO).
-    pub fn sessions(&self) -> Value {
-        Value::Array(self.sessions_of(None).iter().map(session_view).collect())
+    pub fn sessions(&self) -> Vec<SessionView> {
+        self.sessions_of(None).iter().map(session_view).collect()
     }
 
     /// Every target, sorted by name.
-    pub fn targets(&self) -> Value {
+    pub fn targets(&self) -> Vec<TargetView> {
         let rt = self.shared.runtime();
         let mut names: Vec<&String> = rt.targets.keys().collect();
         names.sort();
         let sessions = lock(&self.shared.sessions).all();
-        Value::Array(
-            names
-                .into_iter()
-                .map(|n| {
-                    let t = &rt.targets[n];
-                    let a = rt.access(n);
-                    json!({
-                        "name": t.name,
-                        "alias": t.alias,
-                        "connections_per_session": t.max_connections().unwrap_or(self.shared.cfg.negotiation.max_connections),
-                        "error_recovery_level": t.error_recovery_level().unwrap_or(self.shared.cfg.negotiation.error_recovery_level),
-                        "portal_groups": rt.portal_groups.get(n.as_str()),
-                        "luns": t.scsi().luns().count(),
-                        "sessions": sessions.iter().filter(|s| s.target.as_ref().is_some_and(|x| x.name == t.name)).count(),
-                        "acl": a.acl.iter().map(|r| r.to_string()).collect::<Vec<_>>(),
-                        "chap": a.chap.as_ref().map(|c| c.user.clone()),
-                        "mutual_chap": a.mutual_chap.as_ref().map(|c| c.user.clone()),
-                    })
-                })
-                .collect(),
-        )
+        let neg = &self.shared.cfg.negotiation;
+        names
+            .into_iter()
+            .map(|n| {
+                let t = &rt.targets[n];
+                let a = rt.access(n);
+                TargetView {
+                    name: t.name.clone(),
+                    alias: t.alias.clone(),
+                    connections_per_session: t.max_connections().unwrap_or(neg.max_connections),
+                    error_recovery_level: t
+                        .error_recovery_level()
+                        .unwrap_or(neg.error_recovery_level),
+                    portal_groups: rt.portal_groups.get(n.as_str()).cloned(),
+                    luns: t.scsi().luns().count(),
+                    sessions: sessions
+                        .iter()
+                        .filter(|s| s.target.as_ref().is_some_and(|x| x.name == t.name))
+                        .count(),
+                    acl: a.acl.iter().map(|r| r.to_string()).collect(),
+                    chap: a.chap.as_ref().map(|c| c.user.clone()),
+                    mutual_chap: a.mutual_chap.as_ref().map(|c| c.user.clone()),
+                }
+            })
+            .collect()
     }
 
     /// The LUNs of one target, or of every target.
-    pub fn luns(&self, target: Option<&str>) -> Result<Value, ControlError> {
+    pub fn luns(&self, target: Option<&str>) -> Result<Vec<LunView>, ControlError> {
         let rt = self.shared.runtime();
         let names = target_names(&rt, target)?;
         let origins = lock(&self.origins);
@@ -182,41 +191,37 @@ impl Control {
         for n in names {
             for (lun, lu) in rt.targets[n].scsi().luns() {
                 let cfg = lu.config();
-                out.push(json!({
-                    "target": n,
-                    "lun": lun,
-                    "backend": lu.backend().kind(),
-                    "io_engine": lu.backend().io_engine(),
-                    "in_flight": lu.backend().in_flight(),
-                    "size": lu.capacity_blocks() * u64::from(lu.block_size()),
-                    "blocks": lu.capacity_blocks(),
-                    "block_size": lu.block_size(),
-                    "read_only": cfg.read_only,
-                    "write_cache": lu.wce(),
-                    "serial": cfg.serial,
-                    "naa": format!("{:016x}", cfg.naa),
-                    "spec": origins.get(n.as_str()).and_then(|m| m.get(&lun)),
-                }));
+                out.push(LunView {
+                    target: n.clone(),
+                    lun,
+                    backend: lu.backend().kind().to_string(),
+                    io_engine: lu.backend().io_engine().map(str::to_string),
+                    in_flight: lu.backend().in_flight(),
+                    size: lu.capacity_blocks() * u64::from(lu.block_size()),
+                    blocks: lu.capacity_blocks(),
+                    block_size: lu.block_size(),
+                    read_only: cfg.read_only,
+                    write_cache: lu.wce(),
+                    serial: cfg.serial.clone(),
+                    naa: format!("{:016x}", cfg.naa),
+                    spec: origins.get(n.as_str()).and_then(|m| m.get(&lun)).cloned(),
+                });
             }
         }
-        Ok(Value::Array(out))
+        Ok(out)
     }
 
     /// The portals (addresses actually bound) with their portal group tags.
-    pub fn portals(&self) -> Value {
-        Value::Array(
-            self.shared
-                .portal_list()
-                .iter()
-                .map(|p| {
-                    json!({
-                        "addr": p.addr.to_string(),
-                        "tag": p.tag,
-                        "transport": p.transport.name(),
-                    })
-                })
-                .collect(),
-        )
+    pub fn portals(&self) -> Vec<PortalView> {
+        self.shared
+            .portal_list()
+            .iter()
+            .map(|p| PortalView {
+                addr: p.addr.to_string(),
+                tag: p.tag,
+                transport: p.transport.name().to_string(),
+            })
+            .collect()
     }
 
     /// The portals with the addresses they were asked for (port 0: any free port).
@@ -350,7 +355,7 @@ impl Control {
 
     /// `ctl alua [TARGET]`: every target's port groups, their ports (with the portals of
     /// each port) and states.
-    pub fn alua(&self, only: Option<&str>) -> Result<Value, ControlError> {
+    pub fn alua(&self, only: Option<&str>) -> Result<Vec<AluaGroupView>, ControlError> {
         if let Some(t) = only {
             self.target(t)?;
         }
@@ -362,19 +367,22 @@ impl Control {
             }
             let (fixed, groups) = self.port_groups(&name)?;
             for g in groups {
-                out.push(json!({
-                    "target": name,
-                    "group": g.id,
-                    "state": g.state.name(),
-                    "preferred": g.preferred,
-                    "configured": fixed,
-                    "ports": g.ports,
-                    "portals": portals.iter().filter(|p| g.ports.contains(&p.tag))
-                        .map(|p| p.addr.to_string()).collect::<Vec<_>>(),
-                }));
+                out.push(AluaGroupView {
+                    target: name.clone(),
+                    group: g.id,
+                    state: g.state.name().to_string(),
+                    preferred: g.preferred,
+                    configured: fixed,
+                    portals: portals
+                        .iter()
+                        .filter(|p| g.ports.contains(&p.tag))
+                        .map(|p| p.addr.to_string())
+                        .collect(),
+                    ports: g.ports,
+                });
             }
         }
-        Ok(Value::Array(out))
+        Ok(out)
     }
 
     /// The portal group tags serving `target` (`None`: every portal).
@@ -406,18 +414,22 @@ impl Control {
     }
 
     /// One target: its settings, LUNs and sessions.
-    pub fn show_target(&self, name: &str) -> Result<Value, ControlError> {
+    pub fn show_target(&self, name: &str) -> Result<TargetDetailView, ControlError> {
         self.target(name)?;
-        let t = self
+        let target = self
             .targets()
-            .as_array()
-            .and_then(|v| v.iter().find(|t| t["name"] == name).cloned())
-            .unwrap_or(Value::Null);
-        Ok(json!({
-            "target": t,
-            "luns": self.luns(Some(name))?,
-            "sessions": Value::Array(self.sessions_of(Some(name)).iter().map(session_view).collect()),
-        }))
+            .into_iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| ControlError::not_found(format!("no target {name}")))?;
+        Ok(TargetDetailView {
+            target,
+            luns: self.luns(Some(name))?,
+            sessions: self
+                .sessions_of(Some(name))
+                .iter()
+                .map(session_view)
+                .collect(),
+        })
     }
 
     /// Server-wide counters.
@@ -436,9 +448,10 @@ impl Control {
         })
     }
 
-    /// `ironsan ctl stats [TARGET]` ([`crate::metrics::stats_view`]).
-    pub fn stats(&self, target: Option<&str>) -> Result<Value, ControlError> {
-        Ok(crate::metrics::stats_view(&self.lun_metrics(target)?))
+    /// `ironsan ctl stats [TARGET]`: per target, LUN and class, the count, bytes and per stage
+    /// the mean and p50/p99 (µs) and the raw buckets.
+    pub fn stats(&self, target: Option<&str>) -> Result<Vec<StatsView>, ControlError> {
+        Ok(stats_view(&self.lun_metrics(target)?))
     }
 
     /// (target, LUN, counters) of one target or of every target, sorted.
@@ -840,14 +853,14 @@ impl Control {
     pub fn dispatch(&self, hooks: &dyn Hooks, req: &Request) -> Result<Value, ControlError> {
         let ok = |m: String| Ok(json!({ "message": m }));
         match req {
-            Request::Sessions => Ok(self.sessions()),
-            Request::Targets => Ok(self.targets()),
-            Request::Luns { target } => self.luns(target.as_deref()),
-            Request::Portals => Ok(self.portals()),
-            Request::Show(ShowRequest::Target { iqn }) => self.show_target(iqn),
+            Request::Sessions => view(self.sessions()),
+            Request::Targets => view(self.targets()),
+            Request::Luns { target } => view(self.luns(target.as_deref())?),
+            Request::Portals => view(self.portals()),
+            Request::Show(ShowRequest::Target { iqn }) => view(self.show_target(iqn)?),
             Request::Counters => Ok(self.counters()),
-            Request::Stats { target } => self.stats(target.as_deref()),
-            Request::Cluster { cmd: None } => self.cluster_node().map(|c| c.status()),
+            Request::Stats { target } => view(self.stats(target.as_deref())?),
+            Request::Cluster { cmd: None } => view(self.cluster_node()?.status()),
             Request::Cluster {
                 cmd: Some(ClusterRequest::Forget { node }),
             } => {
@@ -912,7 +925,7 @@ impl Control {
                     p.addr, p.tag
                 ))
             }
-            Request::Alua { target, cmd: None } => self.alua(target.as_deref()),
+            Request::Alua { target, cmd: None } => view(self.alua(target.as_deref())?),
             Request::Alua {
                 cmd:
                     Some(AluaRequest::Set {
@@ -1035,73 +1048,115 @@ fn check_name(name: &str) -> Result<(), String> {
     }
 }
 
-fn session_view(s: &Arc<Session>) -> Value {
+fn stats_view(luns: &[(String, u64, Arc<crate::metrics::LunMetrics>)]) -> Vec<StatsView> {
+    use crate::metrics::{Class, STAGES};
+    let round2 = |v: f64| (v * 100.0).round() / 100.0;
+    let mut out = Vec::new();
+    for (target, lun, m) in luns {
+        for class in Class::ALL {
+            let c = &m.classes[class as usize];
+            let stages = STAGES
+                .iter()
+                .zip(&c.stages)
+                .map(|(name, h)| {
+                    let s = h.snapshot();
+                    let stage = StageView {
+                        count: s.count(),
+                        mean_us: round2(s.mean_us()),
+                        p50_us: round2(s.quantile_us(0.5)),
+                        p99_us: round2(s.quantile_us(0.99)),
+                        sum_us: s.sum_ns / 1000,
+                        buckets: s.counts.to_vec(),
+                    };
+                    (name.to_string(), stage)
+                })
+                .collect();
+            out.push(StatsView {
+                target: target.clone(),
+                lun: *lun,
+                class: class.name().to_string(),
+                commands: c.commands.load(Relaxed),
+                bytes: c.bytes.load(Relaxed),
+                stages,
+            });
+        }
+    }
+    out
+}
+
+/// A view as the JSON the socket answers with.
+fn view(v: impl serde::Serialize) -> Result<Value, ControlError> {
+    serde_json::to_value(v).map_err(|e| ControlError::failed(format!("view not encoded: {e}")))
+}
+
+fn session_view(s: &Arc<Session>) -> SessionView {
     let info = s.info();
-    let params: Map<String, Value> = info
-        .params
-        .iter()
-        .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-        .collect();
-    let conns = s.with_conns(|conns| {
+    let connections = s.with_conns(|conns| {
         conns
             .iter()
             .map(|slot| {
                 let c = &slot.payload;
                 let st = &c.stats;
-                let tcp = crate::sys::tcp_info(c.fd).ok().map(|t| {
-                    json!({
-                        "rtt_us": t.rtt_us,
-                        "rttvar_us": t.rttvar_us,
-                        "cwnd": t.snd_cwnd,
-                        "ssthresh": t.snd_ssthresh,
-                        "retransmits": t.total_retrans,
-                        "delivery_rate": t.delivery_rate,
-                        "mss": t.snd_mss,
-                        "congestion": crate::sys::tcp_congestion(c.fd).ok(),
-                    })
+                let tcp = crate::sys::tcp_info(c.fd).ok().map(|t| TcpView {
+                    rtt_us: t.rtt_us,
+                    rttvar_us: t.rttvar_us,
+                    cwnd: t.snd_cwnd,
+                    ssthresh: t.snd_ssthresh,
+                    retransmits: t.total_retrans,
+                    delivery_rate: t.delivery_rate,
+                    mss: t.snd_mss,
+                    congestion: crate::sys::tcp_congestion(c.fd).ok(),
                 });
-                let since = c
-                    .since
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_secs())
-                    .unwrap_or(0);
-                json!({
-                    "cid": c.cid,
-                    "peer": c.peer.to_string(),
-                    "portal": c.local.to_string(),
-                    "since": since,
-                    "in_flight": st.in_flight.load(Relaxed),
-                    "rx_pdus": st.rx_pdus.load(Relaxed),
-                    "rx_bytes": st.rx_bytes.load(Relaxed),
-                    "tx_pdus": c.tx.pdus.load(Relaxed),
-                    "tx_bytes": c.tx.bytes.load(Relaxed),
-                    "tx_zero_copy_bytes": c.tx.zero_copy_bytes.load(Relaxed),
-                    "reads": st.reads.load(Relaxed),
-                    "read_bytes": st.read_bytes.load(Relaxed),
-                    "writes": st.writes.load(Relaxed),
-                    "write_bytes": st.write_bytes.load(Relaxed),
-                    "other_commands": st.other_cmds.load(Relaxed),
-                    "digest_errors": st.digest_errors.load(Relaxed),
-                    "tcp": tcp,
-                })
+                ConnectionView {
+                    cid: c.cid,
+                    peer: c.peer.to_string(),
+                    portal: c.local.to_string(),
+                    since: c
+                        .since
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_secs())
+                        .unwrap_or(0),
+                    in_flight: st.in_flight.load(Relaxed),
+                    rx_pdus: st.rx_pdus.load(Relaxed),
+                    rx_bytes: st.rx_bytes.load(Relaxed),
+                    tx_pdus: c.tx.pdus.load(Relaxed),
+                    tx_bytes: c.tx.bytes.load(Relaxed),
+                    tx_zero_copy_bytes: c.tx.zero_copy_bytes.load(Relaxed),
+                    reads: st.reads.load(Relaxed),
+                    read_bytes: st.read_bytes.load(Relaxed),
+                    writes: st.writes.load(Relaxed),
+                    write_bytes: st.write_bytes.load(Relaxed),
+                    other_commands: st.other_cmds.load(Relaxed),
+                    digest_errors: st.digest_errors.load(Relaxed),
+                    tcp,
+                }
             })
-            .collect::<Vec<_>>()
+            .collect()
     });
-    json!({
-        "tsih": info.tsih,
-        "isid": info.isid,
-        "initiator": info.initiator_name,
-        "target": info.target_name,
-        "type": if info.target_name.is_some() { "normal" } else { "discovery" },
-        "commands": info.commands,
-        "params": params,
-        "connections": conns,
-        "kept_connections": info.kept.iter().map(|(cid, tasks, left_ms)| json!({
-            "cid": cid,
-            "tasks": tasks,
-            "expires_in_ms": left_ms,
-        })).collect::<Vec<_>>(),
-    })
+    SessionView {
+        tsih: info.tsih,
+        kind: if info.target_name.is_some() {
+            "normal"
+        } else {
+            "discovery"
+        }
+        .to_string(),
+        isid: info.isid,
+        initiator: info.initiator_name,
+        target: info.target_name,
+        commands: info.commands,
+        params: info.params.into_iter().collect(),
+        connections,
+        kept_connections: info
+            .kept
+            .iter()
+            .map(|&(cid, tasks, expires_in_ms)| KeptConnectionView {
+                cid,
+                tasks,
+                expires_in_ms,
+            })
+            .collect(),
+    }
 }
 
 // ----- the socket ---------------------------------------------------------------------------

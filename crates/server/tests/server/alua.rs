@@ -135,8 +135,8 @@ async fn two_paths_see_one_view_and_a_standby_path_refuses_media_access() {
 
     // The control plane's view and the metrics.
     let view = control.alua(Some(T)).unwrap();
-    assert_eq!(view[1]["state"], "standby");
-    assert_eq!(view[1]["portals"][0], portals[1].addr.to_string());
+    assert_eq!(view[1].state, "standby");
+    assert_eq!(view[1].portals[0], portals[1].addr.to_string());
 
     // The initiator brings its path back with SET TARGET PORT GROUPS (explicit ALUA).
     let list = bytes::Bytes::from(vec![0, 0, 0, 0, 0x00, 0, 0, 2]);

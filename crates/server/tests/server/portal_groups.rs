@@ -148,8 +148,8 @@ async fn login_announces_the_tag_of_its_portal_and_outside_portals_are_not_found
     ));
     assert!(control.set_portal_groups(ONLY_TWO, Some(vec![0])).is_err());
     let v = control.portals();
-    assert_eq!(v[1]["tag"], 2);
-    assert_eq!(v[1]["addr"], p2.to_string());
+    assert_eq!(v[1].tag, 2);
+    assert_eq!(v[1].addr, p2.to_string());
 }
 
 #[tokio::test]

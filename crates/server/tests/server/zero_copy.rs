@@ -175,8 +175,8 @@ async fn large_reads_of_a_tmpfs_file_lun_go_zero_copy(mode: ZeroCopyReads) {
     );
     // The admin view shows it per connection.
     let sessions = rig.control.sessions();
-    let conn = &sessions[0]["connections"][0];
-    assert_eq!(conn["tx_zero_copy_bytes"].as_u64(), Some(large), "{conn}");
+    let conn = &sessions[0].connections[0];
+    assert_eq!(conn.tx_zero_copy_bytes, large, "{conn:?}");
     // A header digest covers only the header: the data still goes zero-copy.
     let mut c = login(rig.addr, |o| {
         o.header_digest = true;
