@@ -304,21 +304,6 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
     let data_dir = PathBuf::from(cfg.data_dir.unwrap_or_else(|| "./ironsan-data".into()));
     // secret_file paths are relative to the configuration file's directory.
     let base = path.parent().unwrap_or(Path::new("."));
-    let addrs = |list: &[Spanned<String>]| -> Result<Vec<SocketAddr>, ConfigError> {
-        let mut out = Vec::new();
-        for l in list {
-            out.push(l.get_ref().parse::<SocketAddr>().map_err(|_| {
-                at(
-                    l.span(),
-                    format!(
-                        "listen address '{}' is not ADDR:PORT (IPv6 as [::1]:3260)",
-                        l.get_ref()
-                    ),
-                )
-            })?);
-        }
-        Ok(out)
-    };
     let cluster = match &cfg.cluster {
         Some(c) => Some(cluster::cluster_from_file(c, &at)?),
         None => None,
@@ -326,58 +311,8 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
     // `listen` is portal group 1; on a cluster node, its node number (tags are the nodes'
     // relative target ports, unique in the cluster).
     let listen_tag = cluster.as_ref().map_or(1, |c| c.node);
-    let mut portal_groups = Vec::new();
-    let listen = addrs(cfg.listen.as_deref().unwrap_or_default())?;
-    if !listen.is_empty() {
-        portal_groups.push(PortalGroup {
-            tag: listen_tag,
-            listen,
-        });
-    }
-    let mut seen: Vec<SocketAddr> = portal_groups
-        .iter()
-        .flat_map(|g| g.listen.clone())
-        .collect();
-    for g in &cfg.portal_group {
-        let tag = u16::try_from(*g.tag.get_ref())
-            .ok()
-            .filter(|&t| t != 0)
-            .ok_or_else(|| at(g.tag.span(), "portal group tag must be 1 to 65535".into()))?;
-        if portal_groups.iter().any(|x: &PortalGroup| x.tag == tag) {
-            let why = if tag == listen_tag && cfg.listen.is_some() {
-                format!(" (listen = [...] is portal group {listen_tag})")
-            } else {
-                String::new()
-            };
-            return Err(at(
-                g.tag.span(),
-                format!("portal group {tag} is defined twice{why}"),
-            ));
-        }
-        let listen = addrs(g.listen.get_ref())?;
-        if listen.is_empty() {
-            return Err(at(
-                g.listen.span(),
-                format!("portal group {tag} has no listen address"),
-            ));
-        }
-        for (a, l) in listen.iter().zip(g.listen.get_ref()) {
-            // Port 0 (any free port, for tests) never clashes.
-            if a.port() != 0 && seen.contains(a) {
-                return Err(at(l.span(), format!("portal {a} is in two portal groups")));
-            }
-            seen.push(*a);
-        }
-        portal_groups.push(PortalGroup { tag, listen });
-    }
-    if portal_groups.is_empty() {
-        portal_groups.push(PortalGroup {
-            tag: listen_tag,
-            listen: vec![DEFAULT_LISTEN
-                .parse()
-                .map_err(|_| "bad default listen address".to_string())?],
-        });
-    }
+    let portal_groups =
+        portal_groups_from_file(cfg.listen.as_deref(), &cfg.portal_group, listen_tag, &at)?;
     let queue_depth = match cfg.queue_depth {
         Some(q) if *q.get_ref() == 0 || *q.get_ref() > 4096 => {
             return Err(at(
@@ -388,111 +323,21 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
         Some(q) => *q.get_ref(),
         None => 128,
     };
-    let mut targets = Vec::new();
+    let mut targets: Vec<TargetPlan> = Vec::new();
     for t in cfg.target {
-        check_iscsi_name(t.name.get_ref()).map_err(|e| at(t.name.span(), e))?;
-        if targets
-            .iter()
-            .any(|x: &TargetPlan| &x.name == t.name.get_ref())
-        {
+        if targets.iter().any(|x| &x.name == t.name.get_ref()) {
             return Err(at(
                 t.name.span(),
                 format!("target '{}' is defined twice", t.name.get_ref()),
             ));
         }
-        let mut luns = Vec::new();
-        for l in t.lun {
-            luns.push(lun_from_file(l, &data_dir, &at)?);
-        }
-        if luns.is_empty() {
-            return Err(at(
-                t.name.span(),
-                format!("target '{}' has no [[target.lun]]", t.name.get_ref()),
-            ));
-        }
-        let access = access_from_file(&t.acl, &t.chap, &t.mutual_chap, base, &at)?;
-        let groups = match &t.portal_groups {
-            None => None,
-            Some(list) => {
-                if list.get_ref().is_empty() {
-                    return Err(at(
-                        list.span(),
-                        "portal_groups is empty (leave it out to serve on every portal)".into(),
-                    ));
-                }
-                let mut tags = Vec::new();
-                for g in list.get_ref() {
-                    let tag = u16::try_from(*g.get_ref())
-                        .ok()
-                        .filter(|t| portal_groups.iter().any(|p| p.tag == *t))
-                        .ok_or_else(|| {
-                            at(
-                                g.span(),
-                                format!("no [[portal_group]] with tag {}", g.get_ref()),
-                            )
-                        })?;
-                    if !tags.contains(&tag) {
-                        tags.push(tag);
-                    }
-                }
-                Some(tags)
-            }
+        let within = Within {
+            portal_groups: &portal_groups,
+            clustered: cluster.is_some(),
+            data_dir: &data_dir,
+            base,
         };
-        // An optional integer key within `range`, or an error naming its line.
-        fn ranged<T: TryFrom<i64> + PartialOrd>(
-            v: &Option<Spanned<i64>>,
-            range: std::ops::RangeInclusive<T>,
-            error: impl FnOnce(std::ops::Range<usize>) -> ConfigError,
-        ) -> Result<Option<T>, ConfigError> {
-            let Some(n) = v else { return Ok(None) };
-            match T::try_from(*n.get_ref()) {
-                Ok(x) if range.contains(&x) => Ok(Some(x)),
-                _ => Err(error(n.span())),
-            }
-        }
-        let connections_per_session = ranged(
-            &t.connections_per_session,
-            1..=MAX_CONNECTIONS_PER_SESSION,
-            |span| {
-                at(
-                    span,
-                    format!(
-                        "connections_per_session must be between 1 and \
-                         {MAX_CONNECTIONS_PER_SESSION}"
-                    ),
-                )
-            },
-        )?;
-        let max_erl = ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL;
-        let error_recovery_level = ranged(&t.error_recovery_level, 0..=max_erl, |span| {
-            at(
-                span,
-                format!(
-                    "error_recovery_level must be between 0 and {max_erl} \
-                     (connection recovery, level 2, is not implemented)"
-                ),
-            )
-        })?;
-        let serving: Vec<u16> = groups
-            .clone()
-            .unwrap_or_else(|| portal_groups.iter().map(|p| p.tag).collect());
-        if let (Some(g), Some(_)) = (t.alua_group.first(), &cluster) {
-            return Err(at(
-                g.id.span(),
-                "a cluster node's target port groups are the nodes ([cluster]): leave out [[target.alua_group]]".into(),
-            ));
-        }
-        let alua = alua_from_file(&t.alua_group, &serving, t.name.get_ref(), &at)?;
-        targets.push(TargetPlan {
-            name: t.name.into_inner(),
-            alias: t.alias,
-            luns,
-            access,
-            portal_groups: groups,
-            connections_per_session,
-            error_recovery_level,
-            alua,
-        });
+        targets.push(target_from_file(t, &within, &at)?);
     }
     if targets.is_empty() {
         return Err(ConfigError::from(format!(
@@ -500,21 +345,7 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
             path.display()
         )));
     }
-    // Two LUs with one identity would look like two paths to one disk to a multipath host.
-    let mut ids = std::collections::HashMap::new();
-    for t in &targets {
-        for (n, l) in t.luns.iter().enumerate() {
-            if let Some(naa) = l.naa {
-                if let Some((t0, n0)) = ids.insert(naa, (&t.name, n)) {
-                    return Err(ConfigError::from(format!(
-                        "{}: {} LUN {n} and {t0} LUN {n0} have the same naa 0x{naa:016x}",
-                        path.display(),
-                        t.name
-                    )));
-                }
-            }
-        }
-    }
+    unique_identities(&targets, path)?;
     let discovery = match &cfg.discovery {
         Some(d) => access_from_file(&d.acl, &d.chap, &d.mutual_chap, base, &at)?,
         None => Access::default(),
@@ -553,6 +384,217 @@ pub(crate) fn parse_file(text: &str, path: &Path) -> Result<Plan, ConfigError> {
         control,
         cluster,
     })
+}
+
+/// Listen addresses, each `ADDR:PORT`.
+fn addrs_from_file(list: &[Spanned<String>], at: At) -> Result<Vec<SocketAddr>, ConfigError> {
+    let mut out = Vec::new();
+    for l in list {
+        out.push(l.get_ref().parse::<SocketAddr>().map_err(|_| {
+            at(
+                l.span(),
+                format!(
+                    "listen address '{}' is not ADDR:PORT (IPv6 as [::1]:3260)",
+                    l.get_ref()
+                ),
+            )
+        })?);
+    }
+    Ok(out)
+}
+
+/// `listen = [...]` (portal group `listen_tag`) and the `[[portal_group]]`s; the default
+/// portal when there are none. A tag or an address is used once.
+fn portal_groups_from_file(
+    listen: Option<&[Spanned<String>]>,
+    groups: &[FilePortalGroup],
+    listen_tag: u16,
+    at: At,
+) -> Result<Vec<PortalGroup>, ConfigError> {
+    let mut portal_groups = Vec::new();
+    let first = addrs_from_file(listen.unwrap_or_default(), at)?;
+    if !first.is_empty() {
+        portal_groups.push(PortalGroup {
+            tag: listen_tag,
+            listen: first,
+        });
+    }
+    let mut seen: Vec<SocketAddr> = portal_groups
+        .iter()
+        .flat_map(|g| g.listen.clone())
+        .collect();
+    for g in groups {
+        let tag = u16::try_from(*g.tag.get_ref())
+            .ok()
+            .filter(|&t| t != 0)
+            .ok_or_else(|| at(g.tag.span(), "portal group tag must be 1 to 65535".into()))?;
+        if portal_groups.iter().any(|x: &PortalGroup| x.tag == tag) {
+            let why = if tag == listen_tag && listen.is_some() {
+                format!(" (listen = [...] is portal group {listen_tag})")
+            } else {
+                String::new()
+            };
+            return Err(at(
+                g.tag.span(),
+                format!("portal group {tag} is defined twice{why}"),
+            ));
+        }
+        let addrs = addrs_from_file(g.listen.get_ref(), at)?;
+        if addrs.is_empty() {
+            return Err(at(
+                g.listen.span(),
+                format!("portal group {tag} has no listen address"),
+            ));
+        }
+        for (a, l) in addrs.iter().zip(g.listen.get_ref()) {
+            // Port 0 (any free port, for tests) never clashes.
+            if a.port() != 0 && seen.contains(a) {
+                return Err(at(l.span(), format!("portal {a} is in two portal groups")));
+            }
+            seen.push(*a);
+        }
+        portal_groups.push(PortalGroup { tag, listen: addrs });
+    }
+    if portal_groups.is_empty() {
+        portal_groups.push(PortalGroup {
+            tag: listen_tag,
+            listen: vec![DEFAULT_LISTEN
+                .parse()
+                .map_err(|_| "bad default listen address".to_string())?],
+        });
+    }
+    Ok(portal_groups)
+}
+
+/// What a `[[target]]` is read against: the portal groups defined, whether this is a cluster
+/// node, and where relative paths start.
+struct Within<'a> {
+    portal_groups: &'a [PortalGroup],
+    clustered: bool,
+    data_dir: &'a Path,
+    base: &'a Path,
+}
+
+/// An optional integer key within `range`, or an error naming its line.
+fn ranged<T: TryFrom<i64> + PartialOrd>(
+    v: &Option<Spanned<i64>>,
+    range: std::ops::RangeInclusive<T>,
+    error: impl FnOnce(std::ops::Range<usize>) -> ConfigError,
+) -> Result<Option<T>, ConfigError> {
+    let Some(n) = v else { return Ok(None) };
+    match T::try_from(*n.get_ref()) {
+        Ok(x) if range.contains(&x) => Ok(Some(x)),
+        _ => Err(error(n.span())),
+    }
+}
+
+/// One `[[target]]`: its name, LUNs, access, portal groups, session settings and ALUA groups.
+fn target_from_file(t: FileTarget, w: &Within, at: At) -> Result<TargetPlan, ConfigError> {
+    check_iscsi_name(t.name.get_ref()).map_err(|e| at(t.name.span(), e))?;
+    let mut luns = Vec::new();
+    for l in t.lun {
+        luns.push(lun_from_file(l, w.data_dir, at)?);
+    }
+    if luns.is_empty() {
+        return Err(at(
+            t.name.span(),
+            format!("target '{}' has no [[target.lun]]", t.name.get_ref()),
+        ));
+    }
+    let access = access_from_file(&t.acl, &t.chap, &t.mutual_chap, w.base, at)?;
+    let groups = match &t.portal_groups {
+        None => None,
+        Some(list) => Some(target_groups_from_file(list, w.portal_groups, at)?),
+    };
+    let connections_per_session = ranged(
+        &t.connections_per_session,
+        1..=MAX_CONNECTIONS_PER_SESSION,
+        |span| {
+            at(
+                span,
+                format!(
+                    "connections_per_session must be between 1 and \
+                     {MAX_CONNECTIONS_PER_SESSION}"
+                ),
+            )
+        },
+    )?;
+    let max_erl = ironsan_proto::negotiate::MAX_ERROR_RECOVERY_LEVEL;
+    let error_recovery_level = ranged(&t.error_recovery_level, 0..=max_erl, |span| {
+        at(
+            span,
+            format!("error_recovery_level must be between 0 and {max_erl}"),
+        )
+    })?;
+    let serving: Vec<u16> = groups
+        .clone()
+        .unwrap_or_else(|| w.portal_groups.iter().map(|p| p.tag).collect());
+    if let (Some(g), true) = (t.alua_group.first(), w.clustered) {
+        return Err(at(
+            g.id.span(),
+            "a cluster node's target port groups are the nodes ([cluster]): leave out [[target.alua_group]]".into(),
+        ));
+    }
+    let alua = alua_from_file(&t.alua_group, &serving, t.name.get_ref(), at)?;
+    Ok(TargetPlan {
+        name: t.name.into_inner(),
+        alias: t.alias,
+        luns,
+        access,
+        portal_groups: groups,
+        connections_per_session,
+        error_recovery_level,
+        alua,
+    })
+}
+
+/// A target's `portal_groups = [...]`: tags of defined groups, each once.
+fn target_groups_from_file(
+    list: &Spanned<Vec<Spanned<i64>>>,
+    defined: &[PortalGroup],
+    at: At,
+) -> Result<Vec<u16>, ConfigError> {
+    if list.get_ref().is_empty() {
+        return Err(at(
+            list.span(),
+            "portal_groups is empty (leave it out to serve on every portal)".into(),
+        ));
+    }
+    let mut tags = Vec::new();
+    for g in list.get_ref() {
+        let tag = u16::try_from(*g.get_ref())
+            .ok()
+            .filter(|t| defined.iter().any(|p| p.tag == *t))
+            .ok_or_else(|| {
+                at(
+                    g.span(),
+                    format!("no [[portal_group]] with tag {}", g.get_ref()),
+                )
+            })?;
+        if !tags.contains(&tag) {
+            tags.push(tag);
+        }
+    }
+    Ok(tags)
+}
+
+/// Two LUs with one identity would look like two paths to one disk to a multipath host.
+fn unique_identities(targets: &[TargetPlan], path: &Path) -> Result<(), ConfigError> {
+    let mut ids = std::collections::HashMap::new();
+    for t in targets {
+        for (n, l) in t.luns.iter().enumerate() {
+            if let Some(naa) = l.naa {
+                if let Some((t0, n0)) = ids.insert(naa, (&t.name, n)) {
+                    return Err(ConfigError::from(format!(
+                        "{}: {} LUN {n} and {t0} LUN {n0} have the same naa 0x{naa:016x}",
+                        path.display(),
+                        t.name
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn lun_from_file(l: FileLun, data_dir: &Path, at: At) -> Result<LunPlan, ConfigError> {
