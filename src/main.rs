@@ -382,6 +382,96 @@ fn server_config(plan: &Plan, targets: Vec<TargetDef>) -> ServerConfig {
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
+    let (plan, config_path) = load_plan(&args)?;
+    let _ = IO_ENGINE.set(plan.limits.io_engine);
+    if let Some(c) = &plan.cluster {
+        let cfg = c.clone();
+        let node =
+            tokio::task::spawn_blocking(move || ironsan_server::cluster::ClusterNode::connect(cfg))
+                .await?
+                .map_err(anyhow::Error::msg)?;
+        let _ = CLUSTER.set(node);
+    }
+    let (targets, access, mut summary) = build_targets(&plan)?;
+    summary.push(format!("  discovery: {}", describe_access(&plan.discovery)));
+    let mut cfg = server_config(&plan, targets);
+    cfg.access = access;
+    let server = Server::bind(cfg).await?;
+    let control = server.control();
+    // A cluster node registers and catches up on the shared state (reservations, the other
+    // nodes) before it accepts a connection.
+    if let Some(node) = CLUSTER.get() {
+        control.set_cluster(Arc::clone(node));
+        let (joining, c) = (Arc::clone(node), Arc::new(control.clone()));
+        tokio::task::spawn_blocking(move || joining.join(c))
+            .await?
+            .map_err(anyhow::Error::msg)?;
+        summary.push(format!(
+            "  cluster node {n} (pool {}): target port group {n}",
+            plan.cluster.as_ref().map_or("", |c| c.pool.as_str()),
+            n = node.node()
+        ));
+    }
+    for t in &plan.targets {
+        for (n, l) in t.luns.iter().enumerate() {
+            control.set_lun_origin(&t.name, n as u64, Some(reconcile::lun_spec(l)));
+        }
+    }
+    let hooks = Arc::new(reconcile::BinHooks::new(plan.clone(), config_path.clone()));
+    let control_path = args.control.clone().or_else(|| plan.control.clone());
+    let control_task = start_control(control_path, control.clone(), Arc::clone(&hooks))?;
+    let metrics_task = start_metrics(&args, &plan, &control).await?;
+    let addrs = server.local_addrs();
+    print_banner(&summary, &server.portals(), &plan);
+    // The handlers are installed before READY=1: a SIGTERM right after it must not kill
+    // the process with the default action.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    // Every portal, the control socket and the metrics listener are bound: ready.
+    notify::notify_or_warn(&format!(
+        "READY=1\nSTATUS=serving {} target(s) on {} portal(s)",
+        plan.targets.len(),
+        addrs.len()
+    ));
+    // systemd's watchdog (WatchdogSec=): a task that only pings, at half the interval.
+    let watchdog_task = notify::watchdog_interval().map(|(addr, every)| {
+        tracing::info!("systemd watchdog: WATCHDOG=1 every {:?}", every / 2);
+        tokio::spawn(notify::watchdog(addr, every / 2))
+    });
+    let grace = plan.limits.shutdown_grace;
+    server
+        .run(async {
+            loop {
+                tokio::select! {
+                    _ = int.recv() => break,
+                    _ = term.recv() => break,
+                    _ = hup.recv() => {
+                        reload(&hooks, &control, config_path.as_deref()).await;
+                    }
+                }
+            }
+            notify::notify_or_warn(&format!(
+                "STOPPING=1\nSTATUS=asking initiators to log out (up to {grace:?})"
+            ));
+        })
+        .await;
+    if let Some(t) = control_task {
+        t.abort();
+    }
+    if let Some(t) = metrics_task {
+        t.abort();
+    }
+    if let Some(t) = watchdog_task {
+        t.abort();
+    }
+    Ok(())
+}
+
+/// Where the configuration comes from (a file or the flags), read, with the flags that
+/// override `[limits]` and the targets' session settings applied and checked.
+fn load_plan(args: &ServeArgs) -> Result<(Plan, Option<std::path::PathBuf>)> {
     let source = config::config_source(
         args.config.as_deref(),
         std::env::var_os("IRONSAN_CONFIG").as_deref(),
@@ -451,15 +541,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
     plan.limits
         .check()
         .map_err(|e| anyhow::anyhow!("[limits] or flags: {e}"))?;
-    let _ = IO_ENGINE.set(plan.limits.io_engine);
-    if let Some(c) = &plan.cluster {
-        let cfg = c.clone();
-        let node =
-            tokio::task::spawn_blocking(move || ironsan_server::cluster::ClusterNode::connect(cfg))
-                .await?
-                .map_err(anyhow::Error::msg)?;
-        let _ = CLUSTER.set(node);
-    }
+    Ok((plan, config_path))
+}
+
+/// The targets built from a plan, each target's access rules, and the banner's lines.
+type Built = (
+    Vec<TargetDef>,
+    std::collections::HashMap<String, ironsan_server::access::Access>,
+    Vec<String>,
+);
+
+/// The targets of the plan with their LUs built, their access rules, and one summary line per
+/// target and LUN for the start-up banner (never a secret).
+fn build_targets(plan: &Plan) -> Result<Built> {
     let mut targets = Vec::new();
     let mut summary = Vec::new();
     let mut access = std::collections::HashMap::new();
@@ -505,34 +599,16 @@ async fn serve(args: ServeArgs) -> Result<()> {
             scsi: Arc::new(scsi),
         });
     }
-    summary.push(format!("  discovery: {}", describe_access(&plan.discovery)));
-    let mut cfg = server_config(&plan, targets);
-    cfg.access = access;
-    let server = Server::bind(cfg).await?;
-    let control = server.control();
-    // A cluster node registers and catches up on the shared state (reservations, the other
-    // nodes) before it accepts a connection.
-    if let Some(node) = CLUSTER.get() {
-        control.set_cluster(Arc::clone(node));
-        let (joining, c) = (Arc::clone(node), Arc::new(control.clone()));
-        tokio::task::spawn_blocking(move || joining.join(c))
-            .await?
-            .map_err(anyhow::Error::msg)?;
-        summary.push(format!(
-            "  cluster node {n} (pool {}): target port group {n}",
-            plan.cluster.as_ref().map_or("", |c| c.pool.as_str()),
-            n = node.node()
-        ));
-    }
-    for t in &plan.targets {
-        for (n, l) in t.luns.iter().enumerate() {
-            control.set_lun_origin(&t.name, n as u64, Some(reconcile::lun_spec(l)));
-        }
-    }
-    let hooks = Arc::new(reconcile::BinHooks::new(plan.clone(), config_path.clone()));
-    let control_path = args.control.clone().or_else(|| plan.control.clone());
-    let control_task = start_control(control_path, control.clone(), Arc::clone(&hooks))?;
-    let metrics_task = match args.metrics.or(plan.metrics) {
+    Ok((targets, access, summary))
+}
+
+/// The metrics and status page listener, when `--metrics` or the file's `metrics` asks for it.
+async fn start_metrics(
+    args: &ServeArgs,
+    plan: &Plan,
+    control: &ironsan_server::control::Control,
+) -> Result<Option<tokio::task::JoinHandle<()>>> {
+    Ok(match args.metrics.or(plan.metrics) {
         Some(addr) => {
             let what = if args.metrics.is_some() {
                 "--metrics"
@@ -550,14 +626,16 @@ async fn serve(args: ServeArgs) -> Result<()> {
             )))
         }
         None => None,
-    };
-    let addrs = server.local_addrs();
-    let portals = server.portals();
+    })
+}
+
+/// What serve prints once it listens: the targets and LUNs, the portals, and how to connect.
+fn print_banner(summary: &[String], portals: &[ironsan_server::Portal], plan: &Plan) {
     println!("ironsan {} serving:", env!("CARGO_PKG_VERSION"));
-    for s in &summary {
+    for s in summary {
         println!("{s}");
     }
-    for p in &portals {
+    for p in portals {
         println!("  portal {} (group {})", p.addr, p.tag);
     }
     let first = plan.targets.first().and_then(|t| {
@@ -572,50 +650,6 @@ async fn serve(args: ServeArgs) -> Result<()> {
         println!("or list with libiscsi:");
         println!("  iscsi-ls -s iscsi://{a}");
     }
-    // The handlers are installed before READY=1: a SIGTERM right after it must not kill
-    // the process with the default action.
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
-    // Every portal, the control socket and the metrics listener are bound: ready.
-    notify::notify_or_warn(&format!(
-        "READY=1\nSTATUS=serving {} target(s) on {} portal(s)",
-        plan.targets.len(),
-        addrs.len()
-    ));
-    // systemd's watchdog (WatchdogSec=): a task that only pings, at half the interval.
-    let watchdog_task = notify::watchdog_interval().map(|(addr, every)| {
-        tracing::info!("systemd watchdog: WATCHDOG=1 every {:?}", every / 2);
-        tokio::spawn(notify::watchdog(addr, every / 2))
-    });
-    let grace = plan.limits.shutdown_grace;
-    server
-        .run(async {
-            loop {
-                tokio::select! {
-                    _ = int.recv() => break,
-                    _ = term.recv() => break,
-                    _ = hup.recv() => {
-                        reload(&hooks, &control, config_path.as_deref()).await;
-                    }
-                }
-            }
-            notify::notify_or_warn(&format!(
-                "STOPPING=1\nSTATUS=asking initiators to log out (up to {grace:?})"
-            ));
-        })
-        .await;
-    if let Some(t) = control_task {
-        t.abort();
-    }
-    if let Some(t) = metrics_task {
-        t.abort();
-    }
-    if let Some(t) = watchdog_task {
-        t.abort();
-    }
-    Ok(())
 }
 
 /// SIGHUP: apply the configuration file serve started with, as a diff; log what changed.
