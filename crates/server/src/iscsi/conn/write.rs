@@ -49,6 +49,28 @@ pub(super) enum WriteData {
     Placed(ironsan_scsi::PlacedWrite),
 }
 
+/// Whether a write's data may be buffered ([`Connection::write_budget`]).
+enum Budget {
+    /// Not a write with data, or one whose buffer fits the session's quota (held here).
+    Fits(Option<WriteQuota>),
+    /// Longer than the largest I/O: refused.
+    Oversize,
+    /// The session's write buffer is spent: TASK SET FULL.
+    Full,
+}
+
+/// A command's immediate data as received.
+struct Immediate {
+    len: u32,
+    /// All of a write's data, a slice of the receive buffer.
+    shared: Option<Bytes>,
+    /// Or the immediate data in the command's own buffer.
+    buf: BytesMut,
+    /// The LU to receive the rest in place on.
+    place_on: Option<Arc<ironsan_scsi::Target>>,
+    digest_ok: bool,
+}
+
 /// What an arrived command does once it may (at once, or when delivered).
 enum Start {
     Run(Bytes, DataSn),
@@ -66,21 +88,47 @@ impl Connection {
         cmd: ScsiCommand,
         t_header: Stamp,
     ) -> ConnResult {
-        let edtl = cmd.expected_data_transfer_length;
+        let Some((cdb, delivered)) = self.admit(rd, bhs, &ahs, plan, &cmd).await? else {
+            return Ok(());
+        };
+        self.session.commands.fetch_add(1, Ordering::Relaxed);
+        let budget = self.write_budget(&cmd);
+        let mut imm = self
+            .receive_immediate(rd, plan, &cmd, &budget, delivered)
+            .await?;
+        let start = self.start(bhs, &cmd, &budget, &mut imm).await;
+        let quota = match budget {
+            Budget::Fits(q) => q,
+            Budget::Oversize | Budget::Full => None,
+        };
+        self.begin(cmd, cdb, start, delivered, Slot::new(quota), imm, t_header);
+        Ok(())
+    }
+
+    /// The command's intake and its place in CmdSN order across the session's connections
+    /// (with ITT uniqueness): its CDB and whether it is delivered (`false`: held behind a gap),
+    /// or `None` when it was rejected or ignored (its data skipped).
+    async fn admit(
+        &mut self,
+        rd: &mut io::RecvBuf<tokio::net::tcp::OwnedReadHalf>,
+        bhs: &Bhs,
+        ahs: &Bytes,
+        plan: &ReceivePlan,
+        cmd: &ScsiCommand,
+    ) -> Result<Option<(Bytes, bool)>, super::ConnError> {
         let immediate_len = plan.data_len as u32;
-        let cdb = match self.intake.command(&cmd, &ahs, immediate_len) {
+        let cdb = match self.intake.command(cmd, ahs, immediate_len) {
             Ok(c) => c,
             Err(reason) => {
                 io::skip_data(rd, plan).await?;
                 self.send(vec![reject(reason, bhs)]).await;
-                return Ok(());
+                return Ok(None);
             }
         };
-        // CmdSN order and ITT uniqueness across the session's connections.
         let lun = cmd.lun.number().unwrap_or(u64::MAX);
         let (id, idle) = (self.id, Arc::clone(&self.not_polling));
         let admission = self.sess(|c| {
-            c.admit_command(id, &cmd, lun, || Running {
+            c.admit_command(id, cmd, lun, || Running {
                 abort: None,
                 polling: idle,
                 placed: None,
@@ -90,9 +138,9 @@ impl Connection {
         if matches!(admission, Admission::Deliver | Admission::Held) {
             self.session.tag_reused(cmd.itt);
         }
-        let delivered = match admission {
-            Admission::Deliver => true,
-            Admission::Held => false,
+        match admission {
+            Admission::Deliver => Ok(Some((cdb, true))),
+            Admission::Held => Ok(Some((cdb, false))),
             Admission::Ignore(why) => {
                 tracing::debug!(
                     cmd_sn = cmd.cmd_sn.0,
@@ -100,38 +148,58 @@ impl Connection {
                     "command outside the CmdSN window ignored"
                 );
                 io::skip_data(rd, plan).await?;
-                return Ok(());
+                Ok(None)
             }
             Admission::Reject(reason) => {
                 io::skip_data(rd, plan).await?;
                 self.send(vec![reject(reason, bhs)]).await;
-                return Ok(());
+                Ok(None)
             }
             // The session has ended (reinstated or reset away): the command never runs.
             Admission::Ended => {
                 io::skip_data(rd, plan).await?;
-                return Ok(());
+                Ok(None)
             }
-        };
-        self.session.commands.fetch_add(1, Ordering::Relaxed);
-        let oversize = cmd.write && edtl > self.shared.cfg.max_io_bytes;
-        // The session's write buffer quota is taken before the buffer is allocated.
-        let quota_limit = self
-            .shared
-            .cfg
+        }
+    }
+
+    /// Whether a write's data may be buffered: the session's write buffer quota is taken
+    /// before the buffer is allocated.
+    fn write_budget(&self, cmd: &ScsiCommand) -> Budget {
+        let edtl = cmd.expected_data_transfer_length;
+        if !cmd.write || edtl == 0 {
+            return Budget::Fits(None);
+        }
+        let cfg = &self.shared.cfg;
+        if edtl > cfg.max_io_bytes {
+            return Budget::Oversize;
+        }
+        let limit = cfg
             .limits
             .write_buffer_per_session
-            .max(u64::from(self.shared.cfg.max_io_bytes));
-        let quota = (cmd.write && !oversize && edtl > 0).then(|| {
-            WriteQuota::try_new(&self.session.buffered_writes, u64::from(edtl), quota_limit)
-        });
-        let over_quota = matches!(quota, Some(None));
-        let quota = quota.flatten();
-        let buffered = cmd.write && !oversize && !over_quota;
+            .max(u64::from(cfg.max_io_bytes));
+        match WriteQuota::try_new(&self.session.buffered_writes, u64::from(edtl), limit) {
+            Some(q) => Budget::Fits(Some(q)),
+            None => Budget::Full,
+        }
+    }
+
+    /// Receive the command's immediate data (or skip it when the write is refused), and for
+    /// a delivered write that may be received in place, the LU to place it on.
+    async fn receive_immediate(
+        &mut self,
+        rd: &mut io::RecvBuf<tokio::net::tcp::OwnedReadHalf>,
+        plan: &ReceivePlan,
+        cmd: &ScsiCommand,
+        budget: &Budget,
+        delivered: bool,
+    ) -> Result<Immediate, super::ConnError> {
+        let edtl = cmd.expected_data_transfer_length;
+        let immediate_len = plan.data_len as u32;
+        let buffered = cmd.write && matches!(budget, Budget::Fits(_));
         // A write whose data all came as immediate data, already received, keeps it where it
         // lies: a slice of the receive buffer, not a copy in a buffer of its own.
-        let mut shared = if buffered && immediate_len > 0 && immediate_len == edtl && cmd.final_bit
-        {
+        let shared = if buffered && immediate_len > 0 && immediate_len == edtl && cmd.final_bit {
             io::read_data_shared(rd, plan).await?
         } else {
             None
@@ -139,6 +207,7 @@ impl Connection {
         // A delivered write that may be received in place needs a buffer for its immediate
         // data only. A held one is buffered: nothing may reach the medium before it is
         // delivered.
+        let lun = cmd.lun.number().unwrap_or(u64::MAX);
         let place_on = if delivered && buffered && self.place_min.is_some_and(|m| edtl >= m) {
             self.session
                 .target
@@ -169,96 +238,136 @@ impl Connection {
         } else {
             true
         };
+        Ok(Immediate {
+            len: immediate_len,
+            shared: shared.map(|(data, _)| data),
+            buf,
+            place_on,
+            digest_ok,
+        })
+    }
+
+    /// What the command does once it may: run, fail, or wait for its Data-Out (the write's
+    /// transfer begun in the core).
+    async fn start(
+        &mut self,
+        bhs: &Bhs,
+        cmd: &ScsiCommand,
+        budget: &Budget,
+        imm: &mut Immediate,
+    ) -> Start {
+        let edtl = cmd.expected_data_transfer_length;
         let fail = Response::check_condition;
         // RFC 7143 §7.8: damaged immediate data is discarded and Rejected; the command fails
         // (its CmdSN was received), or at ErrorRecoveryLevel 1 asks for it again by R2T.
-        if !digest_ok {
+        if !imm.digest_ok {
             let r = self.digest_error(RejectReason::DATA_DIGEST_ERROR, bhs);
             self.send(vec![r]).await;
-            shared = None;
-            buf.clear();
+            imm.shared = None;
+            imm.buf.clear();
         }
-        let immediate_lost = !digest_ok
-            && self.intake.damaged_immediate(&cmd)
+        let immediate_lost = !imm.digest_ok
+            && self.intake.damaged_immediate(cmd)
                 == ironsan_proto::intake::DamagedImmediate::AskAgain;
-        let start = if !digest_ok && !immediate_lost {
-            Start::Fail(fail(SenseReason::ProtocolCrcError))
-        } else if oversize {
-            Start::Fail(fail(SenseReason::InvalidFieldInCdb { byte: 0, bit: None }))
-        } else if over_quota {
-            // SAM-5 §5.3: the session has other writes holding the buffer (a write alone
-            // always fits the quota), so TASK SET FULL; the initiator retries later.
-            tracing::debug!(
-                itt = cmd.itt.0,
-                edtl,
-                "write buffer quota exhausted: TASK SET FULL"
-            );
-            Start::Fail(Response::status_only(ironsan_scsi::Status::TASK_SET_FULL))
-        } else if !cmd.write || edtl == 0 {
-            Start::Run(Bytes::new(), DataSn(0))
-        } else {
-            let begun = self
-                .core
-                .begin_write(edtl, immediate_len, cmd.final_bit)
-                .and_then(|mut t| {
-                    if immediate_lost {
-                        t.lost_immediate(immediate_len)?;
-                        self.count_recovery(crate::counters::Recovery::R2t);
-                    }
-                    Ok(t)
-                });
-            match begun {
-                Err(DataOutError::TooManyRecoveries | DataOutError::NoRecovery) => {
-                    Start::Fail(fail(SenseReason::ProtocolCrcError))
-                }
-                Err(_) => {
-                    self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
-                        .await;
-                    Start::Fail(fail(SenseReason::DataPhaseError))
-                }
-                Ok(t) if t.is_complete() => {
-                    let data = match shared.take() {
-                        Some((data, _)) => data,
-                        None => {
-                            buf.resize(edtl as usize, 0);
-                            std::mem::take(&mut buf).freeze()
-                        }
-                    };
-                    Start::Run(data, t.r2t_count())
-                }
-                Ok(t) => Start::AwaitData(t),
+        if !imm.digest_ok && !immediate_lost {
+            return Start::Fail(fail(SenseReason::ProtocolCrcError));
+        }
+        match budget {
+            Budget::Oversize => {
+                return Start::Fail(fail(SenseReason::InvalidFieldInCdb { byte: 0, bit: None }))
             }
-        };
-        let mut slot = Slot::new(quota);
-        let itt = cmd.itt;
+            Budget::Full => {
+                // SAM-5 §5.3: the session has other writes holding the buffer (a write alone
+                // always fits the quota), so TASK SET FULL; the initiator retries later.
+                tracing::debug!(
+                    itt = cmd.itt.0,
+                    edtl,
+                    "write buffer quota exhausted: TASK SET FULL"
+                );
+                return Start::Fail(Response::status_only(ironsan_scsi::Status::TASK_SET_FULL));
+            }
+            Budget::Fits(_) => {}
+        }
+        if !cmd.write || edtl == 0 {
+            return Start::Run(Bytes::new(), DataSn(0));
+        }
+        let begun = self
+            .core
+            .begin_write(edtl, imm.len, cmd.final_bit)
+            .and_then(|mut t| {
+                if immediate_lost {
+                    t.lost_immediate(imm.len)?;
+                    self.count_recovery(crate::counters::Recovery::R2t);
+                }
+                Ok(t)
+            });
+        match begun {
+            Err(DataOutError::TooManyRecoveries | DataOutError::NoRecovery) => {
+                Start::Fail(fail(SenseReason::ProtocolCrcError))
+            }
+            Err(_) => {
+                self.send(vec![reject(RejectReason::PROTOCOL_ERROR, bhs)])
+                    .await;
+                Start::Fail(fail(SenseReason::DataPhaseError))
+            }
+            Ok(t) if t.is_complete() => {
+                let data = match imm.shared.take() {
+                    Some(data) => data,
+                    None => {
+                        imm.buf.resize(edtl as usize, 0);
+                        std::mem::take(&mut imm.buf).freeze()
+                    }
+                };
+                Start::Run(data, t.r2t_count())
+            }
+            Ok(t) => Start::AwaitData(t),
+        }
+    }
+
+    /// Act on the start: run or fail now if delivered, park the work if held, or keep the
+    /// write in the core until its Data-Out is in.
+    #[allow(clippy::too_many_arguments)]
+    fn begin(
+        &mut self,
+        cmd: ScsiCommand,
+        cdb: Bytes,
+        start: Start,
+        delivered: bool,
+        mut slot: Slot,
+        imm: Immediate,
+        t_header: Stamp,
+    ) {
+        let edtl = cmd.expected_data_transfer_length;
         match start {
             Start::Run(data, exp_data_sn) if delivered => {
                 self.run_buffered(cmd, cdb, data, exp_data_sn, slot, t_header);
             }
-            Start::Run(data, exp_data_sn) => {
-                self.park(Held::Run {
-                    cmd,
-                    cdb,
-                    data,
-                    exp_data_sn,
-                    slot,
-                    t_header,
-                });
-            }
+            Start::Run(data, exp_data_sn) => self.park(Held::Run {
+                cmd,
+                cdb,
+                data,
+                exp_data_sn,
+                slot,
+                t_header,
+            }),
             Start::Fail(resp) if delivered => {
                 slot.deliver(&self.stats, &cmd);
                 self.finish_waiting(cmd, resp, DataSn(0), slot);
             }
-            Start::Fail(resp) => {
-                self.park(Held::Fail {
-                    cmd,
-                    resp,
-                    exp_data_sn: DataSn(0),
-                    slot,
-                });
-            }
+            Start::Fail(resp) => self.park(Held::Fail {
+                cmd,
+                resp,
+                exp_data_sn: DataSn(0),
+                slot,
+            }),
             Start::AwaitData(transfer) => {
-                if let Some((data, _)) = shared {
+                let Immediate {
+                    shared,
+                    mut buf,
+                    place_on,
+                    ..
+                } = imm;
+                if let Some(data) = shared {
                     buf.extend_from_slice(&data);
                 }
                 let placed = place_on.and_then(|scsi| self.place(&scsi, &cmd, &cdb, &buf));
@@ -270,6 +379,7 @@ impl Connection {
                 if delivered {
                     slot.deliver(&self.stats, &cmd);
                 }
+                let (itt, lun) = (cmd.itt, cmd.lun);
                 let pw = PendingWrite {
                     cmd,
                     cdb,
@@ -279,11 +389,9 @@ impl Connection {
                     slot,
                     t_header,
                 };
-                let lun = pw.cmd.lun;
                 self.core.insert_write(itt, lun, transfer, delivered, pw);
             }
         }
-        Ok(())
     }
 
     /// Begin a delivered write in place ([`crate::ServerConfig::zero_copy_writes`]): the SCSI
