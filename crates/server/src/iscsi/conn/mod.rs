@@ -308,76 +308,20 @@ pub(crate) async fn run(
     };
     shared.stats.logins.fetch_add(1, Ordering::Relaxed);
     tracing::info!(%peer, initiator = %session.initiator_name, target = session.target.as_ref().map(|t| t.name.as_str()).unwrap_or("(discovery)"), tsih = session.tsih.0, cid, "login");
-    let last_rx = Arc::new(AtomicU64::new(0));
-    let fd = {
-        use std::os::fd::AsRawFd;
-        rd.get_ref().as_ref().as_raw_fd()
-    };
-    let pacer = Arc::new(
-        session
-            .shares
-            .join(Arc::clone(&conn_stats), Arc::clone(&direct_writer.stats)),
-    );
-    let _ = direct_writer.pacer.set(Arc::clone(&pacer));
-    let recovery = session.params.error_recovery_level > 0;
-    if recovery {
-        // Kept PDUs are bounded by the connection's transmit budget (and a count of
-        // statuses): an initiator that never acknowledges cannot grow them.
-        let limit =
-            usize::try_from(shared.cfg.limits.tx_buffer_per_connection).unwrap_or(usize::MAX);
-        let _ = direct_writer
-            .retained
-            .set(Arc::new(std::sync::Mutex::new(writer::Retained::new(
-                limit,
-            ))));
-    }
-    let mut conn = Connection {
-        pacer,
-        shared: Arc::clone(&shared),
-        session: Arc::clone(&session),
-        id,
-        signals: Arc::clone(&signals),
-        tx,
+    let mut conn = Connection::new(
+        &shared,
+        session,
         params,
         cid,
-        local,
-        peer,
-        core: ConnCore::new(
-            write::write_params(&session, &params),
-            params.max_xmit_data_segment_length,
-            shared.cfg.limits.max_r2ts_per_connection,
-        ),
-        events: false,
-        tx_budget: Arc::new(Semaphore::new(tx_budget_bytes(&shared))),
-        tasks: tokio::task::JoinSet::new(),
-        last_rx: Arc::clone(&last_rx),
-        epoch: Stamp::now(),
-        stats: conn_stats,
-        lun_metrics: IntMap::default(),
-        out: Vec::new(),
-        out_bytes: 0,
-        writer: direct_writer,
-        polling: Arc::new(AtomicBool::new(false)),
-        not_polling: Arc::new(AtomicBool::new(false)),
-        // At ErrorRecoveryLevel 1 data may be asked for again: writes go through a buffer
-        // (a damaged segment must not reach the medium) and reads through memory (a SNACK
-        // resends what was sent, not what the file holds by then).
-        place_min: write::place_min(shared.cfg.limits.zero_copy_writes, &params)
-            .filter(|_| !recovery),
-        in_place: exec::in_place_reads(shared.cfg.limits.zero_copy_reads, &params, fd)
-            .filter(|_| !recovery),
-        recovery,
-        intake: Intake::new(IntakeParams {
-            cid: Cid(cid),
-            error_recovery_level: session.params.error_recovery_level,
-            discovery: session.target.is_none(),
-        }),
-        probe: shared
-            .cluster
-            .get()
-            .filter(|_| session.target.is_some())
-            .map(|c| Probing::new(c.heartbeat())),
-    };
+        id,
+        conn_stats,
+        Arc::clone(&signals),
+        tx,
+        direct_writer,
+        (local, peer),
+        &rd,
+    );
+    let (session, last_rx) = (Arc::clone(&conn.session), Arc::clone(&conn.last_rx));
     let keepalive = tokio::spawn(keepalive::run(
         conn.tx.clone(),
         Arc::clone(&last_rx),
@@ -394,69 +338,175 @@ pub(crate) async fn run(
         Ok(()) => ConnError::Logout,
         Err(e) => e,
     };
-    let failed = reason.failed();
-    if reason.routine() {
-        tracing::info!(%peer, initiator = %session.initiator_name, tsih = session.tsih.0, cid, "connection closed: {reason}");
-    } else {
-        tracing::warn!(%peer, initiator = %session.initiator_name, tsih = session.tsih.0, cid, "connection closed: {reason}");
-    }
     keepalive.abort();
-    // At ErrorRecoveryLevel 2 a failed connection's tasks wait for a TASK REASSIGN
-    // (`reassign`): its commands keep running, its writes waiting for data are kept with
-    // their data, its writer's record of what it sent is kept.
-    let recover = failed && session.recovers() && !*shared.shutdown.borrow();
-    if recover {
-        // Its writer lives on in the session: the fairness control must not wait for it.
-        conn.pacer.retire();
-        let writes = conn.core.take_where(|w| w.is_delivered());
-        let kept = conn.writer.retained.get().cloned();
-        session.orphans(|o| o.keep(id, Cid(cid), kept, writes));
-        conn.tasks.detach_all();
-        shared
-            .stats
-            .recovered(crate::counters::Recovery::ConnectionKept);
-    } else {
-        conn.tasks.abort_all();
-    }
-    // Writes waiting for data (the rest of them) go with the connection; its held commands
-    // and PDUs go with it in the session's core.
-    let _ = conn.core.take_where(|_| true);
-    if session.leave(id, failed) {
-        // The session ends with its last connection, and below ErrorRecoveryLevel 2 with any
-        // that failed (session recovery); no login can join it from now on.
-        shared
-            .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .ended(&session);
-    }
-    // Told after it has left the session: whoever waited for it (a reinstating login, a
-    // logout for recovery) then finds it gone from the core (a TASK REASSIGN right after the
-    // logout's answer moves its tasks instead of finding them still allegiant).
-    signals.mark_stopped();
-    if matches!(
-        reason,
-        ConnError::Logout | ConnError::Recovery { by_logout: true }
-    ) {
-        // RFC 7143 §11.15: after a Logout Response both ends close. Initiators close first
-        // once they have read it; one that notices our close before it reads the response
-        // (iscsi-client-rs does) fails the logout, so its close is waited for, briefly.
-        let _ = tokio::time::timeout(LOGOUT_LINGER, until_eof(&mut rd)).await;
-    }
-    let _ = conn.tx.send(Out::Close).await;
-    drop(conn);
-    let unsent = writer.await;
-    if recover {
-        for out in unsent {
-            session.park(id, out);
+    conn.close(&mut rd, reason, writer).await;
+}
+
+impl Connection {
+    /// A logged-in connection entering full feature phase: its fairness share, the writer's
+    /// record of what it sent (at ErrorRecoveryLevel ≥ 1), and its per-connection state.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        shared: &Arc<Shared>,
+        session: Arc<Session>,
+        params: ConnParams,
+        cid: u16,
+        id: ConnId,
+        conn_stats: Arc<ConnStats>,
+        signals: Arc<ConnSignals>,
+        tx: writer::Queue,
+        direct_writer: Arc<writer::Writer>,
+        (local, peer): (SocketAddr, SocketAddr),
+        rd: &io::RecvBuf<OwnedReadHalf>,
+    ) -> Connection {
+        let last_rx = Arc::new(AtomicU64::new(0));
+        let fd = {
+            use std::os::fd::AsRawFd;
+            rd.get_ref().as_ref().as_raw_fd()
+        };
+        let pacer = Arc::new(
+            session
+                .shares
+                .join(Arc::clone(&conn_stats), Arc::clone(&direct_writer.stats)),
+        );
+        let _ = direct_writer.pacer.set(Arc::clone(&pacer));
+        let recovery = session.params.error_recovery_level > 0;
+        if recovery {
+            // Kept PDUs are bounded by the connection's transmit budget (and a count of
+            // statuses): an initiator that never acknowledges cannot grow them.
+            let limit =
+                usize::try_from(shared.cfg.limits.tx_buffer_per_connection).unwrap_or(usize::MAX);
+            let _ =
+                direct_writer
+                    .retained
+                    .set(Arc::new(std::sync::Mutex::new(writer::Retained::new(
+                        limit,
+                    ))));
         }
-        session.writer_stopped(id);
-        tokio::spawn(reassign::expire_later(
-            Arc::clone(&session),
-            Arc::clone(&shared),
-        ));
-    } else {
-        session.orphans(|o| o.forget(&[id]));
+        Connection {
+            pacer,
+            shared: Arc::clone(shared),
+            session: Arc::clone(&session),
+            id,
+            signals,
+            tx,
+            params,
+            cid,
+            local,
+            peer,
+            core: ConnCore::new(
+                write::write_params(&session, &params),
+                params.max_xmit_data_segment_length,
+                shared.cfg.limits.max_r2ts_per_connection,
+            ),
+            events: false,
+            tx_budget: Arc::new(Semaphore::new(tx_budget_bytes(shared))),
+            tasks: tokio::task::JoinSet::new(),
+            last_rx,
+            epoch: Stamp::now(),
+            stats: conn_stats,
+            lun_metrics: IntMap::default(),
+            out: Vec::new(),
+            out_bytes: 0,
+            writer: direct_writer,
+            polling: Arc::new(AtomicBool::new(false)),
+            not_polling: Arc::new(AtomicBool::new(false)),
+            // At ErrorRecoveryLevel 1 data may be asked for again: writes go through a buffer
+            // (a damaged segment must not reach the medium) and reads through memory (a SNACK
+            // resends what was sent, not what the file holds by then).
+            place_min: write::place_min(shared.cfg.limits.zero_copy_writes, &params)
+                .filter(|_| !recovery),
+            in_place: exec::in_place_reads(shared.cfg.limits.zero_copy_reads, &params, fd)
+                .filter(|_| !recovery),
+            recovery,
+            intake: Intake::new(IntakeParams {
+                cid: Cid(cid),
+                error_recovery_level: session.params.error_recovery_level,
+                discovery: session.target.is_none(),
+            }),
+            probe: shared
+                .cluster
+                .get()
+                .filter(|_| session.target.is_some())
+                .map(|c| Probing::new(c.heartbeat())),
+        }
+    }
+
+    /// The connection has ended for `reason`: at ErrorRecoveryLevel 2 a failed connection's
+    /// tasks wait for a TASK REASSIGN (its commands keep running, its writes waiting for data
+    /// are kept with their data, its writer's record of what it sent is kept); otherwise its
+    /// tasks are aborted. It leaves the session, then the writer is stopped.
+    async fn close(
+        mut self,
+        rd: &mut io::RecvBuf<OwnedReadHalf>,
+        reason: ConnError,
+        writer: WriterHandle,
+    ) {
+        let (session, shared) = (Arc::clone(&self.session), Arc::clone(&self.shared));
+        let (id, cid, peer, signals) = (self.id, self.cid, self.peer, Arc::clone(&self.signals));
+        let failed = reason.failed();
+        if reason.routine() {
+            tracing::info!(%peer, initiator = %session.initiator_name, tsih = session.tsih.0, cid, "connection closed: {reason}");
+        } else {
+            tracing::warn!(%peer, initiator = %session.initiator_name, tsih = session.tsih.0, cid, "connection closed: {reason}");
+        }
+        // At ErrorRecoveryLevel 2 a failed connection's tasks wait for a TASK REASSIGN
+        // (`reassign`): its commands keep running, its writes waiting for data are kept with
+        // their data, its writer's record of what it sent is kept.
+        let recover = failed && session.recovers() && !*shared.shutdown.borrow();
+        if recover {
+            // Its writer lives on in the session: the fairness control must not wait for it.
+            self.pacer.retire();
+            let writes = self.core.take_where(|w| w.is_delivered());
+            let kept = self.writer.retained.get().cloned();
+            session.orphans(|o| o.keep(id, Cid(cid), kept, writes));
+            self.tasks.detach_all();
+            shared
+                .stats
+                .recovered(crate::counters::Recovery::ConnectionKept);
+        } else {
+            self.tasks.abort_all();
+        }
+        // Writes waiting for data (the rest of them) go with the connection; its held commands
+        // and PDUs go with it in the session's core.
+        let _ = self.core.take_where(|_| true);
+        if session.leave(id, failed) {
+            // The session ends with its last connection, and below ErrorRecoveryLevel 2 with any
+            // that failed (session recovery); no login can join it from now on.
+            shared
+                .sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .ended(&session);
+        }
+        // Told after it has left the session: whoever waited for it (a reinstating login, a
+        // logout for recovery) then finds it gone from the core (a TASK REASSIGN right after the
+        // logout's answer moves its tasks instead of finding them still allegiant).
+        signals.mark_stopped();
+        if matches!(
+            reason,
+            ConnError::Logout | ConnError::Recovery { by_logout: true }
+        ) {
+            // RFC 7143 §11.15: after a Logout Response both ends close. Initiators close first
+            // once they have read it; one that notices our close before it reads the response
+            // (iscsi-client-rs does) fails the logout, so its close is waited for, briefly.
+            let _ = tokio::time::timeout(LOGOUT_LINGER, until_eof(rd)).await;
+        }
+        let _ = self.tx.send(Out::Close).await;
+        drop(self);
+        let unsent = writer.await;
+        if recover {
+            for out in unsent {
+                session.park(id, out);
+            }
+            session.writer_stopped(id);
+            tokio::spawn(reassign::expire_later(
+                Arc::clone(&session),
+                Arc::clone(&shared),
+            ));
+        } else {
+            session.orphans(|o| o.forget(&[id]));
+        }
     }
 }
 
