@@ -148,16 +148,7 @@ impl Connection {
         let itt = cmd.itt;
         // The LUN map as of this command: a LUN removed meanwhile still finishes this command.
         let scsi = target.scsi();
-        // Latency counters only for LUNs that exist (an initiator cannot make entries).
-        let metrics = match self.lun_metrics.get(&lun) {
-            Some(m) => Some(Arc::clone(m)),
-            None if scsi.lun(lun).is_some() => {
-                let m = target.lun_metrics(lun);
-                self.lun_metrics.insert(lun, Arc::clone(&m));
-                Some(m)
-            }
-            None => None,
-        };
+        let metrics = self.metrics_of(&target, &scsi, lun);
         let class = Class::of(cmd.read, cmd.write);
         let (data_out, placed) = match data_out {
             WriteData::Buffer(b) => (b, None),
@@ -187,15 +178,7 @@ impl Connection {
         // included): a flag left set would make the LU's reads and writes wait for an aborted
         // task forever.
         let _polling = PollingFlag::set(&self.polling);
-        let polling = Arc::clone(&self.polling);
-        let claimed = self.sess(|c| match c.claim(itt) {
-            Some(r) => {
-                r.polling = polling;
-                true
-            }
-            None => false,
-        });
-        if !claimed {
+        if !self.claim(itt) {
             // The session has ended (reinstated or reset away), or a task management function
             // aborted the command before it ran: it never runs.
             return;
@@ -282,9 +265,53 @@ impl Connection {
                 })
             }
         };
-        // Most commands (RAM, the page-cache fast path of file LUNs, errors) complete the
-        // first time they are polled: run them here, with no task, no wake-up and no queue
-        // hop, and keep the response for the writer's next batch. The rest become tasks.
+        self.run_inline(body, itt, lun);
+        // Out of the inline poll (completed, or a task that an abort now knows about): the
+        // flag clears as `_polling` drops.
+    }
+
+    /// The latency counters of `lun`, only for LUNs that exist (an initiator cannot make
+    /// entries); cached per connection.
+    fn metrics_of(
+        &mut self,
+        target: &crate::LiveTarget,
+        scsi: &ironsan_scsi::Target,
+        lun: u64,
+    ) -> Option<Arc<crate::metrics::LunMetrics>> {
+        match self.lun_metrics.get(&lun) {
+            Some(m) => Some(Arc::clone(m)),
+            None if scsi.lun(lun).is_some() => {
+                let m = target.lun_metrics(lun);
+                self.lun_metrics.insert(lun, Arc::clone(&m));
+                Some(m)
+            }
+            None => None,
+        }
+    }
+
+    /// Claim the delivered task `itt` to run it, telling an abort from another thread that
+    /// this reader polls it inline; `false`: it was aborted or the session ended.
+    fn claim(&mut self, itt: Itt) -> bool {
+        let polling = Arc::clone(&self.polling);
+        self.sess(|c| match c.claim(itt) {
+            Some(r) => {
+                r.polling = polling;
+                true
+            }
+            None => false,
+        })
+    }
+
+    /// Most commands (RAM, the page-cache fast path of file LUNs, errors) complete the first
+    /// time they are polled: run them here, with no task, no wake-up and no queue hop, and
+    /// keep the response for the writer's next batch. The rest become tasks, whose abort
+    /// handle goes into the task's entry.
+    fn run_inline(
+        &mut self,
+        body: impl Future<Output = Option<Out>> + Send + 'static,
+        itt: Itt,
+        lun: u64,
+    ) {
         let mut body = Box::pin(body);
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         match body.as_mut().poll(&mut cx) {
@@ -320,8 +347,6 @@ impl Connection {
                 }
             }
         }
-        // Out of the inline poll (completed, or a task that an abort now knows about): the
-        // flag clears as `_polling` drops.
     }
 
     /// On a cluster node, a command that changes a shared medium read while the connection
